@@ -1,0 +1,4 @@
+"""``python -m dualframe``: the command line."""
+from dualframe.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,30 @@
+"""The ``dualframe`` command line: subcommands dispatch to the modules that own them."""
+from __future__ import annotations
+
+import argparse
+from typing import List, Optional
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser with every subcommand."""
+    parser = argparse.ArgumentParser(prog="dualframe", description="Data, model and pipeline parallelism for torch and Keras 3.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    doctor = sub.add_parser("doctor", help="check the installation, the Horovod build and the launcher environment")
+    doctor.add_argument("--json", action="store_true", help="print the report as JSON")
+    doctor.add_argument("--require", action="append", default=[], choices=("torch", "tensorflow"),
+                        help="fail unless this framework works with Horovod (repeatable)")
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Entry point of the ``dualframe`` console script."""
+    args = build_parser().parse_args(argv)
+    if args.command == "doctor":
+        from dualframe import doctor
+
+        return doctor.main(as_json=args.json, required=args.require)
+    raise AssertionError(f"unhandled command {args.command}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,37 @@
+"""The error types dualframe raises; each subclasses the built-in exception a caller would expect."""
+
+
+class DualframeError(Exception):
+    """Base class of every error dualframe raises on purpose."""
+
+
+class NotInitializedError(DualframeError, RuntimeError):
+    """A distributed call was made before ``init()``."""
+
+
+class TopologyError(DualframeError, ValueError):
+    """Launcher variables (HOROVOD_*, OMPI_*, PMI_*, SLURM_*) are malformed or inconsistent."""
+
+
+class StrategyError(DualframeError, ValueError):
+    """A strategy argument breaks a rule (an unknown op, a count below one, ...)."""
+
+
+class BalanceError(StrategyError):
+    """A ``balance`` does not describe a valid split of the model's layers."""
+
+
+class DeviceError(StrategyError):
+    """A ``devices`` list does not match the partitions or names an unknown device."""
+
+
+class ChunksError(StrategyError):
+    """``chunks`` is invalid for the batch it must cut into micro-batches."""
+
+
+class ScheduleError(StrategyError):
+    """A pipeline schedule is unknown or inconsistent."""
+
+
+class MissingDependencyError(DualframeError, ImportError):
+    """A framework or Horovod is not importable; the message says how to install it."""

@@ -1,0 +1,39 @@
+"""PyTorch adapter: Horovod's torch API plus dualframe's strategies (``import dualframe.torch as hvd``)."""
+from dualframe.torch.collectives import (
+    OPS,
+    TorchBatchOps,
+    TorchCaster,
+    TorchCollectives,
+    collectives,
+    hvd as _hvd,
+)
+
+Average = _hvd.Average
+Sum = _hvd.Sum
+Adasum = _hvd.Adasum
+Min = _hvd.Min
+Max = _hvd.Max
+Product = _hvd.Product
+
+init = collectives.init
+is_initialized = collectives.is_initialized
+rank = collectives.rank
+size = collectives.size
+shutdown = _hvd.shutdown
+
+
+def allreduce(tensor, average=None, name=None, compression=None, op=None, prescale_factor=1.0,
+              postscale_factor=1.0, process_set=None):
+    """Horovod's ``allreduce``; see horovod.torch.allreduce."""
+    kwargs = {} if process_set is None else {"process_set": process_set}
+    if compression is not None:
+        kwargs["compression"] = compression
+    return _hvd.allreduce(tensor, average=average, name=name, op=op, prescale_factor=prescale_factor,
+                          postscale_factor=postscale_factor, **kwargs)
+
+
+__all__ = [
+    "OPS", "TorchBatchOps", "TorchCaster", "TorchCollectives", "collectives",
+    "Average", "Sum", "Adasum", "Min", "Max", "Product",
+    "init", "is_initialized", "rank", "size", "shutdown", "allreduce",
+]

@@ -1,0 +1,23 @@
+"""Foundation check under a launcher: dualframe.tensorflow starts Horovod and reduces tensors across ranks."""
+import numpy as np
+import tensorflow as tf
+
+import dualframe.tensorflow as hvd
+from dualframe.topology import detect
+
+
+def test_topology_matches_horovod():
+    topo = detect()
+    hvd.init()
+    assert (hvd.rank(), hvd.size()) == (topo.rank, topo.size)
+    assert topo.size == 2
+
+
+def test_allreduce_sum_and_average():
+    hvd.init()
+    value = tf.constant([float(hvd.rank() + 1), 10.0])
+    total = hvd.allreduce(value, op=hvd.Sum, name="foundation.sum")
+    expected = sum(range(1, hvd.size() + 1))
+    np.testing.assert_array_equal(total.numpy(), [expected, 10.0 * hvd.size()])
+    mean = hvd.collectives.allreduce(value, op="average", name="foundation.avg")
+    np.testing.assert_allclose(mean.numpy(), [expected / hvd.size(), 10.0])

@@ -1,0 +1,61 @@
+"""Runs every multi-process test file (tests/parallel/mp_*.py) under horovodrun --gloo and under mpirun.
+
+Each worker file is a pytest module that every rank runs in full; this outer test (one process, no
+framework loaded) starts it with one launcher call, bounded by a timeout, and checks the exit status.
+A worker file may say ``# np: 4`` and ``# timeout: 400`` in its first lines.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from dualframe.launch import find_executable, horovodrun_command, mpirun_command, thread_env
+
+HERE = pathlib.Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+WORKERS = sorted(HERE.glob("mp_*.py"))
+LAUNCHERS = ("horovodrun", "mpirun")
+
+
+def _header(path: pathlib.Path, key: str, default: int) -> int:
+    match = re.search(rf"^# {key}: (\d+)$", path.read_text()[:2000], re.MULTILINE)
+    return int(match.group(1)) if match else default
+
+
+def _command(launcher: str, np: int, program: list) -> list:
+    bindir = pathlib.Path(sys.executable).parent
+    if launcher == "horovodrun":
+        return horovodrun_command(np, program, horovodrun=str(bindir / "horovodrun"))
+    return mpirun_command(np, program, oversubscribe=True,
+                          export=("PATH", "PYTHONPATH", "PYTHONUNBUFFERED", "DUALFRAME_TEST_LAUNCHER",
+                                  "TF_CPP_MIN_LOG_LEVEL", *thread_env(1)))
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+@pytest.mark.parametrize("worker", WORKERS, ids=[w.stem for w in WORKERS])
+def test_worker_file(worker: pathlib.Path, launcher: str) -> None:
+    if find_executable(launcher, {"PATH": f"{pathlib.Path(sys.executable).parent}:{os.environ['PATH']}"}) is None:
+        pytest.fail(f"{launcher} is not installed: run `bash scripts/bootstrap.sh`")
+    np = _header(worker, "np", 2)
+    timeout = _header(worker, "timeout", 300)
+    program = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+               f"--timeout={timeout}", "--rootdir", str(ROOT), str(worker)]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", DUALFRAME_TEST_LAUNCHER=launcher, TF_CPP_MIN_LOG_LEVEL="2",
+               PATH=f"{pathlib.Path(sys.executable).parent}:{os.environ['PATH']}",
+               PYTHONPATH=str(ROOT), **thread_env(np, cores=np))
+    process = subprocess.Popen(_command(launcher, np, program), cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout + 60)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"{launcher} -np {np} {worker.name} hung past {timeout + 60}s:\n{output[-6000:]}")
+    assert process.returncode == 0, f"{launcher} -np {np} {worker.name} exited {process.returncode}:\n{output[-8000:]}"
+    assert re.search(r"\d+ passed", output), f"no test passed in {worker.name}:\n{output[-4000:]}"
