@@ -2,7 +2,8 @@
 
 Each worker file is a pytest module that every rank runs in full; this outer test (one process, no
 framework loaded) starts it with one launcher call, bounded by a timeout, and checks the exit status.
-A worker file may say ``# np: 4`` and ``# timeout: 400`` in its first lines.
+A worker file may say ``# np: 4``, ``# timeout: 400`` and ``# launchers: horovodrun`` (only that one)
+in its first lines.
 """
 from __future__ import annotations
 
@@ -28,6 +29,14 @@ def _header(path: pathlib.Path, key: str, default: int) -> int:
     return int(match.group(1)) if match else default
 
 
+def _launchers(path: pathlib.Path) -> tuple:
+    match = re.search(r"^# launchers: ([\w ,]+)$", path.read_text()[:2000], re.MULTILINE)
+    return tuple(match.group(1).replace(",", " ").split()) if match else LAUNCHERS
+
+
+CASES = [(w, launcher) for w in WORKERS for launcher in _launchers(w)]
+
+
 def _command(launcher: str, np: int, program: list) -> list:
     bindir = pathlib.Path(sys.executable).parent
     if launcher == "horovodrun":
@@ -37,8 +46,7 @@ def _command(launcher: str, np: int, program: list) -> list:
                                   "TF_CPP_MIN_LOG_LEVEL", *thread_env(1)))
 
 
-@pytest.mark.parametrize("launcher", LAUNCHERS)
-@pytest.mark.parametrize("worker", WORKERS, ids=[w.stem for w in WORKERS])
+@pytest.mark.parametrize("worker, launcher", CASES, ids=[f"{w.stem}-{launcher}" for w, launcher in CASES])
 def test_worker_file(worker: pathlib.Path, launcher: str) -> None:
     if find_executable(launcher, {"PATH": f"{pathlib.Path(sys.executable).parent}:{os.environ['PATH']}"}) is None:
         pytest.fail(f"{launcher} is not installed: run `bash scripts/bootstrap.sh`")
