@@ -35,3 +35,11 @@ class ScheduleError(StrategyError):
 
 class MissingDependencyError(DualframeError, ImportError):
     """A framework or Horovod is not importable; the message says how to install it."""
+
+
+class StageError(DualframeError, RuntimeError):
+    """A pipeline stage raised on one micro-batch; the message shows the schedule with that cell marked."""
+
+    def __init__(self, message: str, micro_batch: int = -1, stage: int = -1, tick: int = -1) -> None:
+        super().__init__(message)
+        self.micro_batch, self.stage, self.tick = micro_batch, stage, tick

@@ -1,0 +1,213 @@
+"""Pipeline timelines: forward/backward events per (micro-batch, stage), Chrome trace, PNG Gantt, bubble.
+
+An event is one cell of the schedule run on one device: kind ``"F"`` (forward) or ``"B"`` (backward),
+micro-batch ``i``, stage ``j``, device name, start and end in seconds (``time.perf_counter``).
+
+Trace format (what ``write_chrome_trace`` writes and ``read_chrome_trace``/``render_png`` read), the
+Chrome trace-event JSON that ``chrome://tracing`` and https://ui.perfetto.dev open::
+
+    {"traceEvents": [
+        {"name": "F3", "cat": "forward", "ph": "X", "pid": 0, "tid": 1,
+         "ts": 1520.0, "dur": 830.5,                        # microseconds from the first event
+         "args": {"kind": "F", "micro_batch": 3, "stage": 1, "device": "cuda:1"}},
+        {"name": "thread_name", "ph": "M", "pid": 0, "tid": 1, "args": {"name": "stage 1 (cuda:1)"}},
+        ...],
+     "displayTimeUnit": "ms",
+     "otherData": {"dualframe": {"chunks": 4, "stages": 2}}}
+
+One row (``tid``) per stage. Only ``"ph": "X"`` events with ``args.kind`` are read back.
+
+Bubble fraction: with ``span`` the time from the first start to the last end and ``busy_j`` the
+summed event time of stage ``j``, ``bubble = 1 - sum(busy_j) / (n * span)``; for GPipe with equal
+cells the theory is ``(n - 1) / (m + n - 1)``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any, Dict, List, Sequence, Union
+
+from dualframe.errors import StrategyError
+
+KIND_NAMES = {"F": "forward", "B": "backward"}
+
+
+@dataclass(frozen=True)
+class Event:
+    """One cell run: stage ``stage`` on micro-batch ``micro_batch``, forward ``"F"`` or backward ``"B"``."""
+
+    kind: str
+    micro_batch: int
+    stage: int
+    device: str
+    start: float
+    end: float
+
+    @property
+    def duration(self) -> float:
+        """Seconds the cell took."""
+        return self.end - self.start
+
+
+class Timeline:
+    """A thread-safe recorder of events, filled by a pipeline step and read afterwards.
+
+    Example:
+        >>> timeline = Timeline()
+        >>> timeline.record("F", 0, 0, "cpu", 0.0, 1.0)
+        >>> timeline.record("F", 0, 1, "cpu", 1.0, 2.0)
+        >>> bubble_fraction(timeline.events)
+        0.5
+    """
+
+    def __init__(self) -> None:
+        self._events: List[Event] = []
+        self._lock = threading.Lock()
+
+    def record(self, kind: str, micro_batch: int, stage: int, device: str, start: float, end: float) -> None:
+        """Add one event (called from the stage threads)."""
+        with self._lock:
+            self._events.append(Event(kind, micro_batch, stage, device, start, end))
+
+    @property
+    def events(self) -> List[Event]:
+        """The events so far, by start time."""
+        with self._lock:
+            return sorted(self._events, key=lambda e: (e.start, e.stage))
+
+    def clear(self) -> None:
+        """Forget every event."""
+        with self._lock:
+            self._events.clear()
+
+    def summary(self) -> str:
+        """One-paragraph text summary (see ``summary``)."""
+        return summary(self.events)
+
+
+def _check(events: Sequence[Event]) -> None:
+    if not events:
+        raise StrategyError("the timeline has no events; record a pipeline step first")
+
+
+def shape(events: Sequence[Event]) -> "tuple[int, int]":
+    """(micro-batches m, stages n) seen in the events."""
+    _check(events)
+    return max(e.micro_batch for e in events) + 1, max(e.stage for e in events) + 1
+
+
+def bubble_fraction(events: Sequence[Event]) -> float:
+    """Measured idle fraction of the stages over the events' span (0 = always busy)."""
+    _check(events)
+    _, n = shape(events)
+    span = max(e.end for e in events) - min(e.start for e in events)
+    if span <= 0:
+        return 0.0
+    busy = sum(e.duration for e in events)
+    return max(0.0, 1.0 - busy / (n * span))
+
+
+def theoretical_bubble(chunks: int, stages: int) -> float:
+    """GPipe's idle fraction (n - 1) / (m + n - 1) for equal cells."""
+    return (stages - 1) / (chunks + stages - 1)
+
+
+def summary(events: Sequence[Event]) -> str:
+    """Per stage busy time and the measured bubble beside the theoretical one."""
+    _check(events)
+    m, n = shape(events)
+    start = min(e.start for e in events)
+    span = max(e.end for e in events) - start
+    lines = [f"timeline: {len(events)} events, {m} micro-batches x {n} stages, span {span * 1e3:.2f} ms"]
+    for j in range(n):
+        mine = [e for e in events if e.stage == j]
+        device = mine[0].device if mine else "?"
+        forward = sum(e.duration for e in mine if e.kind == "F")
+        backward = sum(e.duration for e in mine if e.kind == "B")
+        lines.append(f"  stage {j} on {device}: forward {forward * 1e3:.2f} ms, backward {backward * 1e3:.2f} ms")
+    lines.append(f"  bubble: measured {bubble_fraction(events):.3f}, theoretical (n-1)/(m+n-1) = "
+                 f"{theoretical_bubble(m, n):.3f}")
+    return "\n".join(lines)
+
+
+def to_chrome_trace(events: Sequence[Event]) -> Dict[str, Any]:
+    """The events as a Chrome trace-event document (see the module docstring)."""
+    _check(events)
+    m, n = shape(events)
+    origin = min(e.start for e in events)
+    trace: List[Dict[str, Any]] = []
+    for e in sorted(events, key=lambda e: (e.start, e.stage)):
+        trace.append({
+            "name": f"{e.kind}{e.micro_batch}", "cat": KIND_NAMES.get(e.kind, e.kind), "ph": "X",
+            "pid": 0, "tid": e.stage, "ts": (e.start - origin) * 1e6, "dur": e.duration * 1e6,
+            "args": {"kind": e.kind, "micro_batch": e.micro_batch, "stage": e.stage, "device": e.device},
+        })
+    devices = {e.stage: e.device for e in events}
+    for j in range(n):
+        trace.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": j,
+                      "args": {"name": f"stage {j} ({devices.get(j, '?')})"}})
+    return {"traceEvents": trace, "displayTimeUnit": "ms", "otherData": {"dualframe": {"chunks": m, "stages": n}}}
+
+
+def write_chrome_trace(events: Sequence[Event], path: Union[str, "os.PathLike[str]"]) -> str:
+    """Write the Chrome trace JSON to ``path`` and return the path."""
+    with open(path, "w") as handle:
+        json.dump(to_chrome_trace(events), handle)
+    return os.fspath(path)
+
+
+def read_chrome_trace(path: Union[str, "os.PathLike[str]"]) -> List[Event]:
+    """Read back the events of a trace written by ``write_chrome_trace``."""
+    with open(path) as handle:
+        document = json.load(handle)
+    raw = document.get("traceEvents", document) if isinstance(document, dict) else document
+    events = []
+    for item in raw:
+        args = item.get("args", {})
+        if item.get("ph") != "X" or "kind" not in args:
+            continue
+        start = float(item["ts"]) / 1e6
+        events.append(Event(args["kind"], int(args["micro_batch"]), int(args["stage"]), str(args.get("device", "?")),
+                            start, start + float(item["dur"]) / 1e6))
+    if not events:
+        raise StrategyError(f"{os.fspath(path)} holds no dualframe pipeline events (\"ph\": \"X\" with args.kind)")
+    return events
+
+
+def render_png(trace_path_or_events: Union[str, "os.PathLike[str]", Sequence[Event]],
+               out_path: Union[str, "os.PathLike[str]"]) -> str:
+    """Draw a Gantt chart (one row per stage, forward blue, backward orange) to a PNG; return its path.
+
+    Example:
+        >>> render_png("trace.json", "timeline.png")   # doctest: +SKIP
+    """
+    if isinstance(trace_path_or_events, (str, os.PathLike)):
+        events = read_chrome_trace(trace_path_or_events)
+    else:
+        events = list(trace_path_or_events)
+    _check(events)
+    # The Agg canvas directly, not pyplot: no display needed and the caller's backend is left alone.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    m, n = shape(events)
+    origin = min(e.start for e in events)
+    colors = {"F": "#4C72B0", "B": "#DD8452"}
+    figure = Figure(figsize=(10, 1.0 + 0.6 * n))
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    for e in events:
+        left, width = (e.start - origin) * 1e3, e.duration * 1e3
+        axes.barh(e.stage, width, left=left, height=0.8, color=colors.get(e.kind, "grey"), edgecolor="black")
+        axes.text(left + width / 2, e.stage, f"{e.kind}{e.micro_batch}", ha="center", va="center", fontsize=7)
+    devices = {e.stage: e.device for e in events}
+    axes.set_yticks(range(n), [f"stage {j}\n{devices.get(j, '?')}" for j in range(n)])
+    axes.invert_yaxis()
+    axes.set_xlabel("ms")
+    axes.set_title(f"{m} micro-batches x {n} stages: bubble measured {bubble_fraction(events):.3f}, "
+                   f"theoretical {theoretical_bubble(m, n):.3f}")
+    figure.tight_layout()
+    figure.savefig(out_path, dpi=100)
+    return os.fspath(out_path)
