@@ -37,3 +37,11 @@ __all__ = [
     "Average", "Sum", "Adasum", "Min", "Max", "Product",
     "init", "is_initialized", "rank", "size", "shutdown", "allreduce",
 ]
+
+# Model split and GPipe pipeline in one process (issue 5).
+from dualframe.torch.balance import balance_by_size, balance_by_time  # noqa: E402
+from dualframe.torch.deferred_batch_norm import DeferredBatchNorm  # noqa: E402
+from dualframe.torch.model_parallel import ModelParallel  # noqa: E402
+from dualframe.torch.pipeline import Pipeline  # noqa: E402
+
+__all__ += ["ModelParallel", "Pipeline", "DeferredBatchNorm", "balance_by_size", "balance_by_time"]

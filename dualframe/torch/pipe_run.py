@@ -1,0 +1,124 @@
+"""Runs one training step of a split torch model over the core's GPipe schedule, cell by cell.
+
+Every cell (micro-batch i, stage j) is its own small autograd graph: its input is detached and moved to
+the stage's device, so the backward pass can also run cell by cell, in the mirrored clock-tick order,
+with the cells of one tick in threads (on GPUs they overlap). One ``autograd.Function`` ties the
+whole step into the caller's graph: ``loss.backward()`` runs the scheduled backward and returns the
+gradients of the input and of the parameters, summed over micro-batches.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+from dualframe.schedule import Cell, GPipeSchedule, RecordFn, run_ticks
+from dualframe.split import SplitPlan
+
+
+def device_scope(device: torch.device) -> contextlib.AbstractContextManager:
+    """Make ``device`` current for the work a stage thread enqueues (a no-op on CPU)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+class StepRun:
+    """State of one step: the micro-batches, each cell's input and output, and the gradients."""
+
+    def __init__(self, stages: Sequence[nn.Module], devices: Sequence[torch.device], plan: SplitPlan,
+                 parts: Sequence[torch.Tensor], params: Sequence[Sequence[nn.Parameter]],
+                 record: Optional[Callable[[str], RecordFn]] = None) -> None:
+        self.stages, self.devices, self.plan, self.parts = stages, devices, plan, list(parts)
+        self.params = params
+        self.schedule = GPipeSchedule(len(self.parts), plan.stages)
+        self.record = record
+        self.inputs: Dict[Cell, torch.Tensor] = {}
+        self.outputs: Dict[Cell, torch.Tensor] = {}
+        self.grad_inputs: Dict[Cell, Optional[torch.Tensor]] = {}
+        self.grad_outputs: List[torch.Tensor] = []
+        self.param_grads: List[List[Optional[torch.Tensor]]] = [[None] * len(p) for p in params]
+        self.grad = False
+
+    def forward(self, grad: bool) -> torch.Tensor:
+        """Run every forward cell by clock tick; return the joined output on the last device."""
+        self.grad = grad
+        run_ticks(self.schedule.ticks("F"), self._forward_cell, self.plan.stages, "F",
+                  record=self.record("F") if self.record else None)
+        last = self.plan.stages - 1
+        return torch.cat([self.outputs[(i, last)].detach() for i in range(len(self.parts))])
+
+    def _forward_cell(self, i: int, j: int) -> None:
+        source = self.parts[i] if j == 0 else self.outputs[(i, j - 1)]
+        device = self.devices[j]
+        with device_scope(device), torch.set_grad_enabled(self.grad):
+            x = source.detach().to(device, non_blocking=True)
+            if self.grad and source.requires_grad:
+                x.requires_grad_()
+            if self.grad and self.plan.checkpointed(i):
+                out = torch_checkpoint(self.stages[j], x, use_reentrant=False)
+            else:
+                out = self.stages[j](x)
+        self.inputs[(i, j)], self.outputs[(i, j)] = x, out
+
+    def backward(self, grad_output: torch.Tensor) -> Tuple[Optional[torch.Tensor], List[Optional[torch.Tensor]]]:
+        """Run every backward cell by mirrored clock tick; return (input gradient, parameter gradients)."""
+        sizes = [part.shape[0] for part in self.parts]
+        self.grad_outputs = list(torch.split(grad_output, sizes))
+        run_ticks(self.schedule.ticks("B"), self._backward_cell, self.plan.stages, "B",
+                  record=self.record("B") if self.record else None)
+        firsts = [self.grad_inputs.get((i, 0)) for i in range(len(self.parts))]
+        grad_input = None if any(g is None for g in firsts) else torch.cat(firsts)  # type: ignore[arg-type]
+        # A parameter shared by two stages gets the sum of both stages' gradients.
+        summed: Dict[int, Optional[torch.Tensor]] = {}
+        for stage, grads in zip(self.params, self.param_grads):
+            for p, g in zip(stage, grads):
+                old = summed.get(id(p))
+                summed[id(p)] = g if old is None else (old if g is None else old + g.to(old.device))
+        return grad_input, [summed.get(id(p)) for p in unique_params(self.params)]
+
+    def _backward_cell(self, i: int, j: int) -> None:
+        device, last = self.devices[j], self.plan.stages - 1
+        x, out = self.inputs.pop((i, j)), self.outputs.pop((i, j))
+        upstream = self.grad_outputs[i] if j == last else self.grad_inputs.pop((i, j + 1))
+        if upstream is None or not out.requires_grad:
+            self.grad_inputs[(i, j)] = None
+            return
+        with device_scope(device):
+            targets = ([x] if x.requires_grad else []) + [p for p in self.params[j] if p.requires_grad]
+            grads = torch.autograd.grad(out, targets, upstream.to(device, non_blocking=True), allow_unused=True)
+        self.grad_inputs[(i, j)] = grads[0] if x.requires_grad else None
+        trainable = iter(grads[1:] if x.requires_grad else grads)
+        for index, p in enumerate(self.params[j]):
+            if p.requires_grad:
+                g = next(trainable)
+                if g is not None:
+                    old = self.param_grads[j][index]
+                    self.param_grads[j][index] = g if old is None else old + g
+
+
+class PipeFunction(torch.autograd.Function):
+    """The whole step as one node of the caller's graph (inputs: the batch and every parameter)."""
+
+    @staticmethod
+    def forward(ctx: Any, run: StepRun, batch: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.run = run
+        return run.forward(grad=True)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:  # type: ignore[override]
+        run, ctx.run = ctx.run, None
+        if run is None:
+            raise RuntimeError("a pipeline step can be back-propagated once; run the forward again")
+        grad_input, param_grads = run.backward(grad_output)
+        return (None, grad_input, *param_grads)
+
+
+def unique_params(params: Sequence[Sequence[nn.Parameter]]) -> List[nn.Parameter]:
+    """Every stage's parameters in order, each once (a parameter may be shared by two stages)."""
+    seen: Dict[int, nn.Parameter] = {}
+    for stage in params:
+        for p in stage:
+            seen.setdefault(id(p), p)
+    return list(seen.values())

@@ -1,0 +1,66 @@
+"""``Pipeline``: a split torch model run with GPipe micro-batching and per-micro-batch checkpointing."""
+from __future__ import annotations
+
+from typing import Iterable, List, Optional, Sequence, Union
+
+from torch import nn
+
+from dualframe.torch.deferred_batch_norm import DeferredBatchNorm
+from dualframe.torch.model_parallel import ModelParallel
+
+
+class Pipeline(ModelParallel):
+    """GPipe: the mini-batch cut into ``chunks`` micro-batches that flow through the groups so that
+    the devices work at the same time; outputs and gradients equal the unsplit module's.
+
+    Each clock tick of the core's schedule runs its (micro-batch, stage) cells in threads, one per
+    cell, each on its stage's device; backward runs the mirrored schedule the same way. Batch sizes
+    that ``chunks`` does not divide are fine (micro-batches differ by at most one row).
+
+    Example:
+        >>> import dualframe.torch as hvd
+        >>> model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+        >>> pipe = hvd.Pipeline(model, balance=[3, 2], devices=["cpu", "cpu"], chunks=4)
+        >>> loss = pipe(torch.randn(10, 16)).pow(2).mean()
+        >>> loss.backward()
+
+    Args:
+        module: an ``nn.Sequential`` (or a list of layers), each layer taking and returning one tensor.
+        balance: number of layers per group.
+        devices: one device per group; None: the visible GPUs (the local rank's share under a
+            launcher), else ``"cpu"`` repeated.
+        chunks: micro-batches per mini-batch; the batch must have at least ``chunks`` rows.
+        checkpoint: ``"except_last"`` (default; every micro-batch but the last keeps only its stage
+            inputs and recomputes its activations in backward), ``"always"`` or ``"never"``.
+        deferred_batch_norm: replace BatchNorm layers by ``DeferredBatchNorm``, whose running
+            statistics are those of the whole mini-batch rather than of the last micro-batch.
+
+    Raises:
+        BalanceError, DeviceError, ChunksError, StrategyError: before any compute, naming the values.
+        StageError: a stage failed; the message shows the schedule with the failing cell marked.
+    """
+
+    def __init__(self, module: Union[nn.Sequential, Iterable[nn.Module]], balance: Sequence[int],
+                 devices: Optional[Sequence[str]] = None, chunks: int = 1, checkpoint: str = "except_last",
+                 deferred_batch_norm: bool = False) -> None:
+        super().__init__(module, balance, devices, chunks=chunks, checkpoint=checkpoint)
+        if deferred_batch_norm:
+            for partition in self.partitions:
+                DeferredBatchNorm.convert(partition)
+        self._deferred: List[DeferredBatchNorm] = [
+            m for m in self.modules() if isinstance(m, DeferredBatchNorm)
+        ]
+
+    @property
+    def checkpoint(self) -> str:
+        """The activation checkpointing mode."""
+        return self.plan.checkpoint
+
+    def _begin_step(self, batch: int) -> None:
+        if self.training:
+            for norm in self._deferred:
+                norm.begin()
+
+    def _end_forward(self) -> None:
+        for norm in self._deferred:
+            norm.commit()
