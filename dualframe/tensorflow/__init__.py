@@ -7,6 +7,24 @@ from dualframe.tensorflow.collectives import (
     collectives,
     hvd as _hvd,
 )
+from dualframe.tensorflow.data import shard
+from dualframe.tensorflow.functions import (
+    allgather,
+    allgather_object,
+    allreduce,
+    barrier,
+    broadcast,
+    broadcast_object,
+    broadcast_variables,
+    cross_rank,
+    cross_size,
+    local_rank,
+    local_size,
+)
+from dualframe.tensorflow.gradient_tape import DistributedGradientTape, PartialDistributedGradientTape
+from dualframe.tensorflow.gradients import Compression
+from dualframe.tensorflow.strategy import distribute
+from dualframe.tensorflow.sync_batch_norm import SyncBatchNormalization
 
 Average = _hvd.Average
 Sum = _hvd.Sum
@@ -20,10 +38,36 @@ is_initialized = collectives.is_initialized
 rank = collectives.rank
 size = collectives.size
 shutdown = _hvd.shutdown
-allreduce = _hvd.allreduce
+
+# Horovod's own, unchanged: they work on Keras 3 as they are.
+ProcessSet = _hvd.ProcessSet
+global_process_set = _hvd.global_process_set
+add_process_set = _hvd.add_process_set
+remove_process_set = _hvd.remove_process_set
+grouped_allreduce = _hvd.grouped_allreduce
+alltoall = _hvd.alltoall
+reducescatter = _hvd.reducescatter
+join = _hvd.join
+is_homogeneous = _hvd.is_homogeneous
+start_timeline = _hvd.start_timeline
+stop_timeline = _hvd.stop_timeline
+mpi_enabled = _hvd.mpi_enabled
+mpi_built = _hvd.mpi_built
+gloo_enabled = _hvd.gloo_enabled
+gloo_built = _hvd.gloo_built
+nccl_built = _hvd.nccl_built
+cuda_built = _hvd.cuda_built
+mpi_threads_supported = _hvd.mpi_threads_supported
 
 __all__ = [
     "OPS", "TFBatchOps", "TFCaster", "TFCollectives", "collectives",
     "Average", "Sum", "Adasum", "Min", "Max", "Product",
-    "init", "is_initialized", "rank", "size", "shutdown", "allreduce",
+    "init", "is_initialized", "rank", "size", "shutdown", "local_rank", "local_size", "cross_rank",
+    "cross_size", "allreduce", "allgather", "broadcast", "broadcast_variables", "broadcast_object",
+    "allgather_object", "barrier", "grouped_allreduce", "alltoall", "reducescatter", "join",
+    "DistributedGradientTape", "PartialDistributedGradientTape", "SyncBatchNormalization", "Compression",
+    "shard", "distribute",
+    "ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "is_homogeneous",
+    "start_timeline", "stop_timeline", "mpi_enabled", "mpi_built", "gloo_enabled", "gloo_built",
+    "nccl_built", "cuda_built", "mpi_threads_supported",
 ]

@@ -1,0 +1,100 @@
+"""Gradient averaging across ranks, written once for DistributedGradientTape and the Keras optimizer."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+import tensorflow as tf
+
+from dualframe.compression import CompressionSet
+from dualframe.errors import StrategyError
+from dualframe.dp_checks import check_bool, check_compression, check_data_parallel, op_name
+from dualframe.tensorflow.collectives import OPS, TFCaster, check_initialized, hvd
+
+#: Horovod's ``Compression`` namespace (``.none``, ``.fp16``) built from the core's shared compressors.
+Compression = CompressionSet(TFCaster())
+
+Gradient = Union[tf.Tensor, tf.IndexedSlices]
+
+
+@dataclass(frozen=True)
+class ReduceSettings:
+    """How gradients are reduced: validated once, in a constructor, before any communication.
+
+    Example:
+        >>> settings = ReduceSettings.build(compression="fp16", op=hvd.Average)  # doctest: +SKIP
+        >>> reduce_gradients(grads, settings)                                     # doctest: +SKIP
+    """
+
+    compression: Any
+    op: str
+    sparse_as_dense: bool = False
+    gradient_predivide_factor: float = 1.0
+    process_set: Any = None
+    device_dense: str = ""
+    device_sparse: str = ""
+
+    @classmethod
+    def build(cls, what: str, compression: object = "none", op: object = "average", sparse_as_dense: object = False,
+              gradient_predivide_factor: object = 1.0, process_set: object = None, backward_passes_per_step: object = 1,
+              device_dense: str = "", device_sparse: str = "") -> "ReduceSettings":
+        """Check every argument (and that Horovod runs) and return the settings.
+
+        Raises:
+            NotInitializedError: ``init()`` was not called.
+            StrategyError: an unknown op or compression, or a number out of range.
+        """
+        check_initialized(what)
+        name = op_name(op, OPS)
+        compressor = check_compression(compression, Compression)
+        check_data_parallel(name, "none", backward_passes_per_step, gradient_predivide_factor)
+        check_bool("sparse_as_dense", sparse_as_dense)
+        process_set = hvd.global_process_set if process_set is None else process_set
+        if not isinstance(process_set, hvd.ProcessSet) or process_set.process_set_id is None:
+            raise StrategyError(f"process_set must be a registered hvd.ProcessSet (process_set: {process_set!r}); "
+                                f"declare it with hvd.init(process_sets=[...])")
+        return cls(compressor, name, bool(sparse_as_dense), float(gradient_predivide_factor),  # type: ignore[arg-type]
+                   process_set, device_dense, device_sparse)
+
+    @property
+    def horovod_op(self) -> Any:
+        """Horovod's constant for ``op``."""
+        return OPS[self.op]
+
+    def scale_factors(self) -> "tuple[float, float]":
+        """(prescale, postscale): the average split around the sum, as Horovod's predivide factor does."""
+        if self.op == "average":
+            return 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
+        return 1.0, 1.0
+
+
+def reduce_gradients(grads: Sequence[Optional[Gradient]], settings: ReduceSettings) -> List[Optional[Gradient]]:
+    """Reduce every gradient across the ranks of ``settings.process_set``; ``None`` stays ``None``.
+
+    Dense gradients of one dtype go in one grouped allreduce (Horovod fuses them); sparse ones
+    (``tf.IndexedSlices``) are allgathered unless ``sparse_as_dense``. With one process nothing is sent.
+    """
+    out: List[Optional[Gradient]] = list(grads)
+    if settings.process_set.size() == 1:
+        return out
+    by_dtype: Dict[tf.DType, List[int]] = {}
+    for i, grad in enumerate(out):
+        if grad is None:
+            continue
+        if isinstance(grad, tf.IndexedSlices):
+            if not settings.sparse_as_dense:
+                out[i] = hvd.allreduce(grad, op=settings.horovod_op, process_set=settings.process_set,
+                                       device_sparse=settings.device_sparse)
+                continue
+            grad = out[i] = tf.convert_to_tensor(grad)
+        by_dtype.setdefault(grad.dtype, []).append(i)
+    prescale, postscale = settings.scale_factors()
+    for indices in by_dtype.values():
+        reduced = hvd.grouped_allreduce(
+            [out[i] for i in indices], op=settings.horovod_op, compression=settings.compression,
+            prescale_factor=prescale, postscale_factor=postscale, process_set=settings.process_set,
+            device_dense=settings.device_dense,
+        )
+        for i, value in zip(indices, reduced):
+            out[i] = value
+    return out
