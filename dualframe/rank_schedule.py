@@ -17,7 +17,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from dualframe.errors import ScheduleError
 from dualframe.microbatch import validate_chunks
-from dualframe.strategy import SCHEDULES
+from dualframe.strategy import SCHEDULES, RankGrid
 
 FORWARD, BACKWARD = "F", "B"
 
@@ -243,3 +243,27 @@ def check_link_order(plans: Sequence[Sequence[Action]]) -> None:
                     f"stages {j} and {j + 1} would exchange {direction} messages in different orders "
                     f"(stage {j}: {' '.join(a)}; stage {j + 1}: {' '.join(b)})"
                 )
+
+
+def pipeline_process_sets(world_size: int, stages: int) -> List[List[int]]:
+    """The groups of ranks a pipeline of ``stages`` over ``world_size`` ranks communicates in.
+
+    Neighbouring pairs of each pipeline (activations, gradients), each whole pipeline (the step's
+    agreement, the loss) and each stage's replicas (gradient averaging). Groups of one rank and the
+    whole world (Horovod's global set) are left out, as are repeats. Declare them at start-up:
+    ``hvd.init(process_sets=pipeline_process_sets(hvd_size, 2))``.
+
+    Example:
+        >>> pipeline_process_sets(4, 2)
+        [[0, 1], [2, 3], [0, 2], [1, 3]]
+    """
+    grid = RankGrid.build(world_size, stages)
+    candidates: List[List[int]] = []
+    for group in grid.pipeline_groups:
+        candidates += [[a, b] for a, b in zip(group, group[1:])]
+    candidates += grid.pipeline_groups + grid.stage_groups
+    chosen: List[List[int]] = []
+    for ranks in candidates:
+        if 1 < len(ranks) < world_size and ranks not in chosen:
+            chosen.append(ranks)
+    return chosen

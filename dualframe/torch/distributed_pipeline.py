@@ -1,0 +1,206 @@
+"""DistributedPipeline: an nn.Sequential split over processes, one stage per rank, GPipe or 1F1B.
+
+Rank j of a pipeline group keeps only stage j; micro-batches' activations flow forward and their
+gradients backward between neighbouring ranks (``dualframe.torch.pipeline_transport``), in the
+order the core's per-rank schedule (``dualframe.rank_schedule``) gives. With ``data_parallel``
+replicas of the whole pipeline, the ranks holding the same stage average its gradients through
+``DistributedOptimizer`` on that stage's process set (``distributed_optimizer``).
+"""
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from dualframe.errors import StrategyError
+from dualframe.partition import partition_ranges
+from dualframe.rank_schedule import Action, pipeline_process_sets, rank_schedule
+from dualframe.stage_runner import RecordBook, StepRecord, read_agreement, step_agreement, walk
+from dualframe.strategy import RankGrid, _devices, _positive_int
+from dualframe.topology import detect
+from dualframe.torch.collectives import hvd
+from dualframe.torch.pipeline_transport import DTYPES, HorovodLinks, dtype_code, process_sets, wait
+from dualframe.torch.pipeline_work import ActivationMeter, TorchStageWork
+
+_IDS = itertools.count()
+
+
+def _world_size() -> int:
+    return int(hvd.size()) if hvd.is_initialized() else detect().size
+
+
+def _check_arguments(module: nn.Module, balance: Sequence[int], loss_fn: Any, data_parallel: Optional[int],
+                     timeout: float) -> Tuple[List[range], RankGrid]:
+    if not isinstance(module, nn.Sequential):
+        raise StrategyError(f"DistributedPipeline splits an nn.Sequential (module: {type(module).__name__})")
+    ranges = partition_ranges(balance, len(module))
+    if loss_fn is not None and not callable(loss_fn):
+        raise StrategyError(f"loss_fn must be callable, e.g. nn.MSELoss() (loss_fn: {loss_fn!r})")
+    world = _world_size()
+    grid = RankGrid.build(world, len(ranges))
+    if data_parallel is not None and _positive_int("data_parallel", data_parallel) != grid.replicas:
+        raise StrategyError(
+            f"data_parallel x stages must equal the number of processes (data_parallel: {data_parallel}, "
+            f"stages: {len(ranges)}, processes: {world}); launch with -np {data_parallel * len(ranges)}"
+        )
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise StrategyError(f"timeout must be a number of seconds > 0 (timeout: {timeout!r})")
+    return ranges, grid
+
+
+class DistributedPipeline(nn.Module):
+    """An ``nn.Sequential`` whose stages are processes: rank j of each pipeline holds stage j.
+
+    Every rank builds the same pipeline from the same full model (same seed); each keeps its
+    stage. ``train_step`` runs one mini-batch through the schedule and returns its mean loss on
+    every rank; ``parameters()`` are the local stage's; ``state_dict()`` uses the full model's keys.
+
+    Args:
+        module: the whole model, an ``nn.Sequential``.
+        balance: layers per stage, e.g. ``[3, 3]``; one stage per rank of a pipeline.
+        chunks: micro-batches per mini-batch.
+        schedule: ``"gpipe"`` or ``"1f1b"`` (at most ``stages`` micro-batches' activations alive).
+        loss_fn: ``loss_fn(output, target)``, the mean over a micro-batch's rows (e.g. ``nn.MSELoss()``).
+        devices: one device per stage (default: CPU).
+        data_parallel: replicas of the pipeline (default: processes // stages); checked against the world.
+        timeout: seconds to wait for a neighbouring stage before raising PeerLostError.
+
+    Raises:
+        BalanceError, ChunksError, ScheduleError, StrategyError: bad arguments, on every rank, before
+        any communication.
+
+    Example:
+        >>> import dualframe.torch as hvd                                          # doctest: +SKIP
+        >>> model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))   # doctest: +SKIP
+        >>> pipe = hvd.DistributedPipeline(model, [2, 1], chunks=4, loss_fn=nn.MSELoss())  # doctest: +SKIP
+        >>> opt = torch.optim.SGD(pipe.parameters(), lr=0.1)                      # doctest: +SKIP
+        >>> loss = pipe.train_step(x, y); opt.step(); opt.zero_grad()              # doctest: +SKIP
+    """
+
+    def __init__(self, module: nn.Sequential, balance: Sequence[int], chunks: int, schedule: str = "gpipe",
+                 loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
+                 devices: Optional[Sequence[str]] = None, data_parallel: Optional[int] = None,
+                 timeout: float = 45.0) -> None:
+        super().__init__()
+        ranges, grid = _check_arguments(module, balance, loss_fn, data_parallel, timeout)
+        self.plan: List[Action] = []
+        plans = rank_schedule(schedule, len(ranges), chunks)
+        device_names = _devices(devices, len(ranges))
+        self.chunks, self.schedule, self.grid, self.loss_fn, self.timeout = chunks, schedule.lower(), grid, loss_fn, timeout
+        # From here on, Horovod: every argument above is checked on every rank.
+        sets = process_sets(pipeline_process_sets(grid.replicas * grid.stages, grid.stages))
+        self.replica, self.stage_index = grid.position(int(hvd.rank()))
+        j = self.stage_index
+        self.stages, self.plan = grid.stages, plans[j]
+        self.device = torch.device(device_names[j] if device_names else "cpu")
+        items = list(module._modules.items())
+        self.stage = nn.Sequential(OrderedDict(items[r] for r in ranges[j])).to(self.device)
+        self.pipeline_ranks = grid.pipeline_groups[self.replica]
+        self.stage_ranks = grid.stage_groups[j]
+        self.pipeline_set = sets.get(tuple(self.pipeline_ranks), hvd.global_process_set)
+        self.stage_process_set = sets.get(tuple(self.stage_ranks)) if grid.replicas > 1 else None
+        self._prefix = f"dpipe{next(_IDS)}"
+        self.links = HorovodLinks(j, self.pipeline_ranks, sets, self._prefix, timeout, self.device)
+        self.records = RecordBook()
+        self.meter = ActivationMeter(self.stage.parameters())
+        self._steps = 0
+
+    @property
+    def is_first(self) -> bool:
+        """True on the rank holding stage 0 (it reads the inputs)."""
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        """True on the rank holding the last stage (it reads the targets and computes the loss)."""
+        return self.stage_index == self.stages - 1
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[Tuple[str, nn.Parameter]]:
+        """The local stage's parameters under the full model's names (``"4.weight"``)."""
+        return self.stage.named_parameters(prefix, recurse, remove_duplicate)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:  # type: ignore[override]
+        """The local stage's tensors under the full model's keys: the stages' dicts merge into the model's."""
+        return self.stage.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """Load this stage's part of the full model's ``state_dict`` (other stages' keys are ignored)."""
+        names = set(self.stage._modules)
+        part = OrderedDict((key, value) for key, value in state_dict.items() if key.split(".", 1)[0] in names)
+        return self.stage.load_state_dict(part, strict=strict, assign=assign)
+
+    def distributed_optimizer(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> torch.optim.Optimizer:
+        """Wrap ``optimizer`` so each stage's gradients are averaged among its replicas only.
+
+        Returns ``dualframe.torch.DistributedOptimizer`` on this stage's process set, counting the
+        ``chunks`` micro-batch backwards of a step as one (``backward_passes_per_step`` multiplies);
+        with a single replica, the optimizer itself. Extra arguments (``compression``, ``op`` ...)
+        pass through.
+        """
+        if self.stage_process_set is None:
+            return optimizer
+        from dualframe.torch.optimizer import DistributedOptimizer
+
+        passes = self.chunks * kwargs.pop("backward_passes_per_step", 1)
+        return DistributedOptimizer(optimizer, named_parameters=self.named_parameters(),
+                                    backward_passes_per_step=passes, process_set=self.stage_process_set, **kwargs)
+
+    def _agree(self, inputs: Optional[torch.Tensor], targets: Optional[torch.Tensor], train: bool) -> Tuple[Any, List[int]]:
+        shape = tuple(inputs.shape) if inputs is not None else None
+        code = dtype_code(inputs.dtype) if inputs is not None else 0
+        rows = (int(targets.shape[0]) if targets is not None and targets.dim() else None) if train else 0
+        mine = torch.tensor(step_agreement(shape, code, rows, self.is_first, self.is_last), dtype=torch.int64)
+        handle = hvd.allreduce_async(mine, op=hvd.Sum, name=f"{self._prefix}.{self._steps}.agree",
+                                     process_set=self.pipeline_set)
+        fields = wait(handle, f"stage {self.stage_index} (rank {hvd.rank()}) starting step {self._steps}", self.timeout)
+        shape, code, sizes = read_agreement(fields.tolist(), self.chunks, need_targets=train)
+        return (shape, DTYPES[code]), sizes
+
+    def _run(self, plan: Sequence[Action], inputs: Optional[torch.Tensor], targets: Optional[torch.Tensor],
+             train: bool) -> Tuple[TorchStageWork, StepRecord]:
+        key, sizes = self._agree(inputs, targets, train)
+        micro_inputs = list(torch.split(inputs.to(self.device), sizes)) if self.is_first and inputs is not None else []
+        micro_targets = list(torch.split(targets.to(self.device), sizes)) if self.is_last and train and targets is not None else []
+        work = TorchStageWork(self.stage, self.is_first, self.is_last, self.loss_fn if train else None,
+                              micro_targets, [s / sum(sizes) for s in sizes], self.meter)
+        self.links.begin(str(self._steps), key, backward=train, chunks=self.chunks)
+        with torch.set_grad_enabled(train), self.meter.counting():
+            record = walk(plan, self.stage_index, self.stages, micro_inputs, work, self.links)
+        self.links.finish()
+        self.records.add(record)
+        self._steps += 1
+        return work, record
+
+    def train_step(self, inputs: Optional[torch.Tensor], targets: Optional[torch.Tensor]) -> float:
+        """Run one mini-batch forward and backward through the pipeline; gradients land in ``.grad``.
+
+        Inputs are read on the first stage, targets on the last (others may pass them or None).
+        Returns the mini-batch's mean loss on every rank of the pipeline (over all replicas' batches
+        with ``data_parallel`` > 1). The optimizer step is the caller's, as with a plain model.
+        """
+        if self.loss_fn is None:
+            raise StrategyError("train_step needs a loss_fn; pass loss_fn= to DistributedPipeline")
+        work, _ = self._run(self.plan, inputs, targets, train=True)
+        loss = torch.tensor([work.loss_sum if self.is_last else 0.0], dtype=torch.float64)
+        name = f"{self._prefix}.{self._steps}.loss"
+        if self.is_last and self.stage_process_set is not None:
+            loss = wait(hvd.allreduce_async(loss, op=hvd.Average, name=name + ".replicas",
+                                            process_set=self.stage_process_set), "averaging the loss", self.timeout)
+        handle = hvd.broadcast_async(loss, self.pipeline_ranks[-1], name=name, process_set=self.pipeline_set)
+        return float(wait(handle, f"stage {self.stage_index} waiting for the loss", self.timeout)[0])
+
+    def forward(self, inputs: Optional[torch.Tensor]) -> Optional[torch.Tensor]:  # type: ignore[override]
+        """Inference through the pipeline (no gradients): the output on the last stage, None elsewhere."""
+        plan = [Action("F", i) for i in range(self.chunks)]
+        work, _ = self._run(plan, inputs, None, train=False)
+        return torch.cat(work.outputs) if self.is_last else None
+
+    def timing(self) -> str:
+        """One line for this stage: mean step seconds, computing seconds and idle share (the bubble)."""
+        book = self.records
+        return (f"stage {self.stage_index} (rank {hvd.rank()}): step {book.mean_wall() * 1e3:.1f} ms, "
+                f"busy {book.mean_busy() * 1e3:.1f} ms, bubble {book.mean_bubble():.1%}")

@@ -1,0 +1,95 @@
+"""One pipeline stage's work on micro-batches in torch (the core's StageWork), and an activation meter."""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+
+class ActivationMeter:
+    """Counts the bytes autograd keeps for backward (activations), and their peak, parameters excluded.
+
+    Example:
+        >>> meter = ActivationMeter(model.parameters())            # doctest: +SKIP
+        >>> with meter.counting(): loss = model(x).sum()            # doctest: +SKIP
+        >>> meter.peak_bytes                                        # doctest: +SKIP
+    """
+
+    def __init__(self, parameters: Iterable[torch.Tensor]) -> None:
+        self._parameter_storages = {p.untyped_storage().data_ptr() for p in parameters}
+        self.live_bytes = 0
+        self.peak_bytes = 0
+
+    def reset_peak(self) -> None:
+        """Start a new peak from what is alive now."""
+        self.peak_bytes = self.live_bytes
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        if tensor.untyped_storage().data_ptr() in self._parameter_storages:
+            return tensor
+        return _Counted(tensor, self)
+
+    @staticmethod
+    def _unpack(packed: Any) -> torch.Tensor:
+        return packed.tensor if isinstance(packed, _Counted) else packed
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[None]:
+        """Count what autograd saves inside this block until it is freed."""
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            yield
+
+
+class _Counted:
+    """A saved tensor that adds its bytes to the meter while alive."""
+
+    def __init__(self, tensor: torch.Tensor, meter: ActivationMeter) -> None:
+        self.tensor, self.meter = tensor, meter
+        self.nbytes = tensor.numel() * tensor.element_size()
+        meter.live_bytes += self.nbytes
+        meter.peak_bytes = max(meter.peak_bytes, meter.live_bytes)
+
+    def __del__(self) -> None:
+        self.meter.live_bytes -= self.nbytes
+
+
+class TorchStageWork:
+    """Forward and backward of one stage on micro-batch i, keeping what backward needs until it runs.
+
+    The last stage turns each output into its loss, weighted by the micro-batch's share of rows,
+    so the summed gradients are those of the mini-batch's mean loss.
+    """
+
+    def __init__(self, stage: nn.Module, first: bool, last: bool,
+                 loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]],
+                 targets: List[torch.Tensor], weights: List[float], meter: ActivationMeter) -> None:
+        self.stage, self.first, self.last, self.loss_fn = stage, first, last, loss_fn
+        self.targets, self.weights, self.meter = targets, weights, meter
+        self._saved: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
+        self.outputs: List[torch.Tensor] = []
+        self.loss_sum = 0.0
+
+    def forward(self, i: int, x: torch.Tensor) -> Optional[torch.Tensor]:
+        training = self.loss_fn is not None
+        if training and not self.first and x.is_floating_point():
+            x = x.detach().requires_grad_(True)
+        y = self.stage(x)
+        if not self.last:
+            if training:
+                self._saved[i] = (x, y)
+            return y.detach()
+        if not training:
+            self.outputs.append(y)
+            return None
+        assert self.loss_fn is not None
+        loss = self.loss_fn(y, self.targets[i]) * self.weights[i]
+        self.loss_sum += float(loss.detach())
+        self._saved[i] = (x, loss)
+        return None
+
+    def backward(self, i: int, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        x, y = self._saved.pop(i)
+        torch.autograd.backward(y, grad)
+        return None if self.first else x.grad

@@ -1,0 +1,133 @@
+"""DistributedPipeline on 2 processes (one stage each), GPipe and 1F1B, against one process training the whole model."""
+import copy
+
+import horovod.torch as horovod
+import pytest
+import torch
+from torch import nn
+
+import dualframe.torch as hvd
+from dualframe.errors import BalanceError, ChunksError, ScheduleError, StrategyError
+from dualframe.torch.distributed_pipeline import DistributedPipeline
+
+STEPS, BATCH, CHUNKS = 4, 10, 4  # micro-batches of 3, 3, 2, 2 rows
+
+
+def make_model():
+    torch.manual_seed(7)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def batches():
+    generator = torch.Generator().manual_seed(11)
+    return [(torch.randn(BATCH, 6, generator=generator), torch.randn(BATCH, 3, generator=generator))
+            for _ in range(STEPS)]
+
+
+def reference(model, data):
+    """One process trains the whole model on the same batches: losses and final state_dict."""
+    model = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for x, y in data:
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, model.state_dict()
+
+
+def merged_state_dict(pipe):
+    merged = {}
+    for part in horovod.allgather_object(pipe.state_dict()):
+        merged.update(part)
+    return merged
+
+
+@pytest.fixture(scope="module", autouse=True)
+def started():
+    hvd.init()
+    assert hvd.size() == 2
+
+
+def test_bad_input_is_refused_on_every_rank_before_communication():
+    with pytest.raises(BalanceError, match=r"balance must sum to the number of layers \(balance: \[2, 2\] = 2 \+ 2 = 4, layers: 5\)"):
+        DistributedPipeline(make_model(), [2, 2], chunks=2, loss_fn=nn.MSELoss())
+    with pytest.raises(StrategyError, match=r"multiple of the number of stages \(processes: 2, stages: 3\)"):
+        DistributedPipeline(make_model(), [2, 2, 1], chunks=2, loss_fn=nn.MSELoss())
+    with pytest.raises(ChunksError, match=r"chunks must be an int >= 1 \(chunks: 0\)"):
+        DistributedPipeline(make_model(), [3, 2], chunks=0, loss_fn=nn.MSELoss())
+    with pytest.raises(ScheduleError, match=r"unknown schedule 'zigzag'; choose one of gpipe, 1f1b"):
+        DistributedPipeline(make_model(), [3, 2], chunks=2, schedule="zigzag", loss_fn=nn.MSELoss())
+    with pytest.raises(StrategyError, match=r"data_parallel x stages must equal the number of processes \(data_parallel: 2"):
+        DistributedPipeline(make_model(), [3, 2], chunks=2, loss_fn=nn.MSELoss(), data_parallel=2)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_training_equals_one_process(schedule):
+    model, data = make_model(), batches()
+    expected_losses, expected_state = reference(model, data)
+    pipe = DistributedPipeline(copy.deepcopy(model), balance=[3, 2], chunks=CHUNKS, schedule=schedule,
+                               loss_fn=nn.MSELoss())
+    assert [name for name, _ in pipe.named_parameters()] == (["0.weight", "0.bias", "2.weight", "2.bias"]
+                                                            if hvd.rank() == 0 else ["4.weight", "4.bias"])
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+    for step, (x, y) in enumerate(data):
+        optimizer.zero_grad()
+        # Inputs are read on the first stage, targets on the last: the others pass None.
+        loss = pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None)
+        assert loss == pytest.approx(expected_losses[step], abs=1e-5), f"step {step}"
+        optimizer.step()
+    merged = merged_state_dict(pipe)
+    assert sorted(merged) == sorted(expected_state)
+    for key, value in expected_state.items():
+        torch.testing.assert_close(merged[key], value, atol=1e-5, rtol=0)
+    assert pipe.records.records[-1].wall > 0
+
+
+def test_1f1b_keeps_fewer_activations_alive_than_gpipe():
+    x, y = torch.randn(64, 6), torch.randn(64, 3)
+    peaks = {}
+    for schedule in ("gpipe", "1f1b"):
+        pipe = DistributedPipeline(make_model(), balance=[3, 2], chunks=8, schedule=schedule, loss_fn=nn.MSELoss())
+        pipe.train_step(x, y)
+        peaks[schedule] = pipe.meter.peak_bytes
+        assert pipe.meter.live_bytes == 0
+    if hvd.rank() == 0:  # stage 0 holds all 8 micro-batches with GPipe, at most 2 with 1F1B
+        assert peaks["1f1b"] * 3 < peaks["gpipe"], peaks
+
+
+def test_inference_forward_equals_the_whole_model():
+    model = make_model()
+    pipe = DistributedPipeline(copy.deepcopy(model), balance=[3, 2], chunks=3, loss_fn=nn.MSELoss())
+    x = torch.randn(7, 6)
+    with torch.no_grad():
+        out = pipe(x)
+        expected = model(x)
+    if pipe.is_last:
+        torch.testing.assert_close(out, expected, atol=1e-6, rtol=0)
+    else:
+        assert out is None
+
+
+def test_load_state_dict_takes_this_stage_part_of_the_full_dict():
+    pipe = DistributedPipeline(make_model(), balance=[3, 2], chunks=2, loss_fn=nn.MSELoss())
+    torch.manual_seed(99)
+    other = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
+    pipe.load_state_dict(other.state_dict())
+    merged = merged_state_dict(pipe)
+    for key, value in other.state_dict().items():
+        assert torch.equal(merged[key], value), key
+
+
+def test_bad_batches_are_refused_on_every_rank():
+    pipe = DistributedPipeline(make_model(), balance=[3, 2], chunks=4, loss_fn=nn.MSELoss())
+    with pytest.raises(ChunksError, match=r"the batch is smaller than chunks \(batch: 3, chunks: 4\)"):
+        pipe.train_step(torch.randn(3, 6), torch.randn(3, 3))
+    with pytest.raises(StrategyError, match=r"the first stage of the pipeline got inputs=None"):
+        pipe.train_step(None, torch.randn(8, 3))
+    with pytest.raises(ChunksError, match=r"targets must have one row per input row \(inputs: 8 rows, targets: 6 rows\)"):
+        pipe.train_step(torch.randn(8, 6), torch.randn(6, 3))
+    # After refusing, the pipeline still trains.
+    assert pipe.train_step(torch.randn(8, 6), torch.randn(8, 3)) > 0
