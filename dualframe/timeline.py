@@ -23,11 +23,12 @@ cells the theory is ``(n - 1) / (m + n - 1)``.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any, Dict, List, Sequence, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
 
 from dualframe.errors import StrategyError
 
@@ -85,6 +86,36 @@ class Timeline:
     def summary(self) -> str:
         """One-paragraph text summary (see ``summary``)."""
         return summary(self.events)
+
+
+class Recording:
+    """Mixin for split models: ``with model.record() as timeline:`` records the steps run inside.
+
+    Example:
+        >>> with pipe.record() as timeline:       # doctest: +SKIP
+        ...     train_step(pipe, batch)
+        >>> print(timeline.summary())             # doctest: +SKIP
+    """
+
+    _recording: Optional[Timeline] = None
+
+    @contextlib.contextmanager
+    def record(self, timeline: Optional[Timeline] = None) -> Iterator[Timeline]:
+        """Record every forward/backward cell run inside the block into ``timeline`` (a new one by default)."""
+        recording = timeline if timeline is not None else Timeline()
+        self._recording = recording
+        try:
+            yield recording
+        finally:
+            self._recording = None
+
+    def recorder(self, devices: Sequence[str]) -> Optional[Callable[[str, int, int, float, float], None]]:
+        """The callback the schedule walker calls after each cell, or None when not recording."""
+        timeline = self._recording
+        if timeline is None:
+            return None
+        names = [str(d) for d in devices]
+        return lambda kind, i, j, start, end: timeline.record(kind, i, j, names[j], start, end)
 
 
 def _check(events: Sequence[Event]) -> None:

@@ -1,17 +1,15 @@
 """``ModelParallel``: an ``nn.Sequential`` split into groups of layers on explicit torch devices."""
 from __future__ import annotations
 
-import contextlib
-from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Union
+from typing import Iterable, List, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
 from dualframe.errors import DeviceError
 from dualframe.microbatch import micro_batch_sizes
-from dualframe.schedule import RecordFn
 from dualframe.split import SplitPlan, plan_split
-from dualframe.timeline import Timeline
+from dualframe.timeline import Recording
 from dualframe.torch.pipe_run import PipeFunction, StepRun, unique_params
 
 
@@ -50,7 +48,7 @@ def _layers(module: Union[nn.Sequential, Iterable[nn.Module]]) -> List[nn.Module
     return layers
 
 
-class ModelParallel(nn.Module):
+class ModelParallel(Recording, nn.Module):
     """An ``nn.Sequential`` split into consecutive groups, group j on ``devices[j]``.
 
     The input is moved to the first device, each group's output to the next group's device, and the
@@ -84,7 +82,6 @@ class ModelParallel(nn.Module):
             nn.Sequential(*[layers[index] for index in r]).to(device)
             for r, device in zip(self.plan.ranges, self.devices)
         )
-        self._timeline: Optional[Timeline] = None
 
     @property
     def balance(self) -> List[int]:
@@ -96,29 +93,6 @@ class ModelParallel(nn.Module):
         """Micro-batches per mini-batch (1: no micro-batching)."""
         return self.plan.chunks
 
-    @contextlib.contextmanager
-    def record(self, timeline: Optional[Timeline] = None) -> Iterator[Timeline]:
-        """Record the forward and backward cells of the steps run inside the block.
-
-        Example:
-            >>> with model.record() as timeline:        # doctest: +SKIP
-            ...     model(x).sum().backward()
-            >>> print(timeline.summary())               # doctest: +SKIP
-        """
-        self._timeline = timeline if timeline is not None else Timeline()
-        try:
-            yield self._timeline
-        finally:
-            self._timeline = None
-
-    def _recorder(self, timeline: Timeline) -> Callable[[str], RecordFn]:
-        names = [str(d) for d in self.devices]
-
-        def factory(kind: str) -> RecordFn:
-            return lambda k, i, j, start, end: timeline.record(k, i, j, names[j], start, end)
-
-        return factory
-
     def forward(self, batch: torch.Tensor) -> torch.Tensor:
         """Run the batch through the groups (as ``chunks`` micro-batches); output on the last device."""
         if not isinstance(batch, torch.Tensor):
@@ -127,9 +101,8 @@ class ModelParallel(nn.Module):
         self._begin_step(int(batch.shape[0]))
         params = [list(stage.parameters()) for stage in self.partitions]
         flat = unique_params(params)
-        timeline = self._timeline
         run = StepRun(list(self.partitions), self.devices, self.plan, torch.split(batch, sizes), params,
-                      self._recorder(timeline) if timeline is not None else None)
+                      self.recorder(self.plan.devices))
         grad = torch.is_grad_enabled() and (batch.requires_grad or any(p.requires_grad for p in flat))
         try:
             if not grad:

@@ -9,7 +9,7 @@ gradients of the input and of the parameters, summed over micro-batches.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -29,7 +29,7 @@ class StepRun:
 
     def __init__(self, stages: Sequence[nn.Module], devices: Sequence[torch.device], plan: SplitPlan,
                  parts: Sequence[torch.Tensor], params: Sequence[Sequence[nn.Parameter]],
-                 record: Optional[Callable[[str], RecordFn]] = None) -> None:
+                 record: Optional[RecordFn] = None) -> None:
         self.stages, self.devices, self.plan, self.parts = stages, devices, plan, list(parts)
         self.params = params
         self.schedule = GPipeSchedule(len(self.parts), plan.stages)
@@ -45,7 +45,7 @@ class StepRun:
         """Run every forward cell by clock tick; return the joined output on the last device."""
         self.grad = grad
         run_ticks(self.schedule.ticks("F"), self._forward_cell, self.plan.stages, "F",
-                  record=self.record("F") if self.record else None)
+                  record=self.record)
         last = self.plan.stages - 1
         return torch.cat([self.outputs[(i, last)].detach() for i in range(len(self.parts))])
 
@@ -67,7 +67,7 @@ class StepRun:
         sizes = [part.shape[0] for part in self.parts]
         self.grad_outputs = list(torch.split(grad_output, sizes))
         run_ticks(self.schedule.ticks("B"), self._backward_cell, self.plan.stages, "B",
-                  record=self.record("B") if self.record else None)
+                  record=self.record)
         firsts = [self.grad_inputs.get((i, 0)) for i in range(len(self.parts))]
         grad_input = None if any(g is None for g in firsts) else torch.cat(firsts)  # type: ignore[arg-type]
         # A parameter shared by two stages gets the sum of both stages' gradients.

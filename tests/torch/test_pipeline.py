@@ -9,7 +9,8 @@ from torch import nn
 
 import dualframe.torch as hvd
 from dualframe.errors import StageError
-from dualframe.timeline import theoretical_bubble
+from dualframe.schedule import GPipeSchedule
+from dualframe.timeline import render_png
 
 
 def mlp(seed=0, dtype=torch.float64, dropout=0.0):
@@ -97,8 +98,25 @@ def test_deferred_batch_norm_tracks_whole_mini_batch_statistics():
     assert int(plain_bn.num_batches_tracked) > 2
 
 
+class SleepFn(torch.autograd.Function):
+    """x * scale that sleeps in forward and in backward (sleep releases the GIL)."""
+
+    @staticmethod
+    def forward(ctx, x, scale, seconds):
+        ctx.save_for_backward(x, scale)
+        ctx.seconds = seconds
+        time.sleep(seconds)
+        return x * scale
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, scale = ctx.saved_tensors
+        time.sleep(ctx.seconds)
+        return grad * scale, (grad * x).sum(), None
+
+
 class Sleep(nn.Module):
-    """A stage of known duration that releases the GIL, so stages on "cpu" can overlap in threads."""
+    """A stage of known duration, so that stages on "cpu" can overlap in threads."""
 
     def __init__(self, seconds):
         super().__init__()
@@ -106,25 +124,30 @@ class Sleep(nn.Module):
         self.scale = nn.Parameter(torch.ones(()))
 
     def forward(self, x):
-        time.sleep(self.seconds)
-        return x * self.scale
+        return SleepFn.apply(x, self.scale, self.seconds)
 
 
-def test_cells_of_a_tick_overlap_and_timeline_bubble_is_near_the_formula(tmp_path):
-    m, n = 6, 3
-    pipe = hvd.Pipeline(nn.Sequential(*[Sleep(0.02) for _ in range(n)]), [1] * n, ["cpu"] * n, chunks=m,
+def test_cells_of_a_tick_overlap_and_the_timeline_holds_every_cell(tmp_path):
+    m, n = 4, 3
+    pipe = hvd.Pipeline(nn.Sequential(*[Sleep(0.05) for _ in range(n)]), [1] * n, ["cpu"] * n, chunks=m,
                         checkpoint="never")
     with pipe.record() as timeline:
-        started = time.perf_counter()
         pipe(torch.ones(m, 2)).sum().backward()
-        elapsed = time.perf_counter() - started
     events = timeline.events
     assert sorted((e.kind, e.micro_batch, e.stage) for e in events) == sorted(
         (k, i, j) for k in "FB" for i in range(m) for j in range(n))
-    assert elapsed < 0.85 * 2 * m * n * 0.02  # sequential would take 2 * m * n sleeps
-    from dualframe.timeline import bubble_fraction, render_png
-    assert abs(bubble_fraction(events) - theoretical_bubble(m, n)) < 0.1
-    assert "theoretical (n-1)/(m+n-1) = 0.250" in timeline.summary()
+    # Cells of one tick run at the same time: their intervals intersect (robust to a loaded machine,
+    # unlike a wall-clock bound; the bubble itself is measured by scripts/bench_pipeline.py).
+    by_cell = {(e.kind, e.micro_batch, e.stage): e for e in events}
+    overlapping = total = 0
+    for kind in "FB":
+        for tick in GPipeSchedule(m, n).ticks(kind):
+            if len(tick) > 1:
+                cells = [by_cell[(kind, i, j)] for i, j in tick]
+                total += 1
+                overlapping += max(c.start for c in cells) < min(c.end for c in cells)
+    assert overlapping >= total - 1, f"only {overlapping} of {total} multi-cell ticks overlapped"
+    assert "theoretical (n-1)/(m+n-1) = 0.333" in timeline.summary()
     assert open(render_png(events, tmp_path / "t.png"), "rb").read(4) == b"\x89PNG"
 
 
