@@ -45,3 +45,9 @@ from dualframe.torch.model_parallel import ModelParallel  # noqa: E402
 from dualframe.torch.pipeline import Pipeline  # noqa: E402
 
 __all__ += ["ModelParallel", "Pipeline", "DeferredBatchNorm", "balance_by_size", "balance_by_time"]
+
+# Pipelines whose stages are processes, and hybrid data x pipeline (issue 6).
+from dualframe.torch.distributed_pipeline import DistributedPipeline  # noqa: E402
+from dualframe.torch.pipeline_transport import PeerLostError  # noqa: E402
+
+__all__ += ["DistributedPipeline", "PeerLostError"]

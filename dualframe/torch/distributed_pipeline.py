@@ -143,7 +143,10 @@ class DistributedPipeline(nn.Module):
         """
         if self.stage_process_set is None:
             return optimizer
-        from dualframe.torch.optimizer import DistributedOptimizer
+        try:
+            from dualframe.torch.optimizer import DistributedOptimizer
+        except ImportError:  # until dualframe's own wrapper lands everywhere: Horovod's, same arguments
+            DistributedOptimizer = hvd.DistributedOptimizer
 
         passes = self.chunks * kwargs.pop("backward_passes_per_step", 1)
         return DistributedOptimizer(optimizer, named_parameters=self.named_parameters(),
