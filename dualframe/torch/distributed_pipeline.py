@@ -143,14 +143,15 @@ class DistributedPipeline(nn.Module):
         """
         if self.stage_process_set is None:
             return optimizer
+        wrapper: Any
         try:
-            from dualframe.torch.optimizer import DistributedOptimizer
+            from dualframe.torch.optimizer import DistributedOptimizer as wrapper
         except ImportError:  # until dualframe's own wrapper lands everywhere: Horovod's, same arguments
-            DistributedOptimizer = hvd.DistributedOptimizer
+            wrapper = hvd.DistributedOptimizer
 
         passes = self.chunks * kwargs.pop("backward_passes_per_step", 1)
-        return DistributedOptimizer(optimizer, named_parameters=self.named_parameters(),
-                                    backward_passes_per_step=passes, process_set=self.stage_process_set, **kwargs)
+        return wrapper(optimizer, named_parameters=self.named_parameters(),
+                       backward_passes_per_step=passes, process_set=self.stage_process_set, **kwargs)
 
     def _agree(self, inputs: Optional[torch.Tensor], targets: Optional[torch.Tensor], train: bool) -> Tuple[Any, List[int]]:
         shape = tuple(inputs.shape) if inputs is not None else None
