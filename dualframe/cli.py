@@ -13,6 +13,11 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
     doctor.add_argument("--require", action="append", default=[], choices=("torch", "tensorflow"),
                         help="fail unless this framework works with Horovod (repeatable)")
+    from dualframe.plan.cli import add_arguments as add_plan_arguments
+    from dualframe.run import add_arguments as add_run_arguments
+
+    add_plan_arguments(sub.add_parser("plan", help="estimate memory per device and recommend a strategy for a model"))
+    add_run_arguments(sub.add_parser("run", help="start a script on N processes with horovodrun, mpirun or srun"))
     return parser
 
 
@@ -23,6 +28,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         from dualframe import doctor
 
         return doctor.main(as_json=args.json, required=args.require)
+    if args.command == "plan":
+        from dualframe.plan.cli import main as plan_main
+
+        return plan_main(args)
+    if args.command == "run":
+        from dualframe.run import main_from_args
+
+        return main_from_args(args)
     raise AssertionError(f"unhandled command {args.command}")
 
 

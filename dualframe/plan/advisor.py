@@ -1,0 +1,180 @@
+"""The advisor: every strategy's per-device memory for one model, and the one to use, with its arguments.
+
+The rule, in order: the whole model fits one device -> data parallelism over every device; it fits
+once activations shrink -> data parallelism with activation checkpointing (or gradient
+accumulation); it does not fit -> the fewest pipeline stages that fit (GPipe, ``chunks >= 4 x
+stages`` so the bubble ``(n-1)/(m+n-1)`` stays small), and with devices to spare, replicas of that
+pipeline (hybrid).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence, Tuple
+
+from dualframe.partition import balance_by_cost, partition_ranges
+from dualframe.plan.hardware import Hardware
+from dualframe.plan.memory import Memory, Training, group_memory, layer_costs
+from dualframe.plan.profile import ModelProfile
+
+# Index names: n stages, m micro-batches (chunks), j stage, r replicas.
+
+
+def bubble(stages: int, chunks: int) -> float:
+    """GPipe's idle share of a step: (n - 1) / (m + n - 1).
+
+    Example:
+        >>> bubble(4, 16)
+        0.15789473684210525
+    """
+    return (stages - 1) / (chunks + stages - 1)
+
+
+def pipeline_chunks(stages: int, batch_size: int) -> int:
+    """Micro-batches for ``stages``: 4 per stage (m >= 4n keeps the bubble under 20%), at most the batch."""
+    return max(1, min(4 * stages, batch_size))
+
+
+@dataclass(frozen=True)
+class Option:
+    """One way to train the model and what each of its devices must hold.
+
+    Example:
+        >>> option = Option("data parallel", stages=1, replicas=8, chunks=1, balance=(12,),
+        ...                 memory=Memory(1e9, 1e9, 2e9, 3e9), fits=True)
+        >>> option.devices
+        8
+    """
+
+    kind: str
+    stages: int
+    replicas: int
+    chunks: int
+    balance: Tuple[int, ...]
+    memory: Memory
+    fits: bool
+    checkpoint: str = "never"
+    backward_passes_per_step: int = 1
+
+    @property
+    def devices(self) -> int:
+        """Devices the option uses: stages x replicas."""
+        return self.stages * self.replicas
+
+    @property
+    def bubble(self) -> float:
+        """Pipeline idle share (0 without stages)."""
+        return bubble(self.stages, self.chunks) if self.stages > 1 else 0.0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every option the advisor weighed, the recommended one and why.
+
+    Example:
+        >>> plan = advise(profile, Training(batch_size=32), Hardware(16 * 2**30))  # doctest: +SKIP
+        >>> plan.recommended.kind                                                  # doctest: +SKIP
+        'data parallel'
+    """
+
+    profile: ModelProfile
+    training: Training
+    hardware: Hardware
+    options: Sequence[Option]
+    recommended: Optional[Option]
+    reason: str
+    alternatives: Sequence[Option] = field(default_factory=tuple)
+
+
+def _option(kind: str, profile: ModelProfile, training: Training, hardware: Hardware, balance: Sequence[int],
+            replicas: int, chunks: int = 1, checkpoint: str = "never", passes: int = 1) -> Option:
+    step = Training(math.ceil(training.batch_size / passes), training.optimizer, training.dtype,
+                    training.mixed_precision)
+    per_device = [group_memory(profile, layers, step, chunks, checkpoint, replicas)
+                  for layers in partition_ranges(balance, profile.num_layers)]
+    worst = max(per_device, key=lambda memory: memory.total)
+    return Option(kind, len(balance), replicas, chunks, tuple(balance), worst,
+                  worst.total <= hardware.usable_memory, checkpoint, passes)
+
+
+def _data_parallel(profile: ModelProfile, training: Training, hardware: Hardware) -> List[Option]:
+    everything, replicas = [profile.num_layers], hardware.devices
+    options = [_option("data parallel", profile, training, hardware, everything, replicas),
+               _option("data parallel + checkpointing", profile, training, hardware, everything, replicas,
+                       checkpoint="layers")]
+    # Fewest backward passes per step whose smaller per-pass batch fits.
+    passes = [k for k in range(2, training.batch_size + 1) if k == training.batch_size or training.batch_size % k == 0]
+    accumulation = None
+    for k in passes:
+        accumulation = _option("data parallel + accumulation", profile, training, hardware, everything, replicas,
+                               passes=k)
+        if accumulation.fits:
+            break
+    return options + ([accumulation] if accumulation else [])
+
+
+def _split(profile: ModelProfile, training: Training, hardware: Hardware, kind: str, stages: int,
+           replicas: int) -> Option:
+    chunks = 1 if kind == "model split" else pipeline_chunks(stages, training.batch_size)
+    checkpoint = "never" if kind == "model split" else "except_last"
+    balance = balance_by_cost(layer_costs(profile, training, chunks, checkpoint), stages)
+    return _option(kind, profile, training, hardware, balance, replicas, chunks, checkpoint)
+
+
+def _fewest_stages(profile: ModelProfile, training: Training, hardware: Hardware, kind: str,
+                   most: int) -> Optional[Option]:
+    """The option with the fewest stages (2..most) that fits, else the one with the most stages.
+
+    A hybrid runs ``devices // stages`` replicas and needs at least two of them.
+    """
+    option = None
+    for n in range(2, min(most, profile.num_layers) + 1):
+        replicas = hardware.devices // n if kind == "hybrid" else 1
+        if kind == "hybrid" and replicas < 2:
+            break
+        option = _split(profile, training, hardware, kind, n, replicas)
+        if option.fits:
+            break
+    return option
+
+
+def options(profile: ModelProfile, training: Training, hardware: Hardware) -> List[Option]:
+    """Every option: data parallel (plain, checkpointing, accumulation), split, pipeline, hybrid."""
+    found = _data_parallel(profile, training, hardware)
+    found += [option for option in (
+        _fewest_stages(profile, training, hardware, "model split", hardware.devices_per_node),
+        _fewest_stages(profile, training, hardware, "pipeline", hardware.devices),
+        _fewest_stages(profile, training, hardware, "hybrid", hardware.devices // 2),
+    ) if option is not None]
+    return found
+
+
+def advise(profile: ModelProfile, training: Training, hardware: Hardware) -> Plan:
+    """Weigh every option and recommend one (see the module docstring for the rule)."""
+    found = options(profile, training, hardware)
+    by_kind = {option.kind: option for option in found}
+    usable = hardware.usable_memory
+    plain = by_kind["data parallel"]
+    if plain.fits:
+        return Plan(profile, training, hardware, found, plain, "the whole model and its batch fit one device")
+    fitting_dp = [by_kind[k] for k in ("data parallel + checkpointing", "data parallel + accumulation")
+                  if k in by_kind and by_kind[k].fits]
+    if fitting_dp:
+        return Plan(profile, training, hardware, found, fitting_dp[0],
+                    f"the model nearly fits: activations must shrink ({_gib(plain.memory.total)} needed, "
+                    f"{_gib(usable)} usable per device)", tuple(fitting_dp[1:]))
+    fitting = [by_kind[k] for k in ("hybrid", "pipeline") if k in by_kind and by_kind[k].fits]
+    staged = fitting[0] if fitting else by_kind.get("pipeline")
+    if staged is not None and staged.fits:
+        spare = "; spare devices hold replicas" if staged.kind == "hybrid" else ""
+        return Plan(profile, training, hardware, found, staged,
+                    f"the model does not fit one device ({_gib(plain.memory.total)} needed, {_gib(usable)} usable): "
+                    f"{staged.stages} pipeline stages fit{spare}")
+    return Plan(profile, training, hardware, found, None,
+                f"nothing fits: even over {staged.stages if staged else 1} stage(s) a device needs "
+                f"{_gib((staged or plain).memory.total)} ({_gib(usable)} usable); add devices, use mixed "
+                f"precision, a smaller batch or a lighter optimizer")
+
+
+def _gib(value: float) -> str:
+    return f"{value / 2**30:.2f} GiB"

@@ -1,0 +1,137 @@
+"""Memory arithmetic: bytes one device needs to train a group of layers, for every strategy's shape.
+
+Per device: parameters, gradients, optimizer state (SGD 0, momentum 1x, Adam 2x the parameters),
+saved activations (the whole batch, or stage boundaries plus one recomputed micro-batch when
+checkpointing), and buffers (gradients flowing back, half-precision weight copies under mixed
+precision, Horovod's fusion buffer when there are replicas).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from dualframe.errors import StrategyError
+from dualframe.plan.profile import ModelProfile, dtype_bytes
+
+#: Optimizer state per trainable parameter, in parameter-sized slots.
+OPTIMIZER_SLOTS = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
+#: Horovod's default tensor-fusion buffer (HOROVOD_FUSION_THRESHOLD), allocated once per process.
+FUSION_BUFFER_BYTES = 64 * 1024 * 1024
+#: How activations are kept for backward: all of them, per layer boundary (recompute one layer at a
+#: time), or per stage and micro-batch as GPipe does ("always"/"except_last" in dualframe.Pipeline).
+CHECKPOINTS = ("never", "layers", "always", "except_last")
+
+
+@dataclass(frozen=True)
+class Training:
+    """What a training step looks like: batch per replica, optimizer, precision.
+
+    Example:
+        >>> Training(batch_size=64, optimizer="adam", mixed_precision=True).activation_bytes
+        2
+
+    Attributes:
+        batch_size: rows per replica per step (what each data-parallel rank feeds).
+        optimizer: ``sgd``, ``momentum``, ``adam`` or ``adamw``.
+        dtype: the parameters' dtype; gradients and optimizer state share it.
+        mixed_precision: compute in float16/bfloat16 with ``dtype`` master weights (torch
+            ``autocast``, Keras ``mixed_float16``): activations take 2 bytes.
+    """
+
+    batch_size: int
+    optimizer: str = "adam"
+    dtype: str = "float32"
+    mixed_precision: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise StrategyError(f"batch_size must be an int >= 1 (batch_size: {self.batch_size!r})")
+        if self.optimizer not in OPTIMIZER_SLOTS:
+            raise StrategyError(f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZER_SLOTS)}")
+        dtype_bytes(self.dtype)
+
+    @property
+    def parameter_bytes(self) -> int:
+        """Bytes per parameter, gradient and optimizer slot element."""
+        return dtype_bytes(self.dtype)
+
+    @property
+    def activation_bytes(self) -> int:
+        """Bytes per saved activation element."""
+        return 2 if self.mixed_precision else self.parameter_bytes
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes on one device, by what holds them.
+
+    Example:
+        >>> Memory(parameters=4e6, gradients=4e6, optimizer=8e6, activations=1e6).total
+        17000000.0
+    """
+
+    parameters: float
+    gradients: float
+    optimizer: float
+    activations: float
+    buffers: float = 0.0
+
+    @property
+    def total(self) -> float:
+        """All of it."""
+        return self.parameters + self.gradients + self.optimizer + self.activations + self.buffers
+
+
+def _activations(profile: ModelProfile, layers: range, batch: int, micro_batch: int, checkpoint: str) -> float:
+    """Saved activation elements of ``layers`` at the peak of the step (before the dtype's bytes)."""
+    saved = [profile.layers[j].activations for j in layers]
+    if checkpoint == "never":
+        return sum(saved) * batch
+    inputs = profile.layer_inputs()
+    if checkpoint == "layers":
+        return sum(inputs[j] for j in layers) * batch + max(saved) * batch
+    # GPipe: each micro-batch keeps only the stage's input; one micro-batch is recomputed at a time.
+    return inputs[layers.start] * batch + sum(saved) * micro_batch
+
+
+def group_memory(profile: ModelProfile, layers: range, training: Training, chunks: int = 1,
+                 checkpoint: str = "never", replicas: int = 1) -> Memory:
+    """Memory of the device holding ``layers`` of ``profile``.
+
+    Args:
+        profile: the measured model.
+        layers: indices of the layers on this device (a range from ``partition_ranges``).
+        training: batch, optimizer and precision.
+        chunks: micro-batches per mini-batch (1 without a pipeline).
+        checkpoint: one of CHECKPOINTS.
+        replicas: data-parallel copies of these layers; above one, Horovod's fusion buffer counts.
+
+    Returns:
+        The Memory breakdown.
+    """
+    if checkpoint not in CHECKPOINTS:
+        raise StrategyError(f"unknown checkpoint {checkpoint!r}; choose one of {', '.join(CHECKPOINTS)}")
+    group = [profile.layers[j] for j in layers]
+    trainable = sum(layer.parameters for layer in group)
+    frozen = sum(layer.frozen for layer in group)
+    size = training.parameter_bytes
+    micro_batch = math.ceil(training.batch_size / chunks)
+    activations = _activations(profile, layers, training.batch_size, micro_batch, checkpoint)
+    # Backward holds the gradient of the largest tensor and of its input at once.
+    flowing = 2 * max(layer.largest for layer in group) * micro_batch * training.activation_bytes
+    half_weights = trainable * 2 if training.mixed_precision else 0
+    fusion = min(FUSION_BUFFER_BYTES, trainable * size) if replicas > 1 else 0
+    return Memory(
+        parameters=(trainable + frozen) * size,
+        gradients=trainable * size,
+        optimizer=trainable * size * OPTIMIZER_SLOTS[training.optimizer],
+        activations=activations * training.activation_bytes,
+        buffers=flowing + half_weights + fusion,
+    )
+
+
+def layer_costs(profile: ModelProfile, training: Training, chunks: int = 1, checkpoint: str = "never") -> Sequence[float]:
+    """Each layer's own memory (as if alone on a device): the cost ``balance_by_cost`` evens out."""
+    return [group_memory(profile, range(j, j + 1), training, chunks, checkpoint).total
+            for j in range(profile.num_layers)]

@@ -1,0 +1,138 @@
+"""Measure a Keras 3 model for ``dualframe plan`` from a symbolic trace: no activation is allocated.
+
+One training step (forward, loss, ``GradientTape`` gradients) is traced into a TensorFlow graph on a
+``tf.TensorSpec`` batch; the tensors the gradient ops read are what the step keeps for backward.
+Each top-level layer's ``call`` is wrapped while tracing, so those tensors and the layer's output
+shape are attributed to the layer that made them. Weights are built (Keras has no meta device).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from dualframe.plan.hardware import nvidia_smi_memory  # noqa: E402
+from dualframe.plan.profile import LayerProfile, ModelProfile  # noqa: E402
+
+#: The trace uses a batch of this many rows and divides, so per-sample figures are exact.
+PROBE_BATCH = 2
+#: Ops whose outputs are weights or constants, not activations.
+_NOT_ACTIVATIONS = ("ReadVariableOp", "Const", "Placeholder", "VarHandleOp")
+
+
+def top_level_layers(model: Any) -> List[Any]:
+    """The layers a ``balance`` counts: the model's layers without its InputLayer."""
+    layers = [layer for layer in getattr(model, "layers", []) if not isinstance(layer, keras.layers.InputLayer)]
+    return layers or [model]
+
+
+def _elements(tensor: tf.Tensor) -> float:
+    shape = [1 if d is None else int(d) for d in tensor.shape]
+    count = float(tf.TensorShape(shape).num_elements() or 0)
+    # Non-float tensors (dropout masks, indices) are counted by their bytes in float32 units.
+    return count if tensor.dtype.is_floating else count * tensor.dtype.size / 4.0
+
+
+def _recording(index: int, original: Callable[..., Any], marks: Dict[int, Tuple[int, int, float]]) -> Callable[..., Any]:
+    """``original`` (a layer's call) that notes which graph ops it made and its output's size."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        graph = tf.compat.v1.get_default_graph()
+        start = len(graph.get_operations())
+        output = original(*args, **kwargs)
+        outputs = [t for t in tf.nest.flatten(output) if isinstance(t, tf.Tensor)]
+        marks[index] = (start, len(graph.get_operations()), sum(_elements(t) for t in outputs))
+        return output
+
+    return call
+
+
+def _wrap_calls(layers: Sequence[Any], marks: Dict[int, Tuple[int, int, float]]) -> List[Callable[..., Any]]:
+    originals = [layer.call for layer in layers]
+    for index, layer in enumerate(layers):
+        layer.call = _recording(index, originals[index], marks)
+    return originals
+
+
+def _trace(model: Any, input_shape: Sequence[int], input_dtype: str) -> tf.Graph:
+    @tf.function
+    def step(batch: tf.Tensor) -> Any:
+        with tf.GradientTape() as tape:
+            output = model(batch, training=True)
+            loss = tf.add_n([tf.reduce_mean(tf.cast(t, tf.float32)) for t in tf.nest.flatten(output)])
+        return tape.gradient(loss, model.trainable_variables)
+
+    spec = tf.TensorSpec([PROBE_BATCH, *input_shape], getattr(tf, input_dtype))
+    return step.get_concrete_function(spec).graph
+
+
+def _saved_by_gradients(graph: tf.Graph) -> Set[str]:
+    return {t.name for op in graph.get_operations() if op.name.startswith("gradient_tape/") for t in op.inputs}
+
+
+def profile_model(model: Any, input_shape: Sequence[int], input_dtype: str = "float32", source: str = "") -> ModelProfile:
+    """Profile a built (or buildable) Keras model with one traced training step.
+
+    Args:
+        model: a ``keras.Model`` (Sequential or functional); its layers are what a ``balance`` counts.
+        input_shape: one sample's shape (without the batch dimension).
+        input_dtype: ``"float32"``, or ``"int32"``/``"int64"`` for token ids.
+        source: where the model came from, for the report.
+
+    Returns:
+        The ModelProfile (per-sample activation elements, parameter counts per layer).
+    """
+    layers = top_level_layers(model)
+    marks: Dict[int, Tuple[int, int, float]] = {}
+    originals = _wrap_calls(layers, marks)
+    try:
+        graph = _trace(model, input_shape, input_dtype)
+    finally:
+        for layer, original in zip(layers, originals):
+            layer.call = original
+    saved, operations = _saved_by_gradients(graph), graph.get_operations()
+    profiles = []
+    for index, layer in enumerate(layers):
+        start, stop, output = marks.get(index, (0, 0, 0.0))
+        kept = [_elements(t) / PROBE_BATCH for op in operations[start:stop] if op.type not in _NOT_ACTIVATIONS
+                for t in op.outputs if t.name in saved]
+        profiles.append(LayerProfile(layer.name, _count(layer.trainable_weights), _count(layer.non_trainable_weights),
+                                     sum(kept), output / PROBE_BATCH, max(kept + [output / PROBE_BATCH])))
+    elements = float(tf.TensorShape(list(input_shape)).num_elements() or 0)
+    inputs_kept = any(op.type == "Placeholder" and op.outputs[0].name in saved and op.outputs[0].dtype.is_floating
+                      for op in operations)
+    if inputs_kept:  # the first layer's weight gradient reads the batch itself
+        first = profiles[0]
+        profiles[0] = LayerProfile(first.name, first.parameters, first.frozen, first.activations + elements,
+                                   first.output, first.largest)
+    dtype = str(layers[0].dtype_policy.variable_dtype) if hasattr(layers[0], "dtype_policy") else "float32"
+    return ModelProfile("keras", source, tuple(input_shape), profiles, elements, dtype)
+
+
+def _count(weights: Sequence[Any]) -> int:
+    return int(sum(int(tf.TensorShape(w.shape).num_elements() or 0) for w in weights))
+
+
+def visible_devices() -> List[Dict[str, Any]]:
+    """The GPUs TensorFlow sees, with their memory in bytes from nvidia-smi (empty on a CPU machine)."""
+    gpus = tf.config.list_physical_devices("GPU")
+    memory = nvidia_smi_memory()
+    return [{"name": f"/GPU:{j}", "memory": memory[j] if j < len(memory) else 0} for j in range(len(gpus))]
+
+
+def profile(target: Any, input_shape: Sequence[int], input_dtype: str = "float32",
+            source: str = "") -> Optional[ModelProfile]:
+    """Profile a saved model path, a builder or a built model; None if it is not a Keras model."""
+    if isinstance(target, (str, os.PathLike)):
+        model = keras.saving.load_model(target, compile=False)
+    elif callable(target) and not isinstance(target, keras.layers.Layer):
+        model = target()
+    else:
+        model = target
+    if not isinstance(model, keras.layers.Layer):
+        return None
+    return profile_model(model, input_shape, input_dtype, source)

@@ -1,0 +1,66 @@
+"""Measure the peak memory of real torch training steps on the CPU, in this fresh process.
+
+    python measure_torch.py MODULE:FUNCTION BATCH OPTIMIZER INPUT_SHAPE INPUT_DTYPE
+
+Prints one JSON line: {"peak": bytes}. The peak is the resident-set high-water mark (VmHWM) during
+two training steps minus the resident set just before the model is built; the high-water mark is
+reset first (/proc/self/clear_refs), after a warm-up step on a tiny model has loaded torch's kernels.
+"""
+import gc
+import importlib
+import json
+import sys
+
+import torch
+
+
+def _status(key: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def _optimizer(name, parameters):
+    if name == "sgd":
+        return torch.optim.SGD(parameters, lr=0.01)
+    if name == "momentum":
+        return torch.optim.SGD(parameters, lr=0.01, momentum=0.9)
+    return torch.optim.Adam(parameters, lr=1e-3)
+
+
+def _step(model, optimizer, batch, classes):
+    optimizer.zero_grad(set_to_none=True)
+    output = model(batch)
+    loss = torch.nn.functional.cross_entropy(output, torch.zeros(len(batch), dtype=torch.long))
+    loss.backward()
+    optimizer.step()
+
+
+def main() -> None:
+    spec, batch_size, optimizer_name, shape, input_dtype = sys.argv[1:6]
+    torch.set_num_threads(1)
+    shape = tuple(int(d) for d in shape.split("x"))
+    module_name, function = spec.split(":")
+    builder = getattr(importlib.import_module(module_name), function)
+    warm = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    _step(warm, _optimizer(optimizer_name, warm.parameters()), torch.randn(2, 4), 2)
+    del warm
+    gc.collect()
+    baseline = _status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")
+    model = builder()
+    optimizer = _optimizer(optimizer_name, model.parameters())
+    for _ in range(2):
+        if input_dtype == "int64":
+            batch = torch.randint(0, 100, (int(batch_size), *shape))
+        else:
+            batch = torch.randn(int(batch_size), *shape)
+        _step(model, optimizer, batch, 10)
+    print(json.dumps({"peak": _status("VmHWM") - baseline, "baseline": baseline}))
+
+
+if __name__ == "__main__":
+    main()
