@@ -133,17 +133,24 @@ class RecordBook:
         """Keep ``record``, dropping the oldest beyond ``keep``."""
         self.records = (self.records + [record])[-self.keep:]
 
+    def _measured(self) -> List[StepRecord]:
+        # The first step pays one-off costs (allocator, autograd start-up, shape headers): left out.
+        return self.records[1:] if len(self.records) > 1 else self.records
+
     def mean_bubble(self) -> float:
-        """Mean idle share over the kept steps."""
-        return sum(r.bubble for r in self.records) / len(self.records) if self.records else 0.0
+        """Mean idle share over the kept steps (the first left out when there are more)."""
+        kept = self._measured()
+        return sum(r.bubble for r in kept) / len(kept) if kept else 0.0
 
     def mean_wall(self) -> float:
-        """Mean step seconds over the kept steps."""
-        return sum(r.wall for r in self.records) / len(self.records) if self.records else 0.0
+        """Mean step seconds over the kept steps (the first left out when there are more)."""
+        kept = self._measured()
+        return sum(r.wall for r in kept) / len(kept) if kept else 0.0
 
     def mean_busy(self) -> float:
-        """Mean computing seconds per step over the kept steps."""
-        return sum(r.busy for r in self.records) / len(self.records) if self.records else 0.0
+        """Mean computing seconds per step over the kept steps (the first left out when there are more)."""
+        kept = self._measured()
+        return sum(r.busy for r in kept) / len(kept) if kept else 0.0
 
 
 #: Most input dimensions the step agreement can carry.

@@ -206,5 +206,9 @@ class DistributedPipeline(nn.Module):
     def timing(self) -> str:
         """One line for this stage: mean step seconds, computing seconds and idle share (the bubble)."""
         book = self.records
-        return (f"stage {self.stage_index} (rank {hvd.rank()}): step {book.mean_wall() * 1e3:.1f} ms, "
-                f"busy {book.mean_busy() * 1e3:.1f} ms, bubble {book.mean_bubble():.1%}")
+        return (f"replica {self.replica} stage {self.stage_index} (rank {hvd.rank()}): step "
+                f"{book.mean_wall() * 1e3:.1f} ms, busy {book.mean_busy() * 1e3:.1f} ms, bubble {book.mean_bubble():.1%}")
+
+    def timings(self) -> List[str]:
+        """Every rank's ``timing()`` line, in rank order, on every rank (a collective: call it on all)."""
+        return list(hvd.allgather_object(self.timing(), name=f"{self._prefix}.timings"))
