@@ -1,0 +1,124 @@
+"""Benchmark of pipelines whose stages are processes (2 stages, one thread per process).
+
+    flock /tmp/dualframe-bench.lock mpirun --allow-run-as-root --oversubscribe -np 2 --bind-to none \\
+        -x OMP_NUM_THREADS=1 -x PATH .venv/bin/python scripts/bench_dist_pipeline.py
+
+Prints, from interleaved rounds (A B C A B C ..., median of the per-round ratios):
+  1. throughput of DistributedPipeline chunks=8 over chunks=1 (naive model parallelism), and of
+     torch.distributed.pipelining's ScheduleGPipe (8 micro-batches, gloo) over the same chunks=1;
+  2. the measured bubble (idle share per stage, mean of both) against (n-1)/(m+n-1) for m = 1..16;
+  3. peak activation bytes per rank, gpipe vs 1f1b (chunks=8).
+"""
+import argparse
+import os
+import statistics
+import time
+
+import torch
+from torch import nn
+
+import dualframe
+import dualframe.torch as hvd
+from dualframe.torch.distributed_pipeline import DistributedPipeline
+
+
+def build_model(width: int, blocks: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(blocks):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers)
+
+
+def ours(model, chunks, schedule="gpipe"):
+    pipe = DistributedPipeline(model, [len(model) // 2] * 2, chunks=chunks, schedule=schedule, loss_fn=nn.MSELoss())
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=1e-4)
+
+    def step(x, y):
+        optimizer.zero_grad()
+        pipe.train_step(x, y)
+        optimizer.step()
+    return pipe, step
+
+
+def torch_gpipe(model, chunks):
+    """PyTorch's own pipelining (ScheduleGPipe over gloo) on the same split."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    rank = dualframe.detect_topology().rank
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29533")
+        dist.init_process_group("gloo", rank=rank, world_size=2)
+    half = len(model) // 2
+    part = nn.Sequential(*(list(model)[:half] if rank == 0 else list(model)[half:]))
+    stage = PipelineStage(part, stage_index=rank, num_stages=2, device=torch.device("cpu"))
+    schedule = ScheduleGPipe(stage, n_microbatches=chunks, loss_fn=nn.MSELoss())
+    optimizer = torch.optim.SGD(part.parameters(), lr=1e-4)
+
+    def step(x, y):
+        optimizer.zero_grad()
+        schedule.step(x) if rank == 0 else schedule.step(target=y, losses=[])
+        optimizer.step()
+    return step
+
+
+def timed(step, x, y, steps):
+    hvd.barrier()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step(x, y)
+    hvd.barrier()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--blocks", type=int, default=12)
+    parser.add_argument("--batch", type=int, default=2048)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    hvd.init()
+    if hvd.size() != 2:
+        raise SystemExit(f"run with 2 processes (processes: {hvd.size()})")
+    x, y = torch.randn(args.batch, args.width), torch.randn(args.batch, args.width)
+    model = build_model(args.width, args.blocks)
+    configs = {"chunks=1": ours(model, 1)[1], "chunks=8": ours(model, 8)[1], "torch ScheduleGPipe m=8": torch_gpipe(model, 8)}
+    for step in configs.values():  # warm-up: allocator, autograd, shape headers
+        step(x, y)
+    times = {name: [] for name in configs}
+    for _ in range(args.rounds):
+        for name, step in configs.items():
+            times[name].append(timed(step, x, y, args.steps))
+    report = []
+    for name in ("chunks=8", "torch ScheduleGPipe m=8"):
+        ratios = [a / b for a, b in zip(times["chunks=1"], times[name])]
+        report.append(f"throughput {name} / chunks=1: median {statistics.median(ratios):.2f} "
+                      f"(rounds: {' '.join(f'{r:.2f}' for r in ratios)})")
+    report.append(f"step seconds (median): " + ", ".join(f"{n} {statistics.median(t):.3f}" for n, t in times.items()))
+    for m in (1, 2, 4, 8, 16):
+        pipe, step = ours(model, m)
+        for _ in range(args.steps + 1):
+            step(x, y)
+        bubble = statistics.mean(hvd.allgather_object(pipe.records.mean_bubble()))
+        report.append(f"bubble m={m:2d}: measured {bubble:.1%}, theory (n-1)/(m+n-1) {1 / (m + 1):.1%}")
+    for schedule in ("gpipe", "1f1b"):
+        pipe, step = ours(model, 8, schedule)
+        step(x, y)
+        pipe.meter.reset_peak()
+        step(x, y)
+        peaks = hvd.allgather_object(pipe.meter.peak_bytes)
+        report.append(f"peak activation MiB per rank, {schedule}, chunks=8: "
+                      + ", ".join(f"rank {r} {b / 2**20:.1f}" for r, b in enumerate(peaks)))
+    if hvd.rank() == 0:
+        print(f"{args.blocks} x (Linear({args.width}, {args.width}), ReLU), batch {args.batch}, 2 stages, "
+              f"1 thread per process, {args.rounds} rounds of {args.steps} steps")
+        print("\n".join(report), flush=True)
+
+
+if __name__ == "__main__":
+    main()
