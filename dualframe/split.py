@@ -83,6 +83,7 @@ def plan_split(
     available: Sequence[str] = ("cpu",),
     canonical: Callable[[str], str] = str,
     accelerators: Sequence[str] = (),
+    hint: str = "",
 ) -> SplitPlan:
     """Validate every argument of a split before anything runs, and return the plan.
 
@@ -96,6 +97,7 @@ def plan_split(
         canonical: the framework's canonical spelling of a device name; raises DeviceError when
             the name cannot be parsed.
         accelerators: the accelerators among ``available``, for the default.
+        hint: appended to the "not available" message (how to get more devices).
 
     Raises:
         BalanceError, DeviceError, ChunksError, StrategyError: the rule broken, with the values.
@@ -110,7 +112,7 @@ def plan_split(
         name = canonical(device)
         if name not in available:
             raise DeviceError(
-                f"device {device!r} (devices[{j}]) is not available here; available: {', '.join(available)}"
+                f"device {device!r} (devices[{j}]) is not available here; available: {', '.join(available)}{hint}"
             )
         names.append(name)
     return SplitPlan(tuple(partition_ranges(balance, num_layers)), tuple(names), strategy.chunks, strategy.checkpoint)

@@ -71,3 +71,10 @@ __all__ = [
     "start_timeline", "stop_timeline", "mpi_enabled", "mpi_built", "gloo_enabled", "gloo_built",
     "nccl_built", "cuda_built", "mpi_threads_supported",
 ]
+
+# Model split and GPipe pipeline in one process (issue 5).
+from dualframe.tensorflow.balance import balance_by_size, balance_by_time  # noqa: E402
+from dualframe.tensorflow.model_parallel import ModelParallel, logical_cpus  # noqa: E402
+from dualframe.tensorflow.pipeline import Pipeline  # noqa: E402
+
+__all__ += ["ModelParallel", "Pipeline", "logical_cpus", "balance_by_size", "balance_by_time"]

@@ -1,0 +1,52 @@
+"""``Pipeline`` for Keras 3: a split model run with GPipe micro-batching and tf.recompute_grad checkpointing."""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import keras
+
+from dualframe.tensorflow.model_parallel import ModelParallel
+
+
+class Pipeline(ModelParallel):
+    """GPipe for Keras 3: each mini-batch cut into ``chunks`` micro-batches that flow through the groups.
+
+    The graph is built cell by cell in the core's clock-tick order, each cell under ``tf.device`` of its
+    stage; inside ``fit`` (a ``tf.function``) TensorFlow's executor runs independent cells on different
+    devices at the same time. Checkpointed micro-batches keep only their stage inputs and recompute
+    activations in backward (``tf.recompute_grad``).
+
+    Example:
+        >>> import dualframe.tensorflow as hvd
+        >>> layers = [keras.layers.Dense(64, "relu"), keras.layers.Dense(64, "relu"), keras.layers.Dense(10)]
+        >>> pipe = hvd.Pipeline(layers, balance=[2, 1], devices=["/CPU:0", "/CPU:0"], chunks=4)
+        >>> pipe.compile(optimizer="adam", loss="mse")
+        >>> pipe.fit(x, y, batch_size=32)                          # doctest: +SKIP
+
+    Args:
+        layers: the layers, in order; each takes and returns one tensor.
+        balance: layers per group.
+        devices: one device per group; None: the visible GPUs, else ``"/CPU:0"`` repeated.
+        chunks: micro-batches per mini-batch; a batch must have at least ``chunks`` rows.
+        checkpoint: ``"except_last"`` (default), ``"always"`` or ``"never"``. Recomputation reruns the
+            layers: with Dropout (new random mask) or BatchNormalization (moving statistics updated
+            twice) use ``"never"``.
+
+    Raises:
+        BalanceError, DeviceError, ChunksError, StrategyError: before any variable is made.
+    """
+
+    def __init__(self, layers: Sequence[keras.layers.Layer], balance: Sequence[int],
+                 devices: Optional[Sequence[str]] = None, chunks: int = 1, checkpoint: str = "except_last",
+                 **kwargs: Any) -> None:
+        super().__init__(layers, balance, devices, chunks=chunks, checkpoint=checkpoint, **kwargs)
+
+    @property
+    def chunks(self) -> int:
+        """Micro-batches per mini-batch."""
+        return self.plan.chunks
+
+    @property
+    def checkpoint(self) -> str:
+        """The activation checkpointing mode."""
+        return self.plan.checkpoint
