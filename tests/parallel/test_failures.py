@@ -1,0 +1,90 @@
+"""A rank that fails on purpose ends the whole job, non-zero, naming the rank and the cause, within 60 s.
+
+Each case starts a small training script from tests/parallel/failure_workers/ with one launcher; its
+rank 1 raises, calls ``os._exit(3)``, is SIGKILLed, raises in a thread, leaves early, or calls a
+collective the others do not. The test checks the exit status, the message, and the time from the
+fault (the worker prints it) to the end of the job.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import time
+from typing import Dict, List, Optional
+
+import pytest
+
+from dualframe.launch import horovodrun_command, mpirun_command, thread_env
+
+HERE = pathlib.Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+WORKERS = HERE / "failure_workers"
+LIMIT_S = 60.0
+#: Launcher wording for "rank 1 exited with <code>" (horovodrun, mpirun).
+EXITED = {
+    "horovodrun": r"Process 1 exit with status code {code}",
+    "mpirun": r"Process name: \[\[\d+,\d+\],1\]\s+Exit code:\s+{code}",
+}
+KILLED = {
+    "horovodrun": r"Process 1 exit with status code 137",
+    "mpirun": r"process rank 1 with PID \d+ on node \S+ exited on signal 9 \(Killed\)",
+}
+FAILED = r"dualframe: rank 1/2 \(pid \d+ on \S+\) failed: {cause}"
+STOPPED = r"dualframe: rank 0/2 \(pid \d+ on \S+\) stopped: Horovod shut down because another rank failed"
+
+
+def launch(launcher: str, program: List[str], extra_env: Optional[Dict[str, str]] = None,
+           timeout: float = 240) -> "tuple[int, str, float]":
+    """Run ``program`` on 2 ranks; return (exit status, output, seconds from the fault to the end)."""
+    bindir = pathlib.Path(sys.executable).parent
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(ROOT),
+               PATH=f"{bindir}:{os.environ['PATH']}", **thread_env(2, cores=2), **(extra_env or {}))
+    if launcher == "horovodrun":
+        command = horovodrun_command(2, program, horovodrun=str(bindir / "horovodrun"))
+    else:
+        command = mpirun_command(2, program, oversubscribe=True, export=(
+            "PATH", "PYTHONPATH", "PYTHONUNBUFFERED", "TF_CPP_MIN_LOG_LEVEL", *env.keys() & {
+                *thread_env(1), *(extra_env or {})}))
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"{launcher} {program[-4:]} hung past {timeout}s:\n{output[-6000:]}")
+    end = time.time()
+    match = re.search(r"dualframe-test: fault \w+ at ([\d.]+)", output)
+    assert match, f"the fault was never injected:\n{output[-6000:]}"
+    return process.returncode, output, end - float(match.group(1))
+
+
+def check(launcher: str, script: str, fault: str, expected: List[str], env: Optional[Dict[str, str]] = None) -> None:
+    code, output, elapsed = launch(launcher, [sys.executable, str(WORKERS / script), "--fault", fault], env)
+    assert code != 0, f"{launcher}: the job exited 0 after rank 1's {fault}:\n{output[-6000:]}"
+    for pattern in expected:
+        assert re.search(pattern, output), f"{launcher}: no {pattern!r} in the output:\n{output[-6000:]}"
+    assert elapsed < LIMIT_S, f"{launcher}: the job took {elapsed:.1f}s after the fault (limit {LIMIT_S}s)"
+
+
+TORCH_CASES = [
+    ("raise", "horovodrun", [FAILED.format(cause="RuntimeError: injected fault")]),
+    ("raise", "mpirun", [FAILED.format(cause="RuntimeError: injected fault")]),
+    ("exit", "horovodrun", [EXITED["horovodrun"].format(code=3)]),
+    ("exit", "mpirun", [EXITED["mpirun"].format(code=3)]),
+    ("kill", "horovodrun", [KILLED["horovodrun"]]),
+    ("kill", "mpirun", [KILLED["mpirun"]]),
+    ("thread", "horovodrun", [FAILED.format(cause=r"ZeroDivisionError: division by zero \(in thread 'loader'\)")]),
+    ("early", "mpirun", [STOPPED]),
+    ("name", "horovodrun", [r"rank \d/2 .* stalled: a Horovod collective \(synchronize\) waited more than 10 s"]),
+    ("name", "mpirun", [r"(stalled for longer than|waited more than) 10 s"]),
+]
+
+
+@pytest.mark.parametrize("fault, launcher, expected", TORCH_CASES, ids=[f"{f}-{l}" for f, l, _ in TORCH_CASES])
+def test_torch_data_parallel_rank_failure_ends_the_job(fault: str, launcher: str, expected: List[str]) -> None:
+    check(launcher, "torch_dp.py", fault, expected, env={"DUALFRAME_STALL_TIMEOUT": "10"})
