@@ -102,3 +102,8 @@ class TorchCaster:
 
 
 collectives = TorchCollectives()
+
+# Under a launcher, a rank that fails or stalls ends the whole job, naming itself and the cause.
+from dualframe.torch.failure import install as _install_failure_hooks  # noqa: E402
+
+_install_failure_hooks()
