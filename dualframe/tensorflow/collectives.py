@@ -102,3 +102,8 @@ class TFCaster:
 
 
 collectives = TFCollectives()
+
+# Under a launcher, a rank that fails or stalls ends the whole job, naming itself and the cause.
+from dualframe import failure as _failure  # noqa: E402
+
+_failure.install()
