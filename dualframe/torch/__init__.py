@@ -51,3 +51,8 @@ from dualframe.torch.distributed_pipeline import DistributedPipeline  # noqa: E4
 from dualframe.torch.pipeline_transport import PeerLostError  # noqa: E402
 
 __all__ += ["DistributedPipeline", "PeerLostError"]
+
+# Checkpoints with exact resume, and pipeline stages' parts merged (issue 8).
+from dualframe.torch.checkpoint import TrainingState, load_checkpoint, merge_stage_checkpoints, save_checkpoint  # noqa: E402
+
+__all__ += ["TrainingState", "load_checkpoint", "merge_stage_checkpoints", "save_checkpoint"]

@@ -1,0 +1,248 @@
+"""torch checkpoints: rank 0 writes model, optimizer, progress and every rank's RNG atomically; loads broadcast.
+
+Files are ``torch.save`` dictionaries of tensors and plain values, read back with
+``torch.load(weights_only=True)``: loading never unpickles arbitrary objects. The folder, the atomic
+write and keep-last-k are the core's :class:`dualframe.checkpoint.CheckpointDir`.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import random
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+
+from dualframe.checkpoint import CheckpointDir, CheckpointError, atomic_write_bytes
+from dualframe.torch.collectives import hvd
+
+FORMAT = "dualframe-torch-checkpoint/1"
+SUFFIX = ".pt"
+
+
+@dataclass
+class TrainingState:
+    """What ``load_checkpoint`` restored besides the tensors: where training stood."""
+
+    step: int
+    epoch: int
+    data_position: Any = None
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+
+def _distributed() -> bool:
+    return bool(hvd.is_initialized()) and int(hvd.size()) > 1
+
+
+def _to_bytes(value: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _from_bytes(data: bytes, map_location: Any = "cpu") -> Any:
+    return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+
+
+def rng_state() -> Dict[str, Any]:
+    """This process's torch, CUDA, numpy and Python RNG states, as tensors and plain values."""
+    _, keys, pos, has_gauss, gauss = np.random.get_state()
+    version, py_state, py_gauss = random.getstate()
+    state: Dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": {"keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "gauss": float(gauss)},
+        "python": {"version": int(version), "state": torch.tensor(py_state, dtype=torch.int64), "gauss": py_gauss},
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Dict[str, Any]) -> None:
+    """Restore what ``rng_state`` returned."""
+    torch.set_rng_state(state["torch"])
+    numpy = state["numpy"]
+    np.random.set_state(("MT19937", numpy["keys"].numpy().astype(np.uint32), numpy["pos"],
+                         numpy["has_gauss"], numpy["gauss"]))
+    python = state["python"]
+    random.setstate((python["version"], tuple(int(v) for v in python["state"].tolist()), python["gauss"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _gather_bytes(data: bytes, name: str) -> List[bytes]:
+    """Every rank's ``data``, in rank order (only this rank's outside a distributed job)."""
+    if not _distributed():
+        return [data]
+    payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    lengths = hvd.allgather(torch.tensor([len(data)], dtype=torch.int64), name=f"{name}.lengths")
+    joined = hvd.allgather(payload, name=f"{name}.bytes").numpy().tobytes()
+    offsets = np.concatenate([[0], np.cumsum(lengths.numpy())])
+    return [joined[offsets[r]:offsets[r + 1]] for r in range(len(lengths))]
+
+
+def _broadcast_bytes(data: Optional[bytes], root_rank: int, name: str) -> bytes:
+    """Root's ``data`` on every rank (``b""`` when root has none)."""
+    if not _distributed():
+        return data or b""
+    length = hvd.broadcast(torch.tensor([len(data or b"")], dtype=torch.int64), root_rank, name=f"{name}.length")
+    size = int(length.item())
+    if size == 0:
+        return b""
+    buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(size, dtype=torch.uint8)
+    return hvd.broadcast(buffer, root_rank, name=f"{name}.bytes").numpy().tobytes()
+
+
+def _check_common(directory: Any, model: Any, optimizer: Any, root_rank: Any) -> None:
+    if not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory):
+        raise CheckpointError(f"directory must be a path (directory: {directory!r})")
+    if not isinstance(model, torch.nn.Module):
+        raise CheckpointError(f"model must be a torch.nn.Module (model: {type(model).__name__})")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise CheckpointError(f"optimizer must be a torch.optim.Optimizer or None (optimizer: {type(optimizer).__name__})")
+    size = int(hvd.size()) if hvd.is_initialized() else 1
+    if isinstance(root_rank, bool) or not isinstance(root_rank, int) or not 0 <= root_rank < size:
+        raise CheckpointError(f"root_rank must be a rank in [0, {size}) (root_rank: {root_rank!r})")
+
+
+def save_checkpoint(directory: str, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
+                    *, step: int, epoch: int = 0, data_position: Any = None, extra: Optional[Dict[str, Any]] = None,
+                    keep: int = 3, root_rank: int = 0, writer: Optional[bool] = None) -> Optional[str]:
+    """Save a checkpoint of ``step``; every rank calls it, rank ``root_rank`` writes.
+
+    The file holds the model's and optimizer's ``state_dict``, ``step``, ``epoch``, ``data_position``
+    and ``extra`` (JSON values: where the data loader stands), and every rank's RNG states (so each
+    rank resumes its own random stream). It is written atomically into ``directory`` and only the
+    newest ``keep`` checkpoints stay.
+
+    Example:
+        >>> save_checkpoint("ckpt", model, optimizer, step=step, epoch=epoch,   # doctest: +SKIP
+        ...                 data_position={"batch": i})
+
+    Args:
+        writer: whether this rank writes (default: rank == root_rank). Pipeline stages pass their
+            own ``directory`` (one per stage) and ``writer=True`` on one rank of each stage.
+
+    Returns:
+        The file written by this rank, or None on ranks that do not write.
+
+    Raises:
+        CheckpointError: a bad argument, found on every rank before any communication or write.
+    """
+    _check_common(directory, model, optimizer, root_rank)
+    folder = CheckpointDir(os.fspath(directory), keep=keep, suffix=SUFFIX)
+    folder.filename(step)  # validates step
+    for name, value in (("epoch", epoch), ("data_position", data_position), ("extra", extra)):
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError):
+            raise CheckpointError(f"{name} must hold only JSON values (ints, strings, lists, dicts) ({name}: {value!r})") from None
+    rngs = _gather_bytes(_to_bytes(rng_state()), "dualframe.checkpoint.rng")
+    writes = (hvd.rank() if hvd.is_initialized() else 0) == root_rank if writer is None else writer
+    path = None
+    if writes:
+        content = {
+            "format": FORMAT, "step": step, "epoch": epoch, "data_position": json.dumps(data_position),
+            "extra": json.dumps(extra or {}), "model": model.state_dict(),
+            "optimizer": optimizer.state_dict() if optimizer is not None else None,
+            "rng": [_from_bytes(blob) for blob in rngs],
+        }
+        path = folder.save(step, _to_bytes(content), meta={"epoch": epoch})
+    if _distributed():  # nobody runs ahead of a save in progress
+        hvd.broadcast(torch.zeros(1), root_rank, name="dualframe.checkpoint.saved")
+    return path
+
+
+def _read(directory: str) -> Optional[bytes]:
+    if os.path.isfile(directory):
+        with open(directory, "rb") as handle:
+            return handle.read()
+    found = CheckpointDir(directory, suffix=SUFFIX).read_latest()
+    return found[1] if found else None
+
+
+def load_checkpoint(directory: str, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
+                    *, root_rank: int = 0, restore_rng: bool = True, map_location: Any = "cpu",
+                    strict: bool = True) -> Optional[TrainingState]:
+    """Load the newest checkpoint of ``directory`` (or the file ``directory``) on every rank.
+
+    Rank ``root_rank`` reads and verifies the file and broadcasts its bytes; every rank then loads
+    the model and optimizer state and, when the job has as many ranks as the one that saved, its own
+    RNG states. Every rank calls it.
+
+    Example:
+        >>> state = load_checkpoint("ckpt", model, optimizer)   # doctest: +SKIP
+        >>> start = state.step + 1 if state else 0               # doctest: +SKIP
+
+    Returns:
+        The TrainingState (step, epoch, data_position, extra), or None when there is no checkpoint.
+
+    Raises:
+        CheckpointError: a bad argument, a corrupt file, or a file that is not a dualframe checkpoint.
+    """
+    _check_common(directory, model, optimizer, root_rank)
+    rank = int(hvd.rank()) if hvd.is_initialized() else 0
+    data = _read(os.fspath(directory)) if rank == root_rank else None
+    data = _broadcast_bytes(data, root_rank, "dualframe.checkpoint.load")
+    if not data:
+        return None
+    try:
+        content = _from_bytes(data, map_location)
+    except Exception as error:  # torch refuses anything but tensors and plain values
+        raise CheckpointError(f"{directory} is not a loadable dualframe torch checkpoint ({error})") from None
+    if not isinstance(content, dict) or content.get("format") != FORMAT:
+        raise CheckpointError(f"{directory} is not a dualframe torch checkpoint (format must be {FORMAT!r})")
+    model.load_state_dict(content["model"], strict=strict)
+    if optimizer is not None and content.get("optimizer") is not None:
+        optimizer.load_state_dict(content["optimizer"])
+    _restore_rng(content.get("rng") or [], rank, restore_rng)
+    return TrainingState(content["step"], content["epoch"], json.loads(content["data_position"]),
+                         json.loads(content["extra"]))
+
+
+def _restore_rng(states: Sequence[Dict[str, Any]], rank: int, restore: bool) -> None:
+    if not restore or not states:
+        return
+    size = int(hvd.size()) if hvd.is_initialized() else 1
+    if len(states) != size:
+        warnings.warn(f"the checkpoint holds RNG states of {len(states)} ranks, this job has {size}: "
+                      "random streams are not restored", RuntimeWarning, stacklevel=3)
+        return
+    set_rng_state(states[rank])
+
+
+def merge_stage_checkpoints(stage_directories: Sequence[str], output: str) -> str:
+    """Merge pipeline stages' newest checkpoints (parts of one model, saved at the same step) into one file.
+
+    Each stage's ``state_dict`` uses the full model's keys (``DistributedPipeline.state_dict``), so
+    the parts join into the full model's ``state_dict``; ``load_checkpoint(output, model)`` then
+    loads it into the unsplit model or into a pipeline. Optimizer states stay in the stage files.
+
+    Raises:
+        CheckpointError: a stage has no checkpoint, the stages saved different steps, or two stages
+            hold the same key.
+    """
+    if isinstance(stage_directories, (str, bytes)) or not stage_directories:
+        raise CheckpointError(f"stage_directories must be a non-empty list of folders ({stage_directories!r})")
+    parts = []
+    for directory in stage_directories:
+        data = _read(directory)
+        if data is None:
+            raise CheckpointError(f"stage folder {directory} holds no checkpoint")
+        parts.append(_from_bytes(data))
+    steps = [part["step"] for part in parts]
+    if len(set(steps)) != 1:
+        raise CheckpointError(f"the stages saved different steps (steps: {steps}); save every stage at the same step")
+    model: Dict[str, Any] = {}
+    for j, part in enumerate(parts):
+        overlap = sorted(set(model) & set(part["model"]))
+        if overlap:
+            raise CheckpointError(f"stage {j} repeats keys another stage holds (keys: {overlap[:5]})")
+        model.update(part["model"])
+    merged = dict(parts[0], model=model, optimizer=None, rng=[])
+    return atomic_write_bytes(output, _to_bytes(merged))
