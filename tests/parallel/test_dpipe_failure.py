@@ -1,0 +1,65 @@
+"""A pipeline stage whose neighbour dies or hangs stops with a clear error within 60 s, under both launchers.
+
+Runs tests/parallel/dpipe_workers/neighbour_dies.py (2 processes, stage 1 fails after 3 steps) and
+times from the failing rank's announcement to the end of the whole job.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from dualframe.launch import horovodrun_command, mpirun_command, thread_env
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+WORKER = ROOT / "tests" / "parallel" / "dpipe_workers" / "neighbour_dies.py"
+BIN = pathlib.Path(sys.executable).parent
+
+
+def launch(launcher: str, fault: str) -> tuple:
+    """Run the worker; return (exit status, output, seconds from the fault to the end)."""
+    program = [sys.executable, str(WORKER)]
+    if launcher == "horovodrun":
+        command = horovodrun_command(2, program, horovodrun=str(BIN / "horovodrun"))
+    else:
+        command = mpirun_command(2, program, oversubscribe=True,
+                                 export=("PATH", "PYTHONPATH", "DPIPE_FAULT", "DPIPE_TIMEOUT", *thread_env(1)))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", DPIPE_FAULT=fault, DPIPE_TIMEOUT="10",
+               TF_CPP_MIN_LOG_LEVEL="2", PATH=f"{BIN}:{os.environ['PATH']}", **thread_env(2, cores=2))
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True)
+    lines, fault_time = [], None
+    deadline = time.monotonic() + 240
+    try:
+        assert process.stdout is not None
+        for line in process.stdout:
+            lines.append(line)
+            if fault_time is None and ("stage 1 dies now" in line or "stage 1 hangs now" in line):
+                fault_time = time.monotonic()
+            if time.monotonic() > deadline or (fault_time and time.monotonic() - fault_time > 90):
+                break
+    finally:
+        if process.poll() is None:
+            time.sleep(1)
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    end = time.monotonic()
+    return process.returncode, "".join(lines), (end - fault_time) if fault_time else None
+
+
+@pytest.mark.parametrize("launcher, fault", [("horovodrun", "die"), ("mpirun", "die"), ("mpirun", "hang")])
+def test_stage_stops_with_a_clear_error_within_60_s(launcher, fault):
+    status, output, seconds = launch(launcher, fault)
+    assert seconds is not None, f"the fault never happened:\n{output[-4000:]}"
+    assert status != 0 and "unreachable" not in output, output[-4000:]
+    assert seconds < 60, f"the job ran {seconds:.0f} s after stage 1 {fault}d:\n{output[-4000:]}"
+    clear = ("PeerLostError" in output or "exited with non-zero status" in output)
+    assert clear, f"no clear error after stage 1 {fault}d:\n{output[-4000:]}"
+    if fault == "hang":  # nobody died: our own bounded wait must be what stopped it
+        assert "PeerLostError after" in output and "nothing arrived within 10 s" in output, output[-4000:]
