@@ -88,3 +88,20 @@ TORCH_CASES = [
 @pytest.mark.parametrize("fault, launcher, expected", TORCH_CASES, ids=[f"{f}-{l}" for f, l, _ in TORCH_CASES])
 def test_torch_data_parallel_rank_failure_ends_the_job(fault: str, launcher: str, expected: List[str]) -> None:
     check(launcher, "torch_dp.py", fault, expected, env={"DUALFRAME_STALL_TIMEOUT": "10"})
+
+
+@pytest.mark.parametrize("launcher", ["horovodrun", "mpirun"])
+def test_torch_exact_resume_after_the_job_is_killed(launcher: str, tmp_path: pathlib.Path) -> None:
+    script = str(WORKERS / "torch_resume.py")
+    code, output, elapsed = launch(launcher, [sys.executable, script, "--phase", "crash", "--dir", str(tmp_path)])
+    assert code != 0 and re.search(KILLED[launcher], output), f"{launcher}: rank 1 was not killed:\n{output[-6000:]}"
+    assert elapsed < LIMIT_S
+    bindir = pathlib.Path(sys.executable).parent
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PATH=f"{bindir}:{os.environ['PATH']}", **thread_env(2, cores=2))
+    command = [sys.executable, script, "--phase", "resume", "--dir", str(tmp_path)]
+    command = (horovodrun_command(2, command, horovodrun=str(bindir / "horovodrun")) if launcher == "horovodrun"
+               else mpirun_command(2, command, oversubscribe=True, export=("PATH", "PYTHONPATH", *thread_env(1))))
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, f"{launcher}: the resumed job failed:\n{output[-6000:]}"
+    assert "resumed run equals the straight run" in output, output[-4000:]
