@@ -162,15 +162,22 @@ def run_ticks(
     pool = ThreadPoolExecutor(max_workers=threads) if parallel and threads > 1 else None
     try:
         for k, tick in enumerate(ticks):
-            if pool is None:
+            if pool is None or len(tick) == 1:
                 for i, j in tick:
                     _timed(cell, i, j, kind, record, ticks, stages, k)
-            else:
-                futures: List[Future] = [pool.submit(_timed, cell, i, j, kind, record, ticks, stages, k) for i, j in tick]
-                errors = [f.exception() for f in futures]
-                first = next((e for e in errors if e is not None), None)
-                if first is not None:
-                    raise first
+                continue
+            # All cells but the last go to the pool; the calling thread runs the last one itself.
+            futures: List[Future] = [pool.submit(_timed, cell, i, j, kind, record, ticks, stages, k)
+                                     for i, j in tick[:-1]]
+            errors: List[Optional[BaseException]] = []
+            try:
+                _timed(cell, *tick[-1], kind, record, ticks, stages, k)
+            except StageError as error:
+                errors.append(error)
+            errors = [f.exception() for f in futures] + errors
+            first = next((e for e in errors if e is not None), None)
+            if first is not None:
+                raise first
     finally:
         if pool is not None:
             pool.shutdown(wait=True)

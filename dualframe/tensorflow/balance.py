@@ -30,7 +30,7 @@ def balance_by_size(layers: Sequence[keras.layers.Layer], partitions: int) -> Li
 def layer_times(layers: Sequence[keras.layers.Layer], sample: tf.Tensor, repeats: int = 3) -> List[float]:
     """Median seconds of forward + backward of each layer on ``sample`` (eager, layer by layer)."""
     times: List[List[float]] = [[] for _ in layers]
-    for _ in range(repeats):
+    for repeat in range(repeats + 1):  # the first pass warms up (allocations, kernels) and is not counted
         x = tf.convert_to_tensor(sample)
         for index, layer in enumerate(layers):
             start = time.perf_counter()
@@ -39,7 +39,8 @@ def layer_times(layers: Sequence[keras.layers.Layer], sample: tf.Tensor, repeats
                 y = layer(x, training=True)
             grads = tape.gradient(y, [x] + list(layer.trainable_variables))
             _ = [g.numpy() for g in grads if g is not None]  # wait for the work
-            times[index].append(time.perf_counter() - start)
+            if repeat:
+                times[index].append(time.perf_counter() - start)
             x = tf.stop_gradient(y)
     return [statistics.median(t) for t in times]
 

@@ -27,7 +27,7 @@ def layer_times(module: Union[nn.Sequential, Iterable[nn.Module]], sample: torch
     """Median seconds of forward + backward of each layer on ``sample`` (layer by layer, in order)."""
     layers = list(module)
     times: List[List[float]] = [[] for _ in layers]
-    for _ in range(repeats):
+    for repeat in range(repeats + 1):  # the first pass warms up (allocations, kernels) and is not counted
         x = sample
         for index, layer in enumerate(layers):
             x = x.detach()
@@ -39,7 +39,8 @@ def layer_times(module: Union[nn.Sequential, Iterable[nn.Module]], sample: torch
             if y.requires_grad:
                 y.backward(torch.ones_like(y))
             _sync(y)
-            times[index].append(time.perf_counter() - start)
+            if repeat:
+                times[index].append(time.perf_counter() - start)
             x = y
     for layer in layers:
         layer.zero_grad(set_to_none=True)
