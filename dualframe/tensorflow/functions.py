@@ -115,6 +115,6 @@ def cross_size() -> int:
 
 
 def barrier(process_set: Any = None) -> None:
-    """Wait until every rank gets here."""
+    """Wait until every rank gets here (horovod.tensorflow 0.28 has no barrier: a one-number allreduce)."""
     check_initialized("barrier")
-    hvd.barrier(process_set=_process_set(process_set))
+    hvd.allreduce(tf.zeros([1]), op=hvd.Sum, name="dualframe.barrier", process_set=_process_set(process_set))

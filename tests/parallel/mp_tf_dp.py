@@ -235,6 +235,7 @@ def test_metric_average_objects_and_shard():
     assert logs == {"loss": 1.5, "accuracy": 5.0}
     assert hvd.broadcast_object({"from": RANK}, root_rank=1) == {"from": 1}
     assert hvd.allgather_object(RANK * 3) == [0, 3]
+    hvd.barrier()
     shard = list(hvd.shard(tf.data.Dataset.range(11)).as_numpy_iterator())
     assert shard == list(range(RANK, 10, SIZE))
 
