@@ -14,7 +14,7 @@ from typing import List, Optional, Sequence, Tuple
 
 from dualframe.partition import balance_by_cost, partition_ranges
 from dualframe.plan.hardware import Hardware
-from dualframe.plan.memory import Memory, Training, group_memory, layer_costs
+from dualframe.plan.memory import Memory, Training, best_segments, group_memory, layer_costs
 from dualframe.plan.profile import ModelProfile
 
 # Index names: n stages, m micro-batches (chunks), j stage, r replicas.
@@ -55,6 +55,7 @@ class Option:
     fits: bool
     checkpoint: str = "never"
     backward_passes_per_step: int = 1
+    segments: int = 1
 
     @property
     def devices(self) -> int:
@@ -87,21 +88,24 @@ class Plan:
 
 
 def _option(kind: str, profile: ModelProfile, training: Training, hardware: Hardware, balance: Sequence[int],
-            replicas: int, chunks: int = 1, checkpoint: str = "never", passes: int = 1) -> Option:
+            replicas: int, chunks: int = 1, checkpoint: str = "never", passes: int = 1, segments: int = 1) -> Option:
     step = Training(math.ceil(training.batch_size / passes), training.optimizer, training.dtype,
                     training.mixed_precision)
-    per_device = [group_memory(profile, layers, step, chunks, checkpoint, replicas)
+    per_device = [group_memory(profile, layers, step, chunks, checkpoint, replicas, segments)
                   for layers in partition_ranges(balance, profile.num_layers)]
     worst = max(per_device, key=lambda memory: memory.total)
     return Option(kind, len(balance), replicas, chunks, tuple(balance), worst,
-                  worst.total <= hardware.usable_memory, checkpoint, passes)
+                  worst.total <= hardware.usable_memory, checkpoint, passes, segments)
 
 
 def _data_parallel(profile: ModelProfile, training: Training, hardware: Hardware) -> List[Option]:
     everything, replicas = [profile.num_layers], hardware.devices
+    # torch checkpoints runs of layers (checkpoint_sequential); Keras 3 rematerializes each layer (RematScope).
+    torch = profile.framework == "torch"
     options = [_option("data parallel", profile, training, hardware, everything, replicas),
                _option("data parallel + checkpointing", profile, training, hardware, everything, replicas,
-                       checkpoint="layers")]
+                       checkpoint="segments" if torch else "layers",
+                       segments=best_segments(profile, training) if torch else 1)]
     # Fewest backward passes per step whose smaller per-pass batch fits.
     passes = [k for k in range(2, training.batch_size + 1) if k == training.batch_size or training.batch_size % k == 0]
     accumulation = None

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import List, Sequence
 
 from dualframe.errors import StrategyError
 from dualframe.plan.profile import ModelProfile, dtype_bytes
@@ -18,9 +18,11 @@ from dualframe.plan.profile import ModelProfile, dtype_bytes
 OPTIMIZER_SLOTS = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
 #: Horovod's default tensor-fusion buffer (HOROVOD_FUSION_THRESHOLD), allocated once per process.
 FUSION_BUFFER_BYTES = 64 * 1024 * 1024
-#: How activations are kept for backward: all of them, per layer boundary (recompute one layer at a
-#: time), or per stage and micro-batch as GPipe does ("always"/"except_last" in dualframe.Pipeline).
-CHECKPOINTS = ("never", "layers", "always", "except_last")
+#: How activations are kept for backward: all of them; every layer's input (each layer recomputed
+#: alone, as Keras' ``RematScope(mode="full")``); ``segments`` equal runs of layers with the last run
+#: kept (torch's ``checkpoint_sequential``); per stage and micro-batch as GPipe does
+#: (``"always"``/``"except_last"`` in dualframe.Pipeline).
+CHECKPOINTS = ("never", "layers", "segments", "always", "except_last")
 
 
 @dataclass(frozen=True)
@@ -83,7 +85,19 @@ class Memory:
         return self.parameters + self.gradients + self.optimizer + self.activations + self.buffers
 
 
-def _activations(profile: ModelProfile, layers: range, batch: int, micro_batch: int, checkpoint: str) -> float:
+def sequential_segments(layers: int, segments: int) -> List[range]:
+    """The runs ``torch.utils.checkpoint.checkpoint_sequential`` makes: equal runs, the rest in the last.
+
+    Example:
+        >>> sequential_segments(7, 3)
+        [range(0, 2), range(2, 4), range(4, 7)]
+    """
+    size = layers // segments
+    return [range(k * size, (k + 1) * size) for k in range(segments - 1)] + [range((segments - 1) * size, layers)]
+
+
+def _activations(profile: ModelProfile, layers: range, batch: int, micro_batch: int, checkpoint: str,
+                 segments: int) -> float:
     """Saved activation elements of ``layers`` at the peak of the step (before the dtype's bytes)."""
     saved = [profile.layers[j].activations for j in layers]
     if checkpoint == "never":
@@ -91,12 +105,24 @@ def _activations(profile: ModelProfile, layers: range, batch: int, micro_batch: 
     inputs = profile.layer_inputs()
     if checkpoint == "layers":
         return sum(inputs[j] for j in layers) * batch + max(saved) * batch
+    if checkpoint == "segments":
+        runs = sequential_segments(len(saved), segments)
+        kept = [sum(saved[j] for j in run) for run in runs]
+        # Checkpointed runs keep their input; the last run keeps everything; one run is recomputed at a time.
+        return (sum(inputs[layers.start + run.start] for run in runs[:-1]) + kept[-1] + max(kept[:-1], default=0)) * batch
     # GPipe: each micro-batch keeps only the stage's input; one micro-batch is recomputed at a time.
     return inputs[layers.start] * batch + sum(saved) * micro_batch
 
 
+def best_segments(profile: ModelProfile, training: Training) -> int:
+    """The ``checkpoint_sequential`` segment count that keeps the fewest activations."""
+    whole = range(profile.num_layers)
+    return min(range(1, profile.num_layers + 1), key=lambda s: _activations(
+        profile, whole, training.batch_size, training.batch_size, "segments", s))
+
+
 def group_memory(profile: ModelProfile, layers: range, training: Training, chunks: int = 1,
-                 checkpoint: str = "never", replicas: int = 1) -> Memory:
+                 checkpoint: str = "never", replicas: int = 1, segments: int = 1) -> Memory:
     """Memory of the device holding ``layers`` of ``profile``.
 
     Args:
@@ -106,6 +132,7 @@ def group_memory(profile: ModelProfile, layers: range, training: Training, chunk
         chunks: micro-batches per mini-batch (1 without a pipeline).
         checkpoint: one of CHECKPOINTS.
         replicas: data-parallel copies of these layers; above one, Horovod's fusion buffer counts.
+        segments: runs of layers for ``checkpoint="segments"``.
 
     Returns:
         The Memory breakdown.
@@ -117,7 +144,7 @@ def group_memory(profile: ModelProfile, layers: range, training: Training, chunk
     frozen = sum(layer.frozen for layer in group)
     size = training.parameter_bytes
     micro_batch = math.ceil(training.batch_size / chunks)
-    activations = _activations(profile, layers, training.batch_size, micro_batch, checkpoint)
+    activations = _activations(profile, layers, training.batch_size, micro_batch, checkpoint, segments)
     # Backward holds the gradient of the largest tensor and of its input at once.
     flowing = 2 * max(layer.largest for layer in group) * micro_batch * training.activation_bytes
     half_weights = trainable * 2 if training.mixed_precision else 0

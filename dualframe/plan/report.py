@@ -56,13 +56,14 @@ def launch_line(option: Option, hardware: Hardware, script: str = "train.py") ->
     return f"dualframe run -np {processes(option, hardware)}{hosts} {script}"
 
 
-def extra_lines(option: Option, framework: str) -> List[str]:
+def extra_lines(option: Option) -> List[str]:
     """What the training script changes besides the strategy (checkpointing, batch per pass)."""
     lines = []
+    if option.checkpoint == "segments":
+        lines.append(f"output = torch.utils.checkpoint.checkpoint_sequential(model, {option.segments}, batch, "
+                     "use_reentrant=False)")
     if option.checkpoint == "layers":
-        lines.append(f"torch.utils.checkpoint.checkpoint_sequential(model, {sum(option.balance)}, batch, "
-                     "use_reentrant=False)"
-                     if framework == "torch" else 'with keras.RematScope(mode="full"): model = build_model()')
+        lines.append('with keras.RematScope(mode="full"): model = build_model()')
     if option.backward_passes_per_step > 1:
         lines.append(f"# feed {option.backward_passes_per_step} batches per optimizer step "
                      f"(backward_passes_per_step), each 1/{option.backward_passes_per_step} of the batch")
@@ -117,7 +118,7 @@ def recommendation_lines(plan: Plan, script: str = "train.py") -> List[str]:
     lines = [f"recommended: {option.kind}" + (f", {option.stages} stages" if option.stages > 1 else "")
              + (f", bubble {option.bubble:.0%}" if option.stages > 1 else ""),
              f"  strategy = {strategy_call(option, framework, plan.hardware)}"]
-    lines += [f"  {line}" for line in extra_lines(option, framework)]
+    lines += [f"  {line}" for line in extra_lines(option)]
     lines.append(f"  {launch_line(option, plan.hardware, script)}")
     for other in plan.alternatives:
         lines.append(f"  or: {other.kind}: {strategy_call(other, framework, plan.hardware)}")
@@ -129,7 +130,7 @@ def _option_json(option: Option, plan: Plan, script: str) -> Dict[str, Any]:
     data.update(balance=list(option.balance), devices=option.devices, bubble=option.bubble,
                 memory={**asdict(option.memory), "total": option.memory.total},
                 strategy=strategy_call(option, plan.profile.framework, plan.hardware),
-                extra=extra_lines(option, plan.profile.framework),
+                extra=extra_lines(option),
                 launch=launch_line(option, plan.hardware, script))
     return data
 

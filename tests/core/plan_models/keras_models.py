@@ -8,9 +8,9 @@ def mlp(width: int = 512, depth: int = 4, features: int = 256, classes: int = 10
     return keras.Sequential(stack + [layers.Dense(classes)])
 
 
-def cnn(channels: int = 32, blocks: int = 4, classes: int = 10) -> keras.Model:
-    """For 32 x 32 x 3 images (channels last): equal conv blocks, as torch_models.cnn."""
-    stack = [keras.Input((32, 32, 3)), layers.Conv2D(channels, 3, padding="same"), layers.BatchNormalization(),
+def cnn(channels: int = 128, blocks: int = 4, classes: int = 10) -> keras.Model:
+    """For 32 x 32 x 3 images (channels last): a strided stem, then equal conv blocks, as torch_models.cnn."""
+    stack = [keras.Input((32, 32, 3)), layers.Conv2D(channels, 3, strides=2, padding="same"), layers.BatchNormalization(),
              layers.ReLU()]
     for block in range(blocks):
         stack.append(layers.Conv2D(channels, 3, padding="same", activation="relu"))

@@ -20,9 +20,9 @@ def mlp(width: int = 512, depth: int = 4, features: int = 256, classes: int = 10
     return nn.Sequential(*layers, nn.Linear(width, classes))
 
 
-def cnn(channels: int = 32, blocks: int = 4, classes: int = 10) -> nn.Sequential:
-    """For 3 x 32 x 32 images: equal conv blocks, so parameters spread over the layers."""
-    layers = [nn.Conv2d(3, channels, 3, padding=1), nn.BatchNorm2d(channels), nn.ReLU()]
+def cnn(channels: int = 128, blocks: int = 4, classes: int = 10) -> nn.Sequential:
+    """For 3 x 32 x 32 images: a strided stem, then equal conv blocks, so parameters spread over the layers."""
+    layers = [nn.Conv2d(3, channels, 3, stride=2, padding=1), nn.BatchNorm2d(channels), nn.ReLU()]
     for block in range(blocks):
         layers += [nn.Conv2d(channels, channels, 3, padding=1), nn.ReLU()]
         if block % 2:
