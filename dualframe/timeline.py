@@ -207,6 +207,49 @@ def read_chrome_trace(path: Union[str, "os.PathLike[str]"]) -> List[Event]:
     return events
 
 
+@dataclass(frozen=True)
+class Bar:
+    """One bar of a Gantt chart: ``row`` index, start and length in ms, colour, optional label."""
+
+    row: int
+    start: float
+    length: float
+    color: str
+    label: str = ""
+    height: float = 0.8
+
+
+def draw_gantt(bars: Sequence[Bar], rows: Sequence[str], title: str, out_path: Union[str, "os.PathLike[str]"],
+               legend: Optional[Dict[str, str]] = None) -> str:
+    """Draw ``bars`` (one row per name in ``rows``, time in ms) to a PNG and return its path.
+
+    The one renderer behind every dualframe timeline (pipelines here, Horovod timelines in
+    ``dualframe.horovod_timeline``). ``legend`` maps a label to a colour.
+    """
+    # The Agg canvas directly, not pyplot: no display needed and the caller's backend is left alone.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    figure = Figure(figsize=(10, 1.0 + min(0.6 * len(rows), 24.0)))
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    for bar in bars:
+        axes.barh(bar.row, bar.length, left=bar.start, height=bar.height, color=bar.color, edgecolor="black",
+                  linewidth=0.5)
+        if bar.label:
+            axes.text(bar.start + bar.length / 2, bar.row, bar.label, ha="center", va="center", fontsize=7)
+    axes.set_yticks(range(len(rows)), list(rows))
+    axes.invert_yaxis()
+    axes.set_xlabel("ms")
+    axes.set_title(title)
+    if legend:
+        axes.legend(handles=[Patch(color=c, label=name) for name, c in legend.items()], loc="upper right", fontsize=7)
+    figure.tight_layout()
+    figure.savefig(out_path, dpi=100)
+    return os.fspath(out_path)
+
+
 def render_png(trace_path_or_events: Union[str, "os.PathLike[str]", Sequence[Event]],
                out_path: Union[str, "os.PathLike[str]"]) -> str:
     """Draw a Gantt chart (one row per stage, forward blue, backward orange) to a PNG; return its path.
@@ -219,26 +262,12 @@ def render_png(trace_path_or_events: Union[str, "os.PathLike[str]", Sequence[Eve
     else:
         events = list(trace_path_or_events)
     _check(events)
-    # The Agg canvas directly, not pyplot: no display needed and the caller's backend is left alone.
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
     m, n = shape(events)
     origin = min(e.start for e in events)
     colors = {"F": "#4C72B0", "B": "#DD8452"}
-    figure = Figure(figsize=(10, 1.0 + 0.6 * n))
-    FigureCanvasAgg(figure)
-    axes = figure.add_subplot()
-    for e in events:
-        left, width = (e.start - origin) * 1e3, e.duration * 1e3
-        axes.barh(e.stage, width, left=left, height=0.8, color=colors.get(e.kind, "grey"), edgecolor="black")
-        axes.text(left + width / 2, e.stage, f"{e.kind}{e.micro_batch}", ha="center", va="center", fontsize=7)
+    bars = [Bar(e.stage, (e.start - origin) * 1e3, e.duration * 1e3, colors.get(e.kind, "grey"),
+                f"{e.kind}{e.micro_batch}") for e in events]
     devices = {e.stage: e.device for e in events}
-    axes.set_yticks(range(n), [f"stage {j}\n{devices.get(j, '?')}" for j in range(n)])
-    axes.invert_yaxis()
-    axes.set_xlabel("ms")
-    axes.set_title(f"{m} micro-batches x {n} stages: bubble measured {bubble_fraction(events):.3f}, "
-                   f"theoretical {theoretical_bubble(m, n):.3f}")
-    figure.tight_layout()
-    figure.savefig(out_path, dpi=100)
-    return os.fspath(out_path)
+    title = (f"{m} micro-batches x {n} stages: bubble measured {bubble_fraction(events):.3f}, "
+             f"theoretical {theoretical_bubble(m, n):.3f}")
+    return draw_gantt(bars, [f"stage {j}\n{devices.get(j, '?')}" for j in range(n)], title, out_path)
