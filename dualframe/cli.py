@@ -13,11 +13,13 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
     doctor.add_argument("--require", action="append", default=[], choices=("torch", "tensorflow"),
                         help="fail unless this framework works with Horovod (repeatable)")
+    from dualframe.charts import add_arguments as add_timeline_arguments
     from dualframe.plan.cli import add_arguments as add_plan_arguments
     from dualframe.run import add_arguments as add_run_arguments
 
     add_plan_arguments(sub.add_parser("plan", help="estimate memory per device and recommend a strategy for a model"))
     add_run_arguments(sub.add_parser("run", help="start a script on N processes with horovodrun, mpirun or srun"))
+    add_timeline_arguments(sub.add_parser("timeline", help="draw a pipeline trace, a Horovod timeline or scaling results as PNG"))
     return parser
 
 
@@ -36,6 +38,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         from dualframe.run import main_from_args
 
         return main_from_args(args)
+    if args.command == "timeline":
+        from dualframe.charts import main as timeline_main
+
+        return timeline_main(args)
     raise AssertionError(f"unhandled command {args.command}")
 
 
