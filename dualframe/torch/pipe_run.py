@@ -95,7 +95,10 @@ class StepRun:
                 g = next(trainable)
                 if g is not None:
                     old = self.param_grads[j][index]
-                    self.param_grads[j][index] = g if old is None else old + g
+                    if old is None:
+                        self.param_grads[j][index] = g  # a fresh tensor from autograd.grad: ours to add into
+                    else:
+                        old.add_(g)
 
 
 class PipeFunction(torch.autograd.Function):

@@ -1,0 +1,162 @@
+"""Benchmarks of the one-process model split and GPipe pipeline (torch); prints ratios measured in one run.
+
+    flock /tmp/dualframe-bench.lock .venv/bin/python scripts/bench_pipeline.py
+
+1. overhead: Pipeline with every group on the same device vs the plain module, same batch, A B rounds
+   interleaved, median ratio of step times (goal <= 1.10);
+2. memory: peak activation memory of a deep MLP step with checkpoint="always" vs "never", each measured
+   in a fresh subprocess as the growth of peak RSS during one step (after a warm-up that made the grads);
+3. bubble: stages that sleep a fixed time in forward and backward (so "cpu" stages overlap in threads):
+   the timeline's measured bubble vs (n-1)/(m+n-1) (goal: within 5 points).
+"""
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+import dualframe.torch as hvd  # noqa: E402
+from dualframe.timeline import bubble_fraction, theoretical_bubble  # noqa: E402
+
+
+def mlp(width: int, depth: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers)
+
+
+def step_time(model: nn.Module, x: torch.Tensor, steps: int, chunks: int = 1) -> "tuple[float, float]":
+    """(wall seconds, process CPU seconds) per step; chunks > 1 on a plain module = gradient accumulation."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        for part in x.chunk(chunks):
+            (model(part).square().mean() / chunks).backward()
+    return (time.perf_counter() - wall) / steps, (time.process_time() - cpu) / steps
+
+
+def overhead(args: argparse.Namespace) -> None:
+    plain = mlp(args.width, args.depth)
+    x = torch.randn(args.batch, args.width)
+    variants = {f"Pipeline(chunks={c})": (hvd.Pipeline(mlp(args.width, args.depth), [args.depth, args.depth],
+                                                       ["cpu", "cpu"], chunks=c, checkpoint="never"), 1)
+                for c in (1, 4)}
+    variants["plain module, 4 micro-batches accumulated"] = (plain, 4)
+    for model, chunks in [(plain, 1), *variants.values()]:
+        step_time(model, x, 2, chunks)  # warm-up
+    ratios: dict = {name: ([], []) for name in variants}
+    for r in range(args.rounds):
+        for name, (model, chunks) in variants.items():
+            base_first = r % 2 == 0
+            first = step_time(plain, x, args.steps) if base_first else step_time(model, x, args.steps, chunks)
+            second = step_time(model, x, args.steps, chunks) if base_first else step_time(plain, x, args.steps)
+            base, other = (first, second) if base_first else (second, first)
+            ratios[name][0].append(other[0] / base[0])
+            ratios[name][1].append(other[1] / base[1])
+    print(f"[overhead] MLP {2 * args.depth} layers x width {args.width}, batch {args.batch}, 2 groups both on cpu, "
+          f"checkpoint=never, {args.rounds} interleaved A/B rounds x {args.steps} steps; ratio to the plain module")
+    for name, (wall, cpu) in ratios.items():
+        print(f"  {name}: wall median {statistics.median(wall):.3f} (rounds {', '.join(f'{v:.2f}' for v in wall)}); "
+              f"CPU time median {statistics.median(cpu):.3f}")
+
+
+def _peak_child(mode: str, width: int, depth: int, batch: int, chunks: int) -> None:
+    model = hvd.Pipeline(mlp(width, depth), [depth, depth], ["cpu", "cpu"], chunks=chunks, checkpoint=mode)
+    model(torch.randn(chunks, width)).sum().backward()  # warm-up: allocates the gradients
+    x = torch.randn(batch, width)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    model(x).square().mean().backward()
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"peak_kib": after - before}))
+
+
+def memory(args: argparse.Namespace) -> None:
+    width, depth, batch, chunks = 1024, 16, 2048, 8
+    activations = 2 * depth * batch * width * 4 / 2 ** 20
+    peaks = {}
+    for mode in ("never", "always", "except_last"):
+        runs = []
+        for _ in range(3):
+            out = subprocess.run([sys.executable, __file__, "--peak-child", mode, str(width), str(depth), str(batch),
+                                  str(chunks)], capture_output=True, text=True, check=True).stdout
+            runs.append(json.loads(out.strip().splitlines()[-1])["peak_kib"] / 1024)
+        peaks[mode] = statistics.median(runs)
+    print(f"[memory] MLP {2 * depth} layers x width {width}, batch {batch}, chunks {chunks}, 2 stages; peak RSS growth "
+          f"during one step, fresh process each, median of 3 (all layer outputs of the batch: {activations:.0f} MiB)")
+    for mode, peak in peaks.items():
+        print(f"  checkpoint={mode}: {peak:.0f} MiB")
+    print(f"  always / never: {peaks['always'] / peaks['never']:.3f}; except_last / never: "
+          f"{peaks['except_last'] / peaks['never']:.3f}")
+
+
+class SleepFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale, seconds):  # type: ignore[override]
+        ctx.seconds = seconds
+        time.sleep(seconds)
+        return x * scale
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        time.sleep(ctx.seconds)
+        return grad, grad.sum() * 0, None
+
+
+class Sleep(nn.Module):
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds, self.scale = seconds, nn.Parameter(torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return SleepFn.apply(x, self.scale, self.seconds)
+
+
+def bubble(args: argparse.Namespace) -> None:
+    print(f"[bubble] stages sleeping {args.cell_ms} ms per cell (forward and backward), median of {args.rounds} steps")
+    for m, n in ((4, 2), (8, 4), (16, 4), (4, 4)):
+        pipe = hvd.Pipeline(nn.Sequential(*[Sleep(args.cell_ms / 1000) for _ in range(n)]), [1] * n, ["cpu"] * n,
+                            chunks=m, checkpoint="never")
+        measured = []
+        for _ in range(args.rounds):
+            with pipe.record() as timeline:
+                pipe(torch.ones(m, 2)).sum().backward()
+            measured.append(bubble_fraction(timeline.events))
+        value, theory = statistics.median(measured), theoretical_bubble(m, n)
+        print(f"  m={m:2d} n={n}: measured {value:.3f}, theoretical {theory:.3f}, "
+              f"difference {100 * (value - theory):+.1f} points")
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--peak-child":
+        mode, *numbers = sys.argv[2:]
+        _peak_child(mode, *map(int, numbers))
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--depth", type=int, default=4, help="Linear+ReLU pairs per group")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--cell-ms", type=float, default=20.0)
+    parser.add_argument("--only", choices=["overhead", "memory", "bubble"])
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    print(f"torch {torch.__version__}, {os.cpu_count()} cores, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}, "
+          f"{time.strftime('%Y-%m-%d %H:%M')}")
+    for name, run in (("overhead", overhead), ("memory", memory), ("bubble", bubble)):
+        if args.only in (None, name):
+            run(args)
+
+
+if __name__ == "__main__":
+    main()
