@@ -123,6 +123,11 @@ def _color(activity: Activity) -> str:
     return _COLORS["MEMCPY"] if activity.name.startswith("MEMCPY") else _COLORS["transfer"]
 
 
+def _label(tensor: str, width: int = 32) -> str:
+    """A row label: long names (Keras' ``allreduce.DistributedOptimizer_Allreduce/...``) keep their end."""
+    return tensor if len(tensor) <= width else "..." + tensor[-(width - 3):]
+
+
 def render_png(activities_or_path: Union[PathLike, Sequence[Activity]], out_path: PathLike) -> str:
     """A Gantt chart of the timeline, one row per tensor, via ``dualframe.timeline.draw_gantt``.
 
@@ -140,9 +145,7 @@ def render_png(activities_or_path: Union[PathLike, Sequence[Activity]], out_path
     span = max(a.end for a in activities) - origin
     bars = [Bar(tensors.index(a.tensor), (a.start - origin) * 1e3, max((a.end - a.start) * 1e3, span * 1e3 / 2000),
                 _color(a), height=0.8 / (1 + a.depth)) for a in activities]
-    operations = sorted({a.name for a in activities if a.depth == 0 and not a.negotiation})
-    title = (f"Horovod timeline: {len(tensors)} tensors, {'/'.join(operations) or 'no operation'}, span "
-             f"{span * 1e3:.1f} ms, idle (bubble) {idle:.3f}")
+    title = f"Horovod timeline: {len(tensors)} tensors, span {span * 1e3:.1f} ms, idle (bubble) {idle:.3f}"
     legend = {"negotiate": _COLORS["NEGOTIATE"], "operation": _COLORS["operation"],
               "fusion-buffer copy": _COLORS["MEMCPY"], "transfer (Gloo/MPI/NCCL)": _COLORS["transfer"]}
-    return draw_gantt(bars, tensors, title, out_path, legend)
+    return draw_gantt(bars, [_label(t) for t in tensors], title, out_path, legend)
