@@ -56,6 +56,26 @@ def launch_line(option: Option, hardware: Hardware, script: str = "train.py") ->
     return f"dualframe run -np {processes(option, hardware)}{hosts} {script}"
 
 
+def adapter_line(option: Option, framework: str, hardware: Hardware) -> str:
+    """The same choice as a call of the framework's adapter (``import dualframe.torch as hvd`` ...)."""
+    balance, chunks, checkpoint = list(option.balance), option.chunks, option.checkpoint
+    devices = list(hardware.device_names(option.stages, framework))
+    model = "model" if framework == "torch" else "layers"
+    if option.kind.startswith("data parallel"):
+        passes = f", backward_passes_per_step={option.backward_passes_per_step}" if option.backward_passes_per_step > 1 else ""
+        named = ", named_parameters=model.named_parameters()" if framework == "torch" else ""
+        return f"optimizer = hvd.DistributedOptimizer(optimizer{named}{passes})"
+    if option.kind == "model split":
+        return f"model = hvd.ModelParallel({model}, balance={balance}, devices={devices})"
+    if processes(option, hardware) == 1:
+        return (f"model = hvd.Pipeline({model}, balance={balance}, devices={devices}, chunks={chunks}, "
+                f"checkpoint={checkpoint!r})")
+    if framework != "torch":
+        return "# Keras: pipelines across processes are not in dualframe.tensorflow yet; use hvd.Pipeline per node"
+    replicas = f", data_parallel={option.replicas}" if option.replicas > 1 else ""
+    return f"pipe = hvd.DistributedPipeline(model, {balance}, chunks={chunks}, loss_fn=loss_fn{replicas})"
+
+
 def extra_lines(option: Option) -> List[str]:
     """What the training script changes besides the strategy (checkpointing, batch per pass)."""
     lines = []
@@ -117,8 +137,12 @@ def recommendation_lines(plan: Plan, script: str = "train.py") -> List[str]:
     assert option is not None
     lines = [f"recommended: {option.kind}" + (f", {option.stages} stages" if option.stages > 1 else "")
              + (f", bubble {option.bubble:.0%}" if option.stages > 1 else ""),
-             f"  strategy = {strategy_call(option, framework, plan.hardware)}"]
+             f"  strategy = {strategy_call(option, framework, plan.hardware)}",
+             f"  {adapter_line(option, framework, plan.hardware)}"]
     lines += [f"  {line}" for line in extra_lines(option)]
+    if 1 < option.stages and option.chunks < 4 * option.stages:
+        lines.append(f"  # chunks {option.chunks} < 4 x {option.stages} stages: the batch ({plan.training.batch_size}) "
+                     f"caps the micro-batches; a larger batch shrinks the bubble")
     lines.append(f"  {launch_line(option, plan.hardware, script)}")
     for other in plan.alternatives:
         lines.append(f"  or: {other.kind}: {strategy_call(other, framework, plan.hardware)}")
@@ -130,6 +154,7 @@ def _option_json(option: Option, plan: Plan, script: str) -> Dict[str, Any]:
     data.update(balance=list(option.balance), devices=option.devices, bubble=option.bubble,
                 memory={**asdict(option.memory), "total": option.memory.total},
                 strategy=strategy_call(option, plan.profile.framework, plan.hardware),
+                adapter=adapter_line(option, plan.profile.framework, plan.hardware),
                 extra=extra_lines(option),
                 launch=launch_line(option, plan.hardware, script))
     return data
