@@ -31,11 +31,14 @@ def rank_rows(array, per_rank=PER_RANK, rank=RANK):
     return blocks[:, rank].reshape(-1, *array.shape[1:])
 
 
-def make_model(seed, norm=None):
+def make_model(seed, norm=None, built=True, cls=keras.Sequential):
+    """Seeded initializers: the same weights whenever the model gets built (now, or in fit)."""
     keras.utils.set_random_seed(seed)
-    layers = [keras.Input((FEATURES,)), keras.layers.Dense(16, activation="tanh")]
+    init = keras.initializers.GlorotUniform
+    layers = [keras.Input((FEATURES,))] if built else []
+    layers += [keras.layers.Dense(16, activation="tanh", kernel_initializer=init(seed), bias_initializer="zeros")]
     layers += [norm()] if norm else []
-    return keras.Sequential(layers + [keras.layers.Dense(1)])
+    return cls(layers + [keras.layers.Dense(1, kernel_initializer=init(seed + 1))])
 
 
 def flat(model):
@@ -57,8 +60,8 @@ def reference(optimizer, x, y, batch, epochs=1, norm=None, initial=None):
     return model
 
 
-def distributed_fit(optimizer, x, y, epochs=1, norm=None, batch=PER_RANK, callbacks=None):
-    model = make_model(SEED0 + RANK, norm)
+def distributed_fit(optimizer, x, y, epochs=1, norm=None, batch=PER_RANK, callbacks=None, built=True):
+    model = make_model(SEED0 + RANK, norm, built)
     model.compile(optimizer=optimizer, loss="mse")
     model.fit(rank_rows(x), rank_rows(y), batch_size=batch, epochs=epochs, shuffle=False, verbose=0,
               callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)] + (callbacks or []))
@@ -79,6 +82,12 @@ def test_fit_sgd_with_lr_schedule_equals_one_process():
     assert_equal_on_all_ranks(model)
     np.testing.assert_allclose(flat(model), flat(ref), atol=1e-4)
     assert np.abs(flat(ref) - flat(make_model(SEED0))).max() > 1e-2  # training moved the weights
+
+
+def test_model_built_by_fit_is_broadcast_after_the_first_batch():
+    x, y = data(seed=10)
+    model = distributed_fit(hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), x, y, built=False)
+    assert_equal_on_all_ranks(model)  # no variables before fit traced step 1: equal from step 2 on
 
 
 def test_fit_adam_broadcasts_optimizer_state_before_first_update():
@@ -142,8 +151,7 @@ class CustomStep(keras.Sequential):
 
 def test_custom_train_step_equals_one_process():
     x, y = data(seed=3)
-    keras.utils.set_random_seed(SEED0 + RANK)
-    model = CustomStep([keras.Input((FEATURES,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(1)])
+    model = make_model(SEED0 + RANK, cls=CustomStep)
     model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)))
     model.fit(rank_rows(x), rank_rows(y), batch_size=PER_RANK, shuffle=False, verbose=0,
               callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
@@ -186,15 +194,16 @@ def test_sync_batch_norm_equals_batch_norm_on_the_global_batch():
 
 def test_mixed_precision_loss_scale_optimizer():
     x, y = data(seed=7)
+    scaled = lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=2.0 ** 8)  # noqa
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
-        model = distributed_fit(hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), x, y)
-        ref = reference(keras.optimizers.SGD(0.1), x, y, PER_RANK * SIZE)
+        model = distributed_fit(hvd.DistributedOptimizer(scaled()), x, y)
+        ref = reference(scaled(), x, y, PER_RANK * SIZE)
     finally:
         keras.mixed_precision.set_global_policy("float32")
     assert isinstance(model.optimizer, hvd.DistributedLossScaleOptimizer)
     assert_equal_on_all_ranks(model)
-    assert float(model.optimizer.dynamic_scale) == float(ref.optimizer.dynamic_scale)
+    assert float(model.optimizer.dynamic_scale) == float(ref.optimizer.dynamic_scale) == 2.0 ** 8  # no step skipped
     np.testing.assert_allclose(flat(model), flat(ref), atol=2e-2)
 
 

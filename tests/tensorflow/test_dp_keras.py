@@ -174,6 +174,14 @@ def test_broadcast_callback_builds_the_optimizer_before_the_first_batch():
     assert len(m.optimizer.inner_optimizer.variables) > 2  # Adam's slots exist before any update
 
 
+def test_broadcast_model_needs_a_built_model():
+    unbuilt = keras.Sequential([keras.layers.Dense(1)])
+    unbuilt.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD()), loss="mse")
+    with pytest.raises(dualframe.StrategyError, match="has no variables yet: build it first"):
+        hvd.broadcast_model(unbuilt)
+    assert not unbuilt.optimizer.built  # left for fit to build with the real variables
+
+
 def test_rank_zero_helpers():
     checkpoint = keras.callbacks.CSVLogger("/dev/null")
     assert hvd.callbacks.rank_zero_only(checkpoint) == [checkpoint]

@@ -17,9 +17,15 @@ def broadcast_model(model: keras.Model, root_rank: int = 0) -> None:
 
     The optimizer is built first (its slots, iteration count, accumulators), so its state is sent
     before the first update rather than after it.
+
+    Raises:
+        StrategyError: the model is not built (it has no variables to send yet).
     """
     check_initialized("broadcast_model")
     check_root_rank(root_rank, hvd.size())
+    if not model.built:
+        raise StrategyError(f"model {model.name!r} has no variables yet: build it first (give it an Input, call it "
+                            f"on a batch, or model.build(input_shape))")
     variables = list(model.variables)
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None:
@@ -30,10 +36,13 @@ def broadcast_model(model: keras.Model, root_rank: int = 0) -> None:
 
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
-    """At the start of training, copy rank ``root_rank``'s model and optimizer state to every rank.
+    """Copy rank ``root_rank``'s model and optimizer state to every rank before the first update.
 
     Unlike Horovod's (which broadcasts after the first batch, so that batch's update depends on each
-    rank's own random start), the state is equal before the first update.
+    rank's own random start), the state is equal before the first update -- provided the model is
+    built when ``fit`` starts (it has an ``Input``, or was called or built). A model that ``fit``
+    itself builds, while it traces the first step, has no variables before that step; then the
+    broadcast falls back to Horovod's moment, after the first batch, and ranks are equal from there.
 
     Example:
         >>> model.fit(x, y, callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])  # doctest: +SKIP
@@ -46,10 +55,19 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         self.root_rank = root_rank
         self.broadcast_done = False
 
+    def _broadcast(self) -> None:
+        broadcast_model(self.model, self.root_rank)
+        self.broadcast_done = True
+
     def on_train_begin(self, logs: Optional[Dict[str, Any]] = None) -> None:
+        if self.broadcast_done:
+            return
+        if self.model.built:
+            self._broadcast()
+
+    def on_train_batch_end(self, batch: int, logs: Optional[Dict[str, Any]] = None) -> None:
         if not self.broadcast_done:
-            broadcast_model(self.model, self.root_rank)
-            self.broadcast_done = True
+            self._broadcast()
 
 
 class MetricAverageCallback(keras.callbacks.Callback):
