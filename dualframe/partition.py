@@ -78,8 +78,8 @@ def balance_by_cost(costs: Sequence[float], partitions: int) -> List[int]:
             f"cannot make more groups than there are layers (partitions: {n}, layers: {len(costs)})"
         )
     for index, cost in enumerate(costs):
-        if cost < 0:
-            raise BalanceError(f"layer costs must be >= 0 (costs[{index}] = {cost})")
+        if not 0 <= cost < float("inf"):  # also refuses NaN, which would make any split look optimal
+            raise BalanceError(f"layer costs must be finite and >= 0 (costs[{index}] = {cost})")
     # Binary search on the largest group cost, greedy packing; exact for the min-max objective.
     low, high = max(costs), float(sum(costs))
     for _ in range(100):
