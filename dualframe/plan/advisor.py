@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
 from dualframe.partition import balance_by_cost, partition_ranges
-from dualframe.plan.hardware import Hardware
+from dualframe.plan.hardware import Hardware, format_bytes
 from dualframe.plan.memory import Memory, Training, best_segments, group_memory, layer_costs
 from dualframe.plan.profile import ModelProfile
 
@@ -181,4 +181,4 @@ def advise(profile: ModelProfile, training: Training, hardware: Hardware) -> Pla
 
 
 def _gib(value: float) -> str:
-    return f"{value / 2**30:.2f} GiB"
+    return format_bytes(value)
