@@ -7,35 +7,104 @@ from dualframe.torch.collectives import (
     collectives,
     hvd as _hvd,
 )
+from dualframe.torch.compression import Compression
+from dualframe.torch.distribute import distribute
+from dualframe.torch.functions import (
+    allgather_object,
+    broadcast_object,
+    broadcast_optimizer_state,
+    broadcast_parameters,
+    init,
+    wrapped as _wrapped,
+)
+from dualframe.torch.optimizer import DistributedOptimizer
+from dualframe.torch.sync_batch_norm import SyncBatchNorm
+from dualframe.torch.utils import (
+    distributed_sampler,
+    is_root,
+    log,
+    metric_average,
+    progress,
+    shard_batch,
+    warmup_lr_scheduler,
+)
 
-Average = _hvd.Average
-Sum = _hvd.Sum
-Adasum = _hvd.Adasum
-Min = _hvd.Min
-Max = _hvd.Max
-Product = _hvd.Product
-
-init = collectives.init
-is_initialized = collectives.is_initialized
-rank = collectives.rank
-size = collectives.size
+# Horovod's constants and classes, unchanged.
+Average, Sum, Adasum, Min, Max, Product = (_hvd.Average, _hvd.Sum, _hvd.Adasum, _hvd.Min, _hvd.Max, _hvd.Product)
+ProcessSet = _hvd.ProcessSet
+global_process_set = _hvd.global_process_set
+HorovodInternalError = _hvd.HorovodInternalError
 shutdown = _hvd.shutdown
+is_initialized = _hvd.is_initialized
+mpi_built, gloo_built, nccl_built = _hvd.mpi_built, _hvd.gloo_built, _hvd.nccl_built
+ddl_built, ccl_built, cuda_built, rocm_built = _hvd.ddl_built, _hvd.ccl_built, _hvd.cuda_built, _hvd.rocm_built
 
+# Horovod's functions that need a running Horovod: refused with a clear error before init(),
+# tensors, ops and root ranks checked before any communication.
+_CHECKED = _wrapped([
+    "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size",
+    "mpi_threads_supported", "mpi_enabled", "gloo_enabled", "start_timeline", "stop_timeline",
+    "add_process_set", "remove_process_set",
+    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
+    "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
+    "sparse_allreduce_async", "allgather", "allgather_async", "grouped_allgather", "grouped_allgather_async",
+    "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "alltoall", "alltoall_async",
+    "reducescatter", "reducescatter_async", "grouped_reducescatter", "grouped_reducescatter_async",
+    "join", "barrier", "poll", "synchronize",
+])
+rank = _CHECKED["rank"]
+size = _CHECKED["size"]
+local_rank = _CHECKED["local_rank"]
+local_size = _CHECKED["local_size"]
+cross_rank = _CHECKED["cross_rank"]
+cross_size = _CHECKED["cross_size"]
+mpi_threads_supported = _CHECKED["mpi_threads_supported"]
+mpi_enabled = _CHECKED["mpi_enabled"]
+gloo_enabled = _CHECKED["gloo_enabled"]
+start_timeline = _CHECKED["start_timeline"]
+stop_timeline = _CHECKED["stop_timeline"]
+add_process_set = _CHECKED["add_process_set"]
+remove_process_set = _CHECKED["remove_process_set"]
+allreduce = _CHECKED["allreduce"]
+allreduce_ = _CHECKED["allreduce_"]
+allreduce_async = _CHECKED["allreduce_async"]
+allreduce_async_ = _CHECKED["allreduce_async_"]
+grouped_allreduce = _CHECKED["grouped_allreduce"]
+grouped_allreduce_ = _CHECKED["grouped_allreduce_"]
+grouped_allreduce_async = _CHECKED["grouped_allreduce_async"]
+grouped_allreduce_async_ = _CHECKED["grouped_allreduce_async_"]
+sparse_allreduce_async = _CHECKED["sparse_allreduce_async"]
+allgather = _CHECKED["allgather"]
+allgather_async = _CHECKED["allgather_async"]
+grouped_allgather = _CHECKED["grouped_allgather"]
+grouped_allgather_async = _CHECKED["grouped_allgather_async"]
+broadcast = _CHECKED["broadcast"]
+broadcast_ = _CHECKED["broadcast_"]
+broadcast_async = _CHECKED["broadcast_async"]
+broadcast_async_ = _CHECKED["broadcast_async_"]
+alltoall = _CHECKED["alltoall"]
+alltoall_async = _CHECKED["alltoall_async"]
+reducescatter = _CHECKED["reducescatter"]
+reducescatter_async = _CHECKED["reducescatter_async"]
+grouped_reducescatter = _CHECKED["grouped_reducescatter"]
+grouped_reducescatter_async = _CHECKED["grouped_reducescatter_async"]
+join = _CHECKED["join"]
+barrier = _CHECKED["barrier"]
+poll = _CHECKED["poll"]
+synchronize = _CHECKED["synchronize"]
 
-def allreduce(tensor, average=None, name=None, compression=None, op=None, prescale_factor=1.0,
-              postscale_factor=1.0, process_set=None):
-    """Horovod's ``allreduce``; see horovod.torch.allreduce."""
-    kwargs = {} if process_set is None else {"process_set": process_set}
-    if compression is not None:
-        kwargs["compression"] = compression
-    return _hvd.allreduce(tensor, average=average, name=name, op=op, prescale_factor=prescale_factor,
-                          postscale_factor=postscale_factor, **kwargs)
-
+# Rank-0 checkpoint save and load-then-broadcast live in dualframe.torch.checkpoint (reliability);
+# its public names are exported here, below this line.
 
 __all__ = [
     "OPS", "TorchBatchOps", "TorchCaster", "TorchCollectives", "collectives",
-    "Average", "Sum", "Adasum", "Min", "Max", "Product",
-    "init", "is_initialized", "rank", "size", "shutdown", "allreduce",
+    "Compression", "DistributedOptimizer", "SyncBatchNorm", "distribute",
+    "Average", "Sum", "Adasum", "Min", "Max", "Product", "ProcessSet", "global_process_set",
+    "HorovodInternalError", "init", "shutdown", "is_initialized",
+    "mpi_built", "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built",
+    "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object",
+    "distributed_sampler", "shard_batch", "metric_average", "warmup_lr_scheduler", "is_root", "log", "progress",
+    *_CHECKED,
 ]
 
 # Model split and GPipe pipeline in one process (issue 5).

@@ -1,0 +1,362 @@
+"""DistributedOptimizer: wraps a torch optimizer and reduces gradients across ranks (Horovod's semantics)."""
+from __future__ import annotations
+
+import contextlib
+import warnings
+import weakref
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple, Union
+
+import torch
+
+from dualframe.errors import StrategyError
+from dualframe.torch import dp_checks
+from dualframe.torch.collectives import OPS, check_initialized, hvd
+from dualframe.torch.compression import Compression
+
+Key = Union[torch.Tensor, Tuple[torch.Tensor, ...]]
+Pending = Tuple[Any, Any]  # (Horovod handle or None while gradients still accumulate, compression ctx)
+
+_WRAPPED: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+
+
+def _check_optimizer(optimizer: object) -> torch.optim.Optimizer:
+    if isinstance(optimizer, DistributedOptimizer) or hasattr(optimizer, "_allreduce_delay"):
+        raise StrategyError(
+            f"the optimizer is already a DistributedOptimizer ({type(optimizer).__name__}); wrap the plain "
+            f"torch optimizer once"
+        )
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise StrategyError(f"optimizer must be a torch.optim.Optimizer (optimizer: {type(optimizer).__name__})")
+    if optimizer in _WRAPPED:
+        raise StrategyError(
+            f"this {type(optimizer).__name__} is already wrapped by a DistributedOptimizer; wrapping it twice "
+            f"would reduce every gradient twice"
+        )
+    return optimizer
+
+
+def _weak_hook(wrapper: "DistributedOptimizer") -> Callable[[torch.Tensor], None]:
+    # A discarded wrapper must not keep reducing: the parameter's hook holds it weakly.
+    ref = weakref.ref(wrapper)
+
+    def hook(p: torch.Tensor) -> None:
+        alive = ref()
+        if alive is not None:
+            alive._on_gradient(p)
+    return hook
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """A torch optimizer whose gradients are reduced across ranks before each ``step()``.
+
+    Every gradient starts an asynchronous Horovod allreduce as soon as backward has accumulated
+    it, so communication overlaps the rest of the backward pass; ``step()`` waits for them, then
+    runs the wrapped optimizer. The arguments and behaviour are those of
+    ``horovod.torch.DistributedOptimizer``; ``state_dict()`` is the wrapped optimizer's.
+
+    Args:
+        optimizer: the torch optimizer to wrap (once).
+        named_parameters: ``model.named_parameters()``; names the reductions, must cover every parameter.
+        compression: ``Compression.none`` or ``Compression.fp16`` (or ``"none"``/``"fp16"``).
+        backward_passes_per_step: backward passes accumulated locally before one reduction.
+        op: ``Average``, ``Sum``, ``Adasum``, ``Min`` or ``Max``.
+        gradient_predivide_factor: with ``Average``, divide by this before the sum, the rest after.
+        num_groups: deprecated spelling of an int ``groups``.
+        groups: an int (that many fused groups) or lists of parameters reduced together.
+        sparse_as_dense: reduce sparse gradients as dense tensors.
+        process_set: the ranks to reduce over (a registered ``ProcessSet``).
+
+    Raises:
+        NotInitializedError: before ``hvd.init()``.
+        StrategyError: any invalid argument, before any communication.
+
+    Example:
+        >>> import dualframe.torch as hvd                                        # doctest: +SKIP
+        >>> hvd.init()                                                           # doctest: +SKIP
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1 * hvd.size())       # doctest: +SKIP
+        >>> opt = hvd.DistributedOptimizer(opt, model.named_parameters())        # doctest: +SKIP
+        >>> loss_fn(model(x), y).backward(); opt.step()                          # doctest: +SKIP
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer,
+                 named_parameters: Optional[Iterable[Tuple[str, torch.Tensor]]] = None,
+                 compression: Any = Compression.none, backward_passes_per_step: int = 1,
+                 op: Any = hvd.Average, gradient_predivide_factor: float = 1.0, num_groups: int = 0,
+                 groups: dp_checks.GroupsArg = None, sparse_as_dense: bool = False,
+                 process_set: Any = hvd.global_process_set) -> None:
+        check_initialized("DistributedOptimizer")
+        self._optimizer = _check_optimizer(optimizer)
+        self._compression = dp_checks.check_compression(compression, Compression)
+        self.op_name = dp_checks.check_numbers(backward_passes_per_step, op, gradient_predivide_factor)
+        self.op = OPS[self.op_name]
+        self._names = dp_checks.parameter_names(optimizer, named_parameters)
+        if num_groups:
+            warnings.warn("num_groups is deprecated; use groups", DeprecationWarning, stacklevel=2)
+            groups = num_groups if groups is None else groups
+        self._groups = dp_checks.check_groups(groups, dp_checks.optimizer_params(optimizer))
+        self.process_set = dp_checks.check_process_set(process_set)
+        if self.op_name == "adasum":
+            dp_checks.check_adasum(self.process_set)
+        self.backward_passes_per_step = backward_passes_per_step
+        self.gradient_predivide_factor = float(gradient_predivide_factor)
+        self.sparse_as_dense = bool(sparse_as_dense)
+        self._delay: Dict[torch.Tensor, int] = {}
+        self._handles: Dict[Key, Pending] = {}
+        self._requires_update: Set[torch.Tensor] = set()
+        self._p_to_group: Dict[torch.Tensor, Tuple[torch.Tensor, ...]] = {}
+        self._group_counts: Dict[Tuple[torch.Tensor, ...], int] = {}
+        self._hook_handles: List[Any] = []
+        self._synchronized = False
+        self._should_synchronize = True
+        # Adasum combines the wrapped optimizer's weight deltas, not gradients (see _adasum_step).
+        self._adasum = self.op_name == "adasum" and hvd.size() > 1
+        self._active = bool(self.process_set.included()) and hvd.size() > 1 and not self._adasum
+        _WRAPPED.add(optimizer)
+        self._track(dp_checks.optimizer_params(optimizer))
+        if self._active and self._groups is not None:
+            self._form_groups()
+
+    # -- the wrapped optimizer's data, shared rather than copied ------------------------------
+    @property  # type: ignore[override]
+    def param_groups(self) -> List[Dict[str, Any]]:  # type: ignore[override]
+        """The wrapped optimizer's param groups (changing ``lr`` here changes it there)."""
+        return self._optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: List[Dict[str, Any]]) -> None:
+        self._optimizer.param_groups = value
+
+    @property  # type: ignore[override]
+    def state(self) -> Any:  # type: ignore[override]
+        """The wrapped optimizer's per-parameter state."""
+        return self._optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self._optimizer.state = value
+
+    @property  # type: ignore[override]
+    def defaults(self) -> Dict[str, Any]:  # type: ignore[override]
+        """The wrapped optimizer's defaults."""
+        return self._optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: Dict[str, Any]) -> None:
+        self._optimizer.defaults = value
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The wrapped torch optimizer."""
+        return self._optimizer
+
+    def __repr__(self) -> str:
+        return f"DistributedOptimizer(op={self.op_name}, {self._optimizer!r})"
+
+    # -- hooks: one asynchronous reduction per gradient, as soon as it is ready ---------------
+    def _track(self, params: List[torch.Tensor]) -> None:
+        for p in params:
+            self._delay[p] = self.backward_passes_per_step
+            if self._active and p.requires_grad:
+                self._requires_update.add(p)
+                self._hook_handles.append(p.register_post_accumulate_grad_hook(_weak_hook(self)))
+
+    def _form_groups(self) -> None:
+        params = [p for p in dp_checks.optimizer_params(self._optimizer) if p.requires_grad]
+        # Every rank must fuse the same tensors in the same order: rank 0's order decides.
+        order = hvd.broadcast_object([self._names[p] for p in params], root_rank=0,
+                                     process_set=self.process_set)
+        params.sort(key=lambda p: order.index(self._names[p]))
+        if isinstance(self._groups, int):
+            n = min(self._groups, len(params))
+            size, extra = divmod(len(params), n)
+            bounds = [i * size + min(i, extra) for i in range(n + 1)]
+            formed = [tuple(params[bounds[i]:bounds[i + 1]]) for i in range(n)]
+        else:
+            listed = [tuple(p for p in group if p.requires_grad) for group in self._groups or []]
+            grouped = {id(p) for group in listed for p in group}
+            formed = [g for g in listed if g] + [(p,) for p in params if id(p) not in grouped]
+        for group in formed:
+            self._group_counts[group] = 0
+            for p in group:
+                self._p_to_group[p] = group
+
+    def _on_gradient(self, p: torch.Tensor) -> None:
+        if p in self._handles and self._handles[p][0] is not None and self._delay[p] <= 0:
+            raise AssertionError(
+                f"gradients were computed more than backward_passes_per_step "
+                f"({self.backward_passes_per_step}) times before step(); raise backward_passes_per_step "
+                f"to accumulate gradients locally (parameter {self._names.get(p)})"
+            )
+        self._delay[p] -= 1
+        if self._delay[p] > 0:
+            self._handles[p] = (None, None)
+            return
+        if p in self._p_to_group:
+            group = self._p_to_group[p]
+            self._group_counts[group] += 1
+            if self._group_counts[group] == len(group):
+                for q in group:
+                    self._handles.pop(q, None)
+                self._handles[group] = self._reduce_group(group)
+                self._group_counts[group] = 0
+            else:
+                self._handles[p] = (None, None)
+            return
+        self._handles[p] = self._reduce(p)
+
+    def _scale_factors(self) -> Tuple[float, float]:
+        # Horovod's Average already divides by size after the sum; predivide splits it around the sum.
+        if self.op_name == "average":
+            return 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
+        return 1.0, 1.0
+
+    def _reduce(self, p: torch.Tensor) -> Pending:
+        if p.grad is None:
+            # Another rank may have a gradient for it (a branch not taken here): send zeros.
+            p.grad = torch.zeros_like(p)
+        name = self._names.get(p)
+        tensor = p.grad
+        if tensor.is_sparse:
+            if not self.sparse_as_dense:
+                return hvd.sparse_allreduce_async(tensor, name=name, op=self.op, process_set=self.process_set), None
+            tensor = tensor.to_dense()
+        compressed, ctx = self._compression.compress(tensor)
+        prescale, postscale = self._scale_factors()
+        handle = hvd.allreduce_async_(compressed, name=name, op=self.op, prescale_factor=prescale,
+                                      postscale_factor=postscale, process_set=self.process_set)
+        return handle, ctx
+
+    def _reduce_group(self, group: Tuple[torch.Tensor, ...]) -> Pending:
+        grads = []
+        for p in group:
+            grad = torch.zeros_like(p) if p.grad is None else p.grad
+            p.grad = grad.to_dense() if grad.is_sparse else grad
+            grads.append(p.grad)
+        pairs = [self._compression.compress(grad) for grad in grads]
+        prescale, postscale = self._scale_factors()
+        handle = hvd.grouped_allreduce_async_([t for t, _ in pairs], name=self._names.get(group[0]), op=self.op,
+                                              prescale_factor=prescale, postscale_factor=postscale,
+                                              process_set=self.process_set)
+        return handle, [ctx for _, ctx in pairs]
+
+    # -- synchronize and step ------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Wait for every gradient reduction (starting those not started yet); gradients are then global."""
+        if not self._active:
+            self._synchronized = True
+            return
+        started: Set[torch.Tensor] = set()
+        for key in self._handles:
+            started.update(key) if isinstance(key, tuple) else started.add(key)
+        for p in self._requires_update - started:
+            self._handles[p] = self._reduce(p)
+        for key, (handle, _) in list(self._handles.items()):
+            if handle is None and isinstance(key, torch.Tensor):
+                self._handles[key] = self._reduce(key)
+        for key, (handle, ctx) in self._handles.items():
+            self._finish(key, handle, ctx)
+        self._handles.clear()
+        self._synchronized = True
+
+    def _finish(self, key: Key, handle: Any, ctx: Any) -> None:
+        if isinstance(key, tuple):
+            for p, output, one_ctx in zip(key, hvd.synchronize(handle), ctx):
+                self._delay[p] = self.backward_passes_per_step
+                self._set_grad(p, output, one_ctx)
+            self._group_counts[key] = 0
+            return
+        output = handle() if callable(handle) else hvd.synchronize(handle)
+        self._delay[key] = self.backward_passes_per_step
+        if key in self._p_to_group:
+            self._group_counts[self._p_to_group[key]] = 0
+        self._set_grad(key, output, ctx)
+
+    def _set_grad(self, p: torch.Tensor, output: torch.Tensor, ctx: Any) -> None:
+        assert p.grad is not None
+        if p.grad.is_sparse:
+            reduced = self._compression.decompress(output, ctx)
+            p.grad.zero_().add_(reduced if reduced.is_sparse else reduced.to_sparse())
+        else:
+            p.grad.set_(self._compression.decompress(output, ctx))
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Inside this context ``step()`` does not synchronize (after an explicit ``synchronize()``)."""
+        if self._adasum:
+            raise StrategyError("skip_synchronize() is not available with op=Adasum (it reduces in step())")
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # type: ignore[override]
+        """Synchronize the gradients (unless inside ``skip_synchronize()``), then step the wrapped optimizer."""
+        if self._adasum:
+            return self._adasum_step(closure)
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn("optimizer.step() called after optimizer.synchronize() without "
+                              "optimizer.skip_synchronize(); the gradients were reduced again", stacklevel=2)
+            self.synchronize()
+        self._synchronized = False
+        return self._optimizer.step(closure)
+
+    def _adasum_step(self, closure: Optional[Callable[[], Any]]) -> Any:
+        # Horovod's delta rule: step locally, reduce the weight change with Adasum, apply it to the start.
+        params = [p for p in dp_checks.optimizer_params(self._optimizer) if p.requires_grad]
+        starts = [p.detach().clone() for p in params]
+        loss = self._optimizer.step(closure)
+        pairs = [self._compression.compress(p.detach() - start) for p, start in zip(params, starts)]
+        reduced = hvd.grouped_allreduce([t for t, _ in pairs], name="dualframe.adasum.delta", op=hvd.Adasum)
+        with torch.no_grad():
+            for p, start, output, (_, ctx) in zip(params, starts, reduced, pairs):
+                p.copy_(start + self._compression.decompress(output, ctx))
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradients; refused while reductions are pending (between backward and step)."""
+        if self._handles:
+            raise AssertionError(
+                "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
+                "optimizer.synchronize(); that would race with the pending gradient reductions"
+            )
+        self._optimizer.zero_grad(set_to_none=set_to_none)
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Change how many backward passes are accumulated before a reduction."""
+        dp_checks.check_numbers(passes, self.op, self.gradient_predivide_factor)
+        self.backward_passes_per_step = passes
+        for p in self._delay:
+            self._delay[p] = passes
+
+    # -- state and param groups ----------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        """The wrapped optimizer's state dict (interchangeable with an unwrapped optimizer's)."""
+        return self._optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Load into the wrapped optimizer and drop pending reductions."""
+        self._handles = {}
+        self._synchronized = False
+        self._should_synchronize = True
+        for p in self._delay:
+            self._delay[p] = self.backward_passes_per_step
+        self._optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """Add a param group to the wrapped optimizer; its parameters are reduced too (every rank must add it)."""
+        index = len(self._optimizer.param_groups)
+        self._optimizer.add_param_group(param_group)
+        params = self._optimizer.param_groups[index]["params"]
+        for j, p in enumerate(params):
+            self._names.setdefault(p, f"allreduce.noname.{index}.{j}")
+        self._track([p for p in params if p not in self._delay])
+
+    def register_step_pre_hook(self, hook: Callable[..., Any]) -> Any:
+        """Register on the wrapped optimizer (the hook receives it)."""
+        return self._optimizer.register_step_pre_hook(hook)
+
+    def register_step_post_hook(self, hook: Callable[..., Any]) -> Any:
+        """Register on the wrapped optimizer (the hook receives it)."""
+        return self._optimizer.register_step_post_hook(hook)
