@@ -80,14 +80,14 @@ TORCH_CASES = [
     ("kill", "mpirun", [KILLED["mpirun"]]),
     ("thread", "horovodrun", [FAILED.format(cause=r"ZeroDivisionError: division by zero \(in thread 'loader'\)")]),
     ("early", "mpirun", [STOPPED]),
-    ("name", "horovodrun", [r"rank \d/2 .* stalled: a Horovod collective \(synchronize\) waited more than 10 s"]),
-    ("name", "mpirun", [r"(stalled for longer than|waited more than) 10 s"]),
+    ("name", "horovodrun", [r"rank \d/2 .* stalled: a Horovod collective \(synchronize\) waited more than 5 s"]),
+    ("name", "mpirun", [r"(stalled for longer than|waited more than) 5 s"]),
 ]
 
 
 @pytest.mark.parametrize("fault, launcher, expected", TORCH_CASES, ids=[f"{f}-{l}" for f, l, _ in TORCH_CASES])
 def test_torch_data_parallel_rank_failure_ends_the_job(fault: str, launcher: str, expected: List[str]) -> None:
-    check(launcher, "torch_dp.py", fault, expected, env={"DUALFRAME_STALL_TIMEOUT": "10"})
+    check(launcher, "torch_dp.py", fault, expected, env={"DUALFRAME_STALL_TIMEOUT": "5"})
 
 
 @pytest.mark.parametrize("launcher", ["horovodrun", "mpirun"])
