@@ -16,10 +16,10 @@ import torch
 from torch import nn
 
 from dualframe.errors import StrategyError
-from dualframe.partition import partition_ranges
 from dualframe.rank_schedule import Action, pipeline_process_sets, rank_schedule
+from dualframe.stage_setup import check_pipeline
 from dualframe.stage_runner import RecordBook, StepRecord, read_agreement, step_agreement, walk
-from dualframe.strategy import RankGrid, _devices, _positive_int
+from dualframe.strategy import RankGrid, _devices
 from dualframe.topology import detect
 from dualframe.torch.collectives import hvd
 from dualframe.torch.pipeline_transport import DTYPES, HorovodLinks, dtype_code, process_sets, wait
@@ -36,19 +36,7 @@ def _check_arguments(module: nn.Module, balance: Sequence[int], loss_fn: Any, da
                      timeout: float) -> Tuple[List[range], RankGrid]:
     if not isinstance(module, nn.Sequential):
         raise StrategyError(f"DistributedPipeline splits an nn.Sequential (module: {type(module).__name__})")
-    ranges = partition_ranges(balance, len(module))
-    if loss_fn is not None and not callable(loss_fn):
-        raise StrategyError(f"loss_fn must be callable, e.g. nn.MSELoss() (loss_fn: {loss_fn!r})")
-    world = _world_size()
-    grid = RankGrid.build(world, len(ranges))
-    if data_parallel is not None and _positive_int("data_parallel", data_parallel) != grid.replicas:
-        raise StrategyError(
-            f"data_parallel x stages must equal the number of processes (data_parallel: {data_parallel}, "
-            f"stages: {len(ranges)}, processes: {world}); launch with -np {data_parallel * len(ranges)}"
-        )
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise StrategyError(f"timeout must be a number of seconds > 0 (timeout: {timeout!r})")
-    return ranges, grid
+    return check_pipeline(len(module), balance, loss_fn, data_parallel, timeout, _world_size())
 
 
 class DistributedPipeline(nn.Module):

@@ -15,16 +15,15 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from dualframe.errors import DualframeError, StrategyError
+from dualframe.errors import StrategyError
+from dualframe.stage_setup import PeerLostError, resolve_process_sets
 from dualframe.torch.collectives import hvd
+
+__all__ = ["DTYPES", "HorovodLinks", "PeerLostError", "dtype_code", "process_sets", "wait"]
 
 #: dtypes a message may carry, by code (the header's last field).
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8, torch.bool)
 _HEADER = 10  # ndim, up to 8 dims, dtype code
-
-
-class PeerLostError(DualframeError, TimeoutError):
-    """A neighbouring stage stopped answering (it died, hangs or Horovod shut down)."""
 
 
 def dtype_code(dtype: torch.dtype) -> int:
@@ -35,38 +34,10 @@ def dtype_code(dtype: torch.dtype) -> int:
 
 
 def process_sets(needed: Sequence[Sequence[int]]) -> Dict[Tuple[int, ...], Any]:
-    """Horovod ProcessSets for the rank groups ``needed`` (plus the global set), starting Horovod if needed.
-
-    Before ``init`` they are declared at start-up; afterwards they must exist already, or be
-    addable (HOROVOD_DYNAMIC_PROCESS_SETS=1). Every rank calls this with the same groups in the
-    same order, so adding is a matched collective.
-    """
+    """Horovod ProcessSets for the rank groups ``needed`` (see ``dualframe.stage_setup.resolve_process_sets``)."""
     from horovod.common import process_sets as registry
 
-    if not hvd.is_initialized():
-        hvd.init(process_sets=[hvd.ProcessSet(list(ranks)) for ranks in needed])
-    table = {tuple(ranks): set_id for set_id, ranks in registry._basics._get_process_set_ids_and_ranks().items()}
-    missing = [list(ranks) for ranks in needed if tuple(ranks) not in table]
-    if missing and not _dynamic():
-        raise StrategyError(
-            f"Horovod was started without the process sets this pipeline needs (missing: {missing}); "
-            f"start it with hvd.init(process_sets=dualframe.pipeline_process_sets(hvd.size(), stages)) "
-            f"or run with HOROVOD_DYNAMIC_PROCESS_SETS=1"
-        )
-    for group in missing:
-        table[tuple(group)] = hvd.add_process_set(group).process_set_id
-    sets: Dict[Tuple[int, ...], Any] = {}
-    for key, set_id in table.items():
-        ps = hvd.global_process_set if set_id == 0 else registry._temp_process_set_object(set_id)
-        if set_id:
-            ps.ranks = list(key)
-        sets[key] = ps
-    return sets
-
-
-def _dynamic() -> bool:
-    import os
-    return os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS", "0") not in ("", "0")
+    return resolve_process_sets(hvd, registry, needed)
 
 
 def wait(handle: Any, what: str, timeout: float) -> Any:
