@@ -92,15 +92,19 @@ def progress(iterable: Iterable[T], total: Optional[int] = None, desc: str = "")
 def _plain_progress(iterable: Iterable[T], total: Optional[int], desc: str) -> Iterator[T]:
     if total is None and isinstance(iterable, Sized):
         total = len(iterable)
-    start, done, width = time.perf_counter(), 0, 30
+    start, done, shown, width = time.perf_counter(), 0, -1, 30
     for item in iterable:
         yield item
         done += 1
+        tenth = 10 * done // total if total else done // 100
+        if tenth == shown:
+            continue  # redraw in tenths only: launchers turn every write into a line
+        shown = tenth
+        elapsed = time.perf_counter() - start
         if total:
-            filled = width * done // total
-            bar = "#" * filled + "." * (width - filled)
-            sys.stderr.write(f"\r{desc} [{bar}] {done}/{total} {time.perf_counter() - start:.1f}s")
+            bar = "#" * (width * done // total) + "." * (width - width * done // total)
+            sys.stderr.write(f"\r{desc} [{bar}] {done}/{total} {elapsed:.1f}s")
         else:
-            sys.stderr.write(f"\r{desc} {done} {time.perf_counter() - start:.1f}s")
+            sys.stderr.write(f"\r{desc} {done} {elapsed:.1f}s")
         sys.stderr.flush()
     sys.stderr.write("\n")
