@@ -78,3 +78,9 @@ from dualframe.tensorflow.model_parallel import ModelParallel, logical_cpus  # n
 from dualframe.tensorflow.pipeline import Pipeline  # noqa: E402
 
 __all__ += ["ModelParallel", "Pipeline", "logical_cpus", "balance_by_size", "balance_by_time"]
+
+# Pipelines whose stages are processes (issue 6).
+from dualframe.stage_setup import PeerLostError  # noqa: E402
+from dualframe.tensorflow.distributed_pipeline import DistributedPipeline  # noqa: E402
+
+__all__ += ["DistributedPipeline", "PeerLostError"]
