@@ -1,0 +1,231 @@
+"""DistributedPipeline for TensorFlow/Keras 3: a list of layers split over processes, one stage per rank, GPipe or 1F1B.
+
+The TensorFlow twin of ``dualframe.torch.DistributedPipeline``, built on the same core: arguments
+checked by ``dualframe.stage_setup``, per-rank action lists from ``dualframe.rank_schedule``, the
+walk, timing and per-step agreement from ``dualframe.stage_runner``. The framework parts are the
+stage's GradientTape work (``pipeline_work``) and the Horovod transport (``pipeline_transport``).
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from dualframe.errors import StrategyError
+from dualframe.rank_schedule import Action, pipeline_process_sets, rank_schedule
+from dualframe.stage_runner import RecordBook, StepRecord, read_agreement, step_agreement, walk
+from dualframe.stage_setup import check_pipeline
+from dualframe.strategy import RankGrid, _devices
+from dualframe.tensorflow.collectives import hvd
+from dualframe.tensorflow.pipeline_transport import (DTYPES, TFHorovodLinks, allreduce, broadcast, process_sets,
+                                                     tf_dtype_code)
+from dualframe.tensorflow.pipeline_work import TFStageWork
+from dualframe.topology import detect
+
+_IDS = itertools.count()
+
+
+def _layers_of(layers: Any) -> List[Any]:
+    if isinstance(layers, keras.Sequential):
+        return list(layers.layers)
+    if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence) or not all(
+            isinstance(layer, keras.layers.Layer) for layer in layers):
+        raise StrategyError(
+            f"DistributedPipeline splits a keras.Sequential or a list of Keras layers (layers: {type(layers).__name__})")
+    return list(layers)
+
+
+def _loss_of(loss_fn: Any) -> Any:
+    if not isinstance(loss_fn, str):
+        return loss_fn
+    try:
+        return keras.losses.get(loss_fn)
+    except ValueError:
+        raise StrategyError(f"unknown Keras loss {loss_fn!r}; use a name such as 'mse' or a callable") from None
+
+
+def _world_size() -> int:
+    return int(hvd.size()) if hvd.is_initialized() else detect().size
+
+
+class DistributedPipeline:
+    """Keras layers whose stages are processes: rank j of each pipeline holds stage j.
+
+    Every rank builds the same full model (same seed); each keeps its stage. ``train_step`` runs one
+    mini-batch through the schedule, leaves the stage's gradients in ``gradients`` (aligned with
+    ``trainable_variables``) and returns the mean loss on every rank; the optimizer step is the caller's.
+
+    Args:
+        layers: a ``keras.Sequential`` or a list of layers, each taking and returning one tensor.
+        balance: layers per stage, e.g. ``[3, 2]``; one stage per rank of a pipeline.
+        chunks: micro-batches per mini-batch.
+        schedule: ``"gpipe"`` or ``"1f1b"`` (at most ``stages`` micro-batches' tapes alive).
+        loss_fn: ``loss_fn(targets, outputs)`` in Keras order (``keras.losses.MeanSquaredError()`` or
+            ``"mse"``); per-row results are averaged.
+        devices: one TF device per stage (default: the process's default placement).
+        data_parallel: replicas of the pipeline (default: processes // stages); checked against the world.
+        timeout: seconds to wait for a neighbouring stage before raising PeerLostError.
+
+    Raises:
+        BalanceError, ChunksError, ScheduleError, StrategyError: bad arguments, on every rank, before
+        any communication.
+
+    Example:
+        >>> import dualframe.tensorflow as hvd                                         # doctest: +SKIP
+        >>> model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, "relu"), keras.layers.Dense(1)])
+        >>> pipe = hvd.DistributedPipeline(model, [1, 1], chunks=4, loss_fn="mse")  # doctest: +SKIP
+        >>> loss = pipe.train_step(x, y)                                                # doctest: +SKIP
+        >>> optimizer.apply_gradients(zip(pipe.gradients, pipe.trainable_variables))    # doctest: +SKIP
+    """
+
+    def __init__(self, layers: Any, balance: Sequence[int], chunks: int, schedule: str = "gpipe",
+                 loss_fn: Optional[Callable[[Any, Any], Any]] = None, devices: Optional[Sequence[str]] = None,
+                 data_parallel: Optional[int] = None, timeout: float = 45.0) -> None:
+        all_layers = _layers_of(layers)
+        loss_fn = _loss_of(loss_fn)
+        ranges, grid = check_pipeline(len(all_layers), balance, loss_fn, data_parallel, timeout, _world_size())
+        plans = rank_schedule(schedule, len(ranges), chunks)
+        device_names = _devices(devices, len(ranges))
+        self.chunks, self.schedule, self.grid, self.loss_fn, self.timeout = chunks, schedule.lower(), grid, loss_fn, timeout
+        # From here on, Horovod: every argument above is checked on every rank.
+        sets = process_sets(pipeline_process_sets(grid.replicas * grid.stages, grid.stages))
+        self.replica, self.stage_index = grid.position(int(hvd.rank()))
+        j = self.stage_index
+        self.stages, self.plan = grid.stages, plans[j]
+        self.device = device_names[j] if device_names else None
+        self.layer_indices = ranges[j]
+        self.layers = [all_layers[index] for index in ranges[j]]
+        self._all_layers = all_layers
+        self.pipeline_ranks = grid.pipeline_groups[self.replica]
+        self.stage_ranks = grid.stage_groups[j]
+        self.pipeline_set = sets.get(tuple(self.pipeline_ranks), hvd.global_process_set)
+        self.stage_process_set = sets.get(tuple(self.stage_ranks)) if grid.replicas > 1 else None
+        self._prefix = f"dpipe{next(_IDS)}"
+        self.links = TFHorovodLinks(j, self.pipeline_ranks, sets, self._prefix, timeout)
+        self.records = RecordBook()
+        self.gradients: List[Optional[tf.Tensor]] = []
+        self.peak_live = 0
+        self._steps = 0
+
+    @property
+    def is_first(self) -> bool:
+        """True on the rank holding stage 0 (it reads the inputs)."""
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        """True on the rank holding the last stage (it reads the targets and computes the loss)."""
+        return self.stage_index == self.stages - 1
+
+    @property
+    def trainable_variables(self) -> List[tf.Variable]:
+        """The local stage's trainable variables, in layer order."""
+        return [v for layer in self.layers for v in layer.trainable_weights]
+
+    @property
+    def variables(self) -> List[Any]:
+        """All the local stage's variables (``get_weights`` order)."""
+        return [v for layer in self.layers for v in layer.weights]
+
+    def get_weights(self) -> List[np.ndarray]:
+        """The local stage's weights, in the full model's order: the stages' lists concatenate into the model's."""
+        return [w for layer in self.layers for w in layer.get_weights()]
+
+    def set_weights(self, weights: Sequence[Any]) -> None:
+        """Take this stage's part of the full model's ``get_weights()`` list (layers must be built)."""
+        if not all(layer.built for layer in self._all_layers):
+            raise StrategyError("set_weights needs the full model built: give the keras.Sequential a keras.Input")
+        counts = [len(layer.weights) for layer in self._all_layers]
+        if len(weights) != sum(counts):
+            raise StrategyError(f"set_weights takes the full model's list (weights: {len(weights)}, model: {sum(counts)})")
+        start = sum(counts[:self.layer_indices.start])
+        for layer in self.layers:
+            layer.set_weights(list(weights[start:start + len(layer.weights)]))
+            start += len(layer.weights)
+
+    def gather_weights(self) -> List[np.ndarray]:
+        """The full model's weights, merged from every stage of this pipeline (a collective: call it on all ranks)."""
+        parts = hvd.allgather_object((self.stage_index, self.get_weights()), name=f"{self._prefix}.weights",
+                                     process_set=self.pipeline_set)
+        return [w for _, part in sorted(parts, key=lambda item: item[0]) for w in part]
+
+    def distributed_optimizer(self, optimizer: keras.optimizers.Optimizer, **kwargs: Any) -> Any:
+        """Wrap ``optimizer`` so each stage's gradients are averaged among its replicas only.
+
+        Returns ``dualframe.tensorflow.keras.DistributedOptimizer`` on this stage's process set (the
+        pipeline already sums a step's micro-batches, so one ``apply_gradients`` per step); with a
+        single replica, the optimizer itself. Extra arguments (``compression``, ``op`` ...) pass through.
+        """
+        if self.stage_process_set is None:
+            return optimizer
+        from dualframe.tensorflow.keras import DistributedOptimizer
+
+        return DistributedOptimizer(optimizer, process_set=self.stage_process_set, **kwargs)
+
+    def apply_gradients(self, optimizer: Any) -> None:
+        """``optimizer.apply_gradients`` on the last step's gradients and the stage's variables."""
+        optimizer.apply_gradients([(g, v) for g, v in zip(self.gradients, self.trainable_variables) if g is not None])
+
+    def _agree(self, inputs: Any, targets: Any, train: bool) -> Tuple[Any, List[int]]:
+        shape = tuple(int(d) for d in inputs.shape) if inputs is not None else None
+        code = tf_dtype_code(inputs.dtype) if inputs is not None else 0
+        rows = (int(targets.shape[0]) if targets is not None and len(targets.shape) else None) if train else 0
+        mine = tf.constant(step_agreement(shape, code, rows, self.is_first, self.is_last), tf.int64)
+        pending = allreduce(mine, hvd.Sum, f"{self._prefix}.agree", self.pipeline_set)
+        fields = pending.result(f"stage {self.stage_index} (rank {hvd.rank()}) starting step {self._steps}", self.timeout)
+        shape, code, sizes = read_agreement([int(f) for f in fields.numpy()], self.chunks, need_targets=train)
+        return (shape, DTYPES[code].name), sizes
+
+    def _run(self, plan: Sequence[Action], inputs: Any, targets: Any, train: bool) -> Tuple[TFStageWork, StepRecord]:
+        inputs = None if inputs is None or not self.is_first else tf.convert_to_tensor(inputs)
+        targets = None if targets is None or not self.is_last else tf.convert_to_tensor(targets)
+        key, sizes = self._agree(inputs, targets, train)
+        micro_inputs = tf.split(inputs, sizes) if inputs is not None else []
+        micro_targets = tf.split(targets, sizes) if train and targets is not None else []
+        work = TFStageWork(self.layers, self.is_first, self.is_last, self.loss_fn if train else None,
+                           micro_targets, [s / sum(sizes) for s in sizes], self.device)
+        self.links.begin(key, backward=train, chunks=self.chunks)
+        record = walk(plan, self.stage_index, self.stages, micro_inputs, work, self.links)
+        self.links.finish()
+        self.records.add(record)
+        self._steps += 1
+        return work, record
+
+    def train_step(self, inputs: Any, targets: Any) -> float:
+        """Run one mini-batch forward and backward through the pipeline; the stage's gradients land in ``gradients``.
+
+        Inputs are read on the first stage, targets on the last (others may pass them or None).
+        Returns the mini-batch's mean loss on every rank of the pipeline (over all replicas' batches
+        with ``data_parallel`` > 1). Apply the gradients with ``apply_gradients(optimizer)``.
+        """
+        if self.loss_fn is None:
+            raise StrategyError("train_step needs a loss_fn; pass loss_fn= to DistributedPipeline")
+        work, _ = self._run(self.plan, inputs, targets, train=True)
+        self.gradients = work.gradients
+        self.peak_live = max(self.peak_live, work.peak_live)
+        loss = tf.constant([work.loss_sum if self.is_last else 0.0], tf.float64)
+        name = f"{self._prefix}.loss"
+        if self.is_last and self.stage_process_set is not None:
+            loss = allreduce(loss, hvd.Average, name + ".replicas", self.stage_process_set).result(
+                "averaging the loss", self.timeout)
+        pending = broadcast(loss, self.pipeline_ranks[-1], name, self.pipeline_set)
+        return float(pending.result(f"stage {self.stage_index} waiting for the loss", self.timeout)[0])
+
+    def __call__(self, inputs: Any) -> Optional[tf.Tensor]:
+        """Inference through the pipeline (no gradients): the output on the last stage, None elsewhere."""
+        plan = [Action("F", i) for i in range(self.chunks)]
+        work, _ = self._run(plan, inputs, None, train=False)
+        return tf.concat(work.outputs, axis=0) if self.is_last else None
+
+    def timing(self) -> str:
+        """One line for this stage: mean step seconds, computing seconds and idle share (the bubble)."""
+        book = self.records
+        return (f"replica {self.replica} stage {self.stage_index} (rank {hvd.rank()}): step "
+                f"{book.mean_wall() * 1e3:.1f} ms, busy {book.mean_busy() * 1e3:.1f} ms, bubble {book.mean_bubble():.1%}")
+
+    def timings(self) -> List[str]:
+        """Every rank's ``timing()`` line, in rank order, on every rank (a collective: call it on all)."""
+        return list(hvd.allgather_object(self.timing(), name=f"{self._prefix}.timings"))

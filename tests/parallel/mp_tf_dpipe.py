@@ -1,0 +1,112 @@
+"""TensorFlow DistributedPipeline on 2 processes (one stage each), GPipe and 1F1B, against one process training the whole model.
+# timeout: 400
+"""
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import dualframe.tensorflow as hvd
+from dualframe.errors import BalanceError, ChunksError, ScheduleError, StrategyError
+from dualframe.tensorflow.distributed_pipeline import DistributedPipeline
+
+STEPS, BATCH, CHUNKS = 4, 10, 4  # micro-batches of 3, 3, 2, 2 rows
+hvd.init()
+
+
+def make_model(seed=7):
+    """The same weights on every rank and in the reference: seeded initializers, built by keras.Input."""
+    init = keras.initializers.GlorotUniform
+    return keras.Sequential([
+        keras.Input((6,)),
+        keras.layers.Dense(16, kernel_initializer=init(seed), bias_initializer=keras.initializers.RandomNormal(seed=seed)),
+        keras.layers.Activation("tanh"),
+        keras.layers.Dense(16, kernel_initializer=init(seed + 1)),
+        keras.layers.Activation("relu"),
+        keras.layers.Dense(3, kernel_initializer=init(seed + 2)),
+    ])
+
+
+def batches():
+    rng = np.random.RandomState(11)
+    return [(rng.randn(BATCH, 6).astype("float32"), rng.randn(BATCH, 3).astype("float32")) for _ in range(STEPS)]
+
+
+def reference(data):
+    """One process trains the whole model on the same batches: losses and final weights."""
+    model, optimizer, losses = make_model(), keras.optimizers.SGD(0.1, momentum=0.9), []
+    for x, y in data:
+        with tf.GradientTape() as tape:
+            loss = keras.losses.MeanSquaredError()(y, model(x))
+        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+        losses.append(float(loss))
+    return losses, model.get_weights()
+
+
+def test_started_on_two_processes():
+    assert hvd.size() == 2
+
+
+def test_bad_input_is_refused_on_every_rank_before_communication():
+    mse, model = keras.losses.MeanSquaredError(), make_model()
+    with pytest.raises(BalanceError, match=r"balance must sum to the number of layers \(balance: \[2, 2\] = 2 \+ 2 = 4, layers: 5\)"):
+        DistributedPipeline(model, [2, 2], chunks=2, loss_fn=mse)
+    with pytest.raises(StrategyError, match=r"multiple of the number of stages \(processes: 2, stages: 3\)"):
+        DistributedPipeline(model, [2, 2, 1], chunks=2, loss_fn=mse)
+    with pytest.raises(ChunksError, match=r"chunks must be an int >= 1 \(chunks: 0\)"):
+        DistributedPipeline(model, [3, 2], chunks=0, loss_fn=mse)
+    with pytest.raises(ScheduleError, match=r"unknown schedule 'zigzag'; choose one of gpipe, 1f1b"):
+        DistributedPipeline(model, [3, 2], chunks=2, schedule="zigzag", loss_fn=mse)
+    with pytest.raises(StrategyError, match=r"data_parallel x stages must equal the number of processes \(data_parallel: 2"):
+        DistributedPipeline(model, [3, 2], chunks=2, loss_fn=mse, data_parallel=2)
+    with pytest.raises(StrategyError, match=r"unknown Keras loss 'msq'"):
+        DistributedPipeline(model, [3, 2], chunks=2, loss_fn="msq")
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_training_equals_one_process(schedule):
+    data = batches()
+    expected_losses, expected_weights = reference(data)
+    pipe = DistributedPipeline(make_model(), balance=[3, 2], chunks=CHUNKS, schedule=schedule,
+                               loss_fn=keras.losses.MeanSquaredError())
+    assert len(pipe.trainable_variables) == (4 if hvd.rank() == 0 else 2)
+    optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
+    for step, (x, y) in enumerate(data):
+        # Inputs are read on the first stage, targets on the last: the others pass None.
+        loss = pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None)
+        assert loss == pytest.approx(expected_losses[step], abs=1e-5), f"step {step}"
+        pipe.apply_gradients(optimizer)
+    merged = pipe.gather_weights()
+    assert len(merged) == len(expected_weights)
+    for got, want in zip(merged, expected_weights):
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    assert pipe.records.records[-1].wall > 0
+    # Stage 0 holds all 4 micro-batches' tapes with GPipe, at most 2 with 1F1B.
+    assert pipe.peak_live == ({"gpipe": 4, "1f1b": 2}[schedule] if pipe.is_first else 1 if schedule == "1f1b" else 4)
+
+
+def test_inference_and_set_weights_take_the_full_model():
+    model, other = make_model(), make_model(seed=99)
+    pipe = DistributedPipeline(model, balance=[3, 2], chunks=3, loss_fn="mse")
+    pipe.set_weights(other.get_weights())
+    for got, want in zip(pipe.gather_weights(), other.get_weights()):
+        np.testing.assert_array_equal(got, want)
+    x = np.random.RandomState(3).randn(7, 6).astype("float32")
+    out = pipe(x)
+    if pipe.is_last:
+        np.testing.assert_allclose(out.numpy(), other(x).numpy(), atol=1e-6, rtol=0)
+    else:
+        assert out is None
+
+
+def test_bad_batches_are_refused_on_every_rank():
+    pipe = DistributedPipeline(make_model(), balance=[3, 2], chunks=4, loss_fn="mse")
+    rng = np.random.RandomState(5)
+    with pytest.raises(ChunksError, match=r"the batch is smaller than chunks \(batch: 3, chunks: 4\)"):
+        pipe.train_step(rng.randn(3, 6).astype("float32"), rng.randn(3, 3).astype("float32"))
+    with pytest.raises(StrategyError, match=r"the first stage of the pipeline got inputs=None"):
+        pipe.train_step(None, rng.randn(8, 3).astype("float32"))
+    with pytest.raises(ChunksError, match=r"targets must have one row per input row \(inputs: 8 rows, targets: 6 rows\)"):
+        pipe.train_step(rng.randn(8, 6).astype("float32"), rng.randn(6, 3).astype("float32"))
+    # After refusing, the pipeline still trains.
+    assert pipe.train_step(rng.randn(8, 6).astype("float32"), rng.randn(8, 3).astype("float32")) > 0
