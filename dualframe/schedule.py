@@ -12,14 +12,15 @@ Forward: at tick ``k`` the cells with ``i + j == k`` run, so ``m + n - 1`` ticks
 
 Backward is its mirror: at tick ``k`` the cells with ``(m - 1 - i) + (n - 1 - j) == k``.
 Adapters hand ``run_ticks`` a function that executes one cell; cells of one tick are independent
-(they touch different stages) and may run at the same time, one thread per cell.
+(they touch different stages) and may run at the same time, one thread per lane (device).
 """
 from __future__ import annotations
 
+import functools
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
 from dualframe.errors import ScheduleError, StageError
 from dualframe.microbatch import validate_chunks
@@ -92,6 +93,13 @@ class GPipeSchedule:
         return (self.stages - 1) / (self.chunks + self.stages - 1)
 
 
+@functools.lru_cache(maxsize=64)
+def cached_ticks(chunks: int, stages: int, kind: str) -> Tuple[Tuple[Cell, ...], ...]:
+    """``GPipeSchedule(chunks, stages).ticks(kind)`` made once per (chunks, stages, kind), immutable,
+    so that a training loop does not rebuild its schedule every step."""
+    return tuple(tuple(tick) for tick in GPipeSchedule(chunks, stages).ticks(kind))
+
+
 def grid_rows(ticks: Sequence[Sequence[Cell]], stages: int, kind: str = "F") -> List[List[str]]:
     """Lay cells per tick out as a tick x stage grid of labels (``"F3"``, ``"."`` for idle)."""
     rows = []
@@ -149,29 +157,34 @@ def run_ticks(
     kind: str = "F",
     parallel: bool = True,
     record: Optional[RecordFn] = None,
+    lanes: Optional[Sequence[Hashable]] = None,
 ) -> None:
     """Run every cell tick by tick; the cells of one tick run in threads when ``parallel``.
 
     A tick finishes before the next begins, so a cell always sees its inputs from the tick before.
+    ``lanes[j]`` names the lane of stage j (its device): the cells of one tick that share a lane run
+    one after another in one thread, since a device runs one thing at a time; cells in different
+    lanes run in threads. ``None``: every stage its own lane. One lane per tick: no thread at all.
 
     Raises:
         StageError: a cell raised; the message shows the tick x stage grid with that cell marked,
             and the original exception is chained as ``__cause__``.
     """
-    threads = max((len(tick) for tick in ticks), default=1)
+    groups = [lane_groups(tick, lanes) for tick in ticks]
+    threads = max((len(tick) for tick in groups), default=1)
     pool = ThreadPoolExecutor(max_workers=threads) if parallel and threads > 1 else None
     try:
-        for k, tick in enumerate(ticks):
+        for k, tick in enumerate(groups):
             if pool is None or len(tick) == 1:
-                for i, j in tick:
-                    _timed(cell, i, j, kind, record, ticks, stages, k)
+                for lane in tick:
+                    _run_lane(lane, cell, kind, record, ticks, stages, k)
                 continue
-            # All cells but the last go to the pool; the calling thread runs the last one itself.
-            futures: List[Future] = [pool.submit(_timed, cell, i, j, kind, record, ticks, stages, k)
-                                     for i, j in tick[:-1]]
+            # All lanes but the last go to the pool; the calling thread runs the last one itself.
+            futures: List[Future] = [pool.submit(_run_lane, lane, cell, kind, record, ticks, stages, k)
+                                     for lane in tick[:-1]]
             errors: List[Optional[BaseException]] = []
             try:
-                _timed(cell, *tick[-1], kind, record, ticks, stages, k)
+                _run_lane(tick[-1], cell, kind, record, ticks, stages, k)
             except StageError as error:
                 errors.append(error)
             errors = [f.exception() for f in futures] + errors
@@ -181,6 +194,27 @@ def run_ticks(
     finally:
         if pool is not None:
             pool.shutdown(wait=True)
+
+
+def lane_groups(tick: Sequence[Cell], lanes: Optional[Sequence[Hashable]] = None) -> List[List[Cell]]:
+    """The cells of one tick grouped by the lane of their stage, in order of first appearance.
+
+    Example:
+        >>> lane_groups([(0, 2), (1, 1), (2, 0)], ["cuda:0", "cuda:0", "cuda:1"])
+        [[(0, 2)], [(1, 1), (2, 0)]]
+    """
+    if lanes is None:
+        return [[c] for c in tick]
+    grouped: Dict[Hashable, List[Cell]] = {}
+    for i, j in tick:
+        grouped.setdefault(lanes[j], []).append((i, j))
+    return list(grouped.values())
+
+
+def _run_lane(lane: Sequence[Cell], cell: CellFn, kind: str, record: Optional[RecordFn],
+              ticks: Sequence[Sequence[Cell]], stages: int, k: int) -> None:
+    for i, j in lane:
+        _timed(cell, i, j, kind, record, ticks, stages, k)
 
 
 def _timed(cell: CellFn, i: int, j: int, kind: str, record: Optional[RecordFn],

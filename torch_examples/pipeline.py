@@ -1,6 +1,7 @@
 """GPipe pipeline: an nn.Sequential split over devices, each batch cut into micro-batches so the devices work at once.
 
     python torch_examples/pipeline.py                                      # visible GPUs, else "cpu" twice
+    python torch_examples/pipeline.py --overlap-cpu --timeline gpipe.png   # CPU only: "cpu" stages in threads
     python torch_examples/pipeline.py --devices cuda:0,cuda:1,cuda:2,cuda:3 --chunks 8 --timeline gpipe.png
 """
 import argparse
@@ -32,6 +33,8 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=5)
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--overlap-cpu", action="store_true",
+                        help="run cpu stages in threads so they overlap on a multi-core CPU (default: one after another)")
     parser.add_argument("--timeline", help="write the last step's Gantt chart to this PNG")
     parser.add_argument("--trace", help="write the last step's Chrome trace (chrome://tracing, Perfetto) here")
     args = parser.parse_args()
@@ -43,7 +46,8 @@ def main() -> None:
     sample = torch.randn(args.batch // args.chunks, 16)
     balance = ([int(b) for b in args.balance.split(",")] if args.balance
                else hvd.balance_by_time(model, sample, stages))  # dualframe: even measured time per stage
-    pipe = hvd.Pipeline(model, balance, devices, chunks=args.chunks, checkpoint=args.checkpoint)  # dualframe:
+    pipe = hvd.Pipeline(model, balance, devices, chunks=args.chunks, checkpoint=args.checkpoint,  # dualframe:
+                        overlap_cpu=args.overlap_cpu)
     print(f"balance {balance} on {[str(d) for d in pipe.devices]}, chunks {args.chunks}, checkpoint {args.checkpoint}")
 
     optimizer = torch.optim.Adam(pipe.parameters(), lr=1e-3)

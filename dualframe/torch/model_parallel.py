@@ -102,7 +102,7 @@ class ModelParallel(Recording, nn.Module):
         params = [list(stage.parameters()) for stage in self.partitions]
         flat = unique_params(params)
         run = StepRun(list(self.partitions), self.devices, self.plan, torch.split(batch, sizes), params,
-                      self.recorder(self.plan.devices))
+                      self.recorder(self.plan.devices), self._lanes())
         grad = torch.is_grad_enabled() and (batch.requires_grad or any(p.requires_grad for p in flat))
         try:
             if not grad:
@@ -110,6 +110,10 @@ class ModelParallel(Recording, nn.Module):
             return PipeFunction.apply(run, batch, *flat)
         finally:
             self._end_forward()
+
+    def _lanes(self) -> List[str]:
+        """The thread lane of each stage: its device (cells sharing a device run one after another)."""
+        return list(self.plan.devices)
 
     def _begin_step(self, batch: int) -> None:
         """Hook for subclasses: a step of ``batch`` rows starts (after validation)."""

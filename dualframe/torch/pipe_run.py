@@ -2,20 +2,21 @@
 
 Every cell (micro-batch i, stage j) is its own small autograd graph: its input is detached and moved to
 the stage's device, so the backward pass can also run cell by cell, in the mirrored clock-tick order,
-with the cells of one tick in threads (on GPUs they overlap). One ``autograd.Function`` ties the
+with the cells of one tick in threads, one per device (on GPUs they overlap; cells sharing a device
+run one after another in the calling thread, with no hand-off). One ``autograd.Function`` ties the
 whole step into the caller's graph: ``loss.backward()`` runs the scheduled backward and returns the
 gradients of the input and of the parameters, summed over micro-batches.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from dualframe.schedule import Cell, GPipeSchedule, RecordFn, run_ticks
+from dualframe.schedule import Cell, RecordFn, cached_ticks, run_ticks
 from dualframe.split import SplitPlan
 
 
@@ -29,11 +30,11 @@ class StepRun:
 
     def __init__(self, stages: Sequence[nn.Module], devices: Sequence[torch.device], plan: SplitPlan,
                  parts: Sequence[torch.Tensor], params: Sequence[Sequence[nn.Parameter]],
-                 record: Optional[RecordFn] = None) -> None:
+                 record: Optional[RecordFn] = None, lanes: Optional[Sequence[Hashable]] = None) -> None:
         self.stages, self.devices, self.plan, self.parts = stages, devices, plan, list(parts)
         self.params = params
-        self.schedule = GPipeSchedule(len(self.parts), plan.stages)
         self.record = record
+        self.lanes = lanes  # run_ticks' lanes: cells of a tick in one lane share a thread
         self.inputs: Dict[Cell, torch.Tensor] = {}
         self.outputs: Dict[Cell, torch.Tensor] = {}
         self.grad_inputs: Dict[Cell, Optional[torch.Tensor]] = {}
@@ -44,8 +45,8 @@ class StepRun:
     def forward(self, grad: bool) -> torch.Tensor:
         """Run every forward cell by clock tick; return the joined output on the last device."""
         self.grad = grad
-        run_ticks(self.schedule.ticks("F"), self._forward_cell, self.plan.stages, "F",
-                  record=self.record)
+        run_ticks(cached_ticks(len(self.parts), self.plan.stages, "F"), self._forward_cell, self.plan.stages,
+                  "F", record=self.record, lanes=self.lanes)
         last = self.plan.stages - 1
         return torch.cat([self.outputs[(i, last)].detach() for i in range(len(self.parts))])
 
@@ -66,8 +67,8 @@ class StepRun:
         """Run every backward cell by mirrored clock tick; return (input gradient, parameter gradients)."""
         sizes = [part.shape[0] for part in self.parts]
         self.grad_outputs = list(torch.split(grad_output, sizes))
-        run_ticks(self.schedule.ticks("B"), self._backward_cell, self.plan.stages, "B",
-                  record=self.record)
+        run_ticks(cached_ticks(len(self.parts), self.plan.stages, "B"), self._backward_cell, self.plan.stages,
+                  "B", record=self.record, lanes=self.lanes)
         firsts = [self.grad_inputs.get((i, 0)) for i in range(len(self.parts))]
         grad_input = None if any(g is None for g in firsts) else torch.cat(firsts)  # type: ignore[arg-type]
         # A parameter shared by two stages gets the sum of both stages' gradients.

@@ -14,8 +14,10 @@ class Pipeline(ModelParallel):
     the devices work at the same time; outputs and gradients equal the unsplit module's.
 
     Each clock tick of the core's schedule runs its (micro-batch, stage) cells in threads, one per
-    cell, each on its stage's device; backward runs the mirrored schedule the same way. Batch sizes
-    that ``chunks`` does not divide are fine (micro-batches differ by at most one row).
+    device; backward runs the mirrored schedule the same way. Cells that share a device run one after
+    another in the calling thread (a device runs one thing at a time), so a Pipeline with every group
+    on one device costs about what micro-batching costs the plain module. Batch sizes that ``chunks``
+    does not divide are fine (micro-batches differ by at most one row).
 
     Example:
         >>> import dualframe.torch as hvd
@@ -34,6 +36,9 @@ class Pipeline(ModelParallel):
             inputs and recomputes its activations in backward), ``"always"`` or ``"never"``.
         deferred_batch_norm: replace BatchNorm layers by ``DeferredBatchNorm``, whose running
             statistics are those of the whole mini-batch rather than of the last micro-batch.
+        overlap_cpu: run the cells of a tick whose stages are all on ``"cpu"`` in threads too, one per
+            cell, so that they overlap on a multi-core CPU when each op uses fewer threads than there
+            are cores (how the schedule is shown on a CPU-only machine); costs thread hand-offs.
 
     Raises:
         BalanceError, DeviceError, ChunksError, StrategyError: before any compute, naming the values.
@@ -42,8 +47,11 @@ class Pipeline(ModelParallel):
 
     def __init__(self, module: Union[nn.Sequential, Iterable[nn.Module]], balance: Sequence[int],
                  devices: Optional[Sequence[str]] = None, chunks: int = 1, checkpoint: str = "except_last",
-                 deferred_batch_norm: bool = False) -> None:
+                 deferred_batch_norm: bool = False, overlap_cpu: bool = False) -> None:
+        if not isinstance(overlap_cpu, bool):
+            raise TypeError(f"overlap_cpu must be True or False (overlap_cpu: {overlap_cpu!r})")
         super().__init__(module, balance, devices, chunks=chunks, checkpoint=checkpoint)
+        self.overlap_cpu = overlap_cpu
         if deferred_batch_norm:
             for partition in self.partitions:
                 DeferredBatchNorm.convert(partition)
@@ -55,6 +63,11 @@ class Pipeline(ModelParallel):
     def checkpoint(self) -> str:
         """The activation checkpointing mode."""
         return self.plan.checkpoint
+
+    def _lanes(self) -> List[str]:
+        if not self.overlap_cpu:
+            return super()._lanes()
+        return [f"cpu#{j}" if d == "cpu" else d for j, d in enumerate(self.plan.devices)]
 
     def _begin_step(self, batch: int) -> None:
         if self.training:

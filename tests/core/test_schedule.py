@@ -5,7 +5,8 @@ import time
 import pytest
 
 from dualframe.errors import ChunksError, ScheduleError, StageError
-from dualframe.schedule import GPipeSchedule, check_rows, format_grid, grid_rows, run_ticks
+from dualframe.schedule import (GPipeSchedule, cached_ticks, check_rows, format_grid, grid_rows, lane_groups,
+                                run_ticks)
 
 _ = "."
 
@@ -99,6 +100,38 @@ def test_walker_runs_ticks_in_order_and_cells_of_a_tick_concurrently():
     ticks = [i + j for i, j in order]
     assert ticks == sorted(ticks)
     assert len(records) == 9 and all(r[0] == "F" and r[3] <= r[4] for r in records)
+
+
+def test_lane_groups_put_cells_of_one_device_together_in_tick_order():
+    tick = GPipeSchedule(4, 4).ticks("F")[3]  # (0, 3), (1, 2), (2, 1), (3, 0)
+    assert lane_groups(tick) == [[(0, 3)], [(1, 2)], [(2, 1)], [(3, 0)]]
+    assert lane_groups(tick, ["a", "a", "b", "b"]) == [[(0, 3), (1, 2)], [(2, 1), (3, 0)]]
+    assert lane_groups(tick, ["cpu"] * 4) == [[(0, 3), (1, 2), (2, 1), (3, 0)]]
+
+
+@pytest.mark.parametrize("lanes, threads", [(["a", "a", "b", "b"], 2), (["cpu"] * 4, 1)])
+def test_walker_runs_one_thread_per_lane_in_schedule_order(lanes, threads):
+    seen, order, lock = {}, [], threading.Lock()
+    barrier = threading.Barrier(2, timeout=5)
+
+    def cell(i, j):
+        if threads == 2 and (i, j) in ((0, 3), (2, 1)):  # each lane's first cell at tick 3: both at once
+            barrier.wait()
+        with lock:
+            seen.setdefault((i + j, lanes[j]), set()).add(threading.get_ident())
+            order.append((i, j))
+
+    run_ticks(GPipeSchedule(4, 4).ticks("F"), cell, 4, lanes=lanes)
+    assert [i + j for i, j in order] == sorted(i + j for i, j in order)
+    assert all(len(ids) == 1 for ids in seen.values())  # the cells of a lane in a tick share one thread
+    if threads == 1:  # one lane: every cell in the calling thread, in schedule order
+        assert set().union(*seen.values()) == {threading.get_ident()}
+        assert order == [c for tick in GPipeSchedule(4, 4).ticks("F") for c in tick]
+
+
+def test_cached_ticks_equal_the_schedule_and_are_made_once():
+    assert cached_ticks(3, 2, "B") == tuple(tuple(t) for t in GPipeSchedule(3, 2).ticks("B"))
+    assert cached_ticks(3, 2, "B") is cached_ticks(3, 2, "B")
 
 
 def test_walker_failure_names_the_cell_and_marks_it():

@@ -130,7 +130,7 @@ class Sleep(nn.Module):
 def test_cells_of_a_tick_overlap_and_the_timeline_holds_every_cell(tmp_path):
     m, n = 4, 3
     pipe = hvd.Pipeline(nn.Sequential(*[Sleep(0.05) for _ in range(n)]), [1] * n, ["cpu"] * n, chunks=m,
-                        checkpoint="never")
+                        checkpoint="never", overlap_cpu=True)
     with pipe.record() as timeline:
         pipe(torch.ones(m, 2)).sum().backward()
     events = timeline.events
@@ -149,6 +149,33 @@ def test_cells_of_a_tick_overlap_and_the_timeline_holds_every_cell(tmp_path):
     assert overlapping >= total - 1, f"only {overlapping} of {total} multi-cell ticks overlapped"
     assert "theoretical (n-1)/(m+n-1) = 0.333" in timeline.summary()
     assert open(render_png(events, tmp_path / "t.png"), "rb").read(4) == b"\x89PNG"
+
+
+class ThreadOf(nn.Module):
+    """Identity that notes the thread each call runs in."""
+
+    def __init__(self, seen):
+        super().__init__()
+        self.seen = seen
+
+    def forward(self, x):
+        self.seen.add(threading.get_ident())
+        return x
+
+
+@pytest.mark.parametrize("overlap_cpu, threads", [(False, 1), (True, 2)])
+def test_cells_sharing_a_device_run_in_the_calling_thread_unless_overlap_cpu(overlap_cpu, threads):
+    seen = set()
+    reference = mlp()
+    layers = list(copy.deepcopy(reference))
+    pipe = hvd.Pipeline(layers[:4] + [ThreadOf(seen)] + layers[4:], [4, 5], ["cpu", "cpu"], chunks=4,
+                        overlap_cpu=overlap_cpu)
+    x = torch.randn(10, 6, dtype=torch.float64)
+    assert_same(step(pipe, x), step(reference, x))
+    # stage 1 shares ticks with stage 0 (pool thread with overlap_cpu) and runs the last tick alone
+    assert len(seen) == threads and threading.get_ident() in seen
+    with pytest.raises(TypeError, match=r"overlap_cpu must be True or False \(overlap_cpu: 'yes'\)"):
+        hvd.Pipeline(mlp(), [4, 4], ["cpu", "cpu"], chunks=2, overlap_cpu="yes")
 
 
 def test_a_failing_stage_names_its_cell_and_no_thread_hangs():
