@@ -44,6 +44,7 @@ torch single     1 torch_examples/pipeline.py
 tf    single     1 tf_examples/pipeline.py
 torch mpirun     2 torch_examples/pipeline_processes.py
 torch mpirun     4 torch_examples/hybrid.py
+tf    mpirun     2 tf_examples/pipeline_processes.py
 LIST
 echo
 echo "demo finished"
