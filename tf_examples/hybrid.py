@@ -1,0 +1,61 @@
+"""Hybrid data x pipeline parallelism in Keras: replicas of a 2-stage process pipeline, gradients averaged per stage.
+
+    mpirun -np 4 python tf_examples/hybrid.py                               # 2 replicas x 2 stages
+    horovodrun -np 2 -H localhost:2 --gloo python tf_examples/hybrid.py     # 1 replica x 2 stages
+"""
+import argparse
+import time
+
+import keras
+import numpy as np
+
+import dualframe
+import dualframe.tensorflow as hvd
+from dualframe.rank_schedule import pipeline_process_sets
+
+STAGES = 2
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b"])
+    parser.add_argument("--chunks", type=int, default=4)
+    parser.add_argument("--global-batch", type=int, default=512)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=12)
+    args = parser.parse_args()
+
+    hvd.init(process_sets=pipeline_process_sets(dualframe.detect_topology().size, STAGES))  # dualframe: stage pairs, stage replicas
+    replicas = hvd.size() // STAGES
+    keras.utils.set_random_seed(0)  # the same full model on every rank
+    model = keras.Sequential([keras.Input((args.width,))] + [
+        layer for _ in range(3) for layer in (keras.layers.Dense(args.width), keras.layers.ReLU())
+    ] + [keras.layers.Dense(1)])
+    pipe = hvd.DistributedPipeline(model, [4, 3], chunks=args.chunks, schedule=args.schedule,  # dualframe:
+                                   loss_fn="mse", data_parallel=replicas)
+    # dualframe: averages each stage's gradients among that stage's replicas only (its process set)
+    optimizer = pipe.distributed_optimizer(keras.optimizers.SGD(0.01))
+
+    rng = np.random.RandomState(1)
+    x = rng.randn(args.global_batch, args.width).astype("float32")
+    y = np.cos(x[:, :1])
+    rows = args.global_batch // replicas
+    shard = slice(pipe.replica * rows, (pipe.replica + 1) * rows)  # dualframe: each replica its share
+    start = time.perf_counter()
+    for step in range(args.steps):
+        loss = pipe.train_step(x[shard], y[shard])  # dualframe: mean loss over the global batch
+        pipe.apply_gradients(optimizer)
+        if hvd.rank() == 0 and step % 5 == 0:
+            print(f"step {step:3d}  loss {loss:.5f}", flush=True)
+    elapsed = time.perf_counter() - start
+
+    timings = pipe.timings()  # dualframe: every stage's line (a collective)
+    if hvd.rank() == 0:
+        print(f"{replicas} replicas x {STAGES} stages, {args.schedule}, chunks {args.chunks}: "
+              f"{args.steps * args.global_batch / elapsed:.0f} samples/s, final loss {loss:.5f}")
+        for line in timings:
+            print("  " + line)
+
+
+if __name__ == "__main__":
+    main()
