@@ -1,41 +1,27 @@
-"""Argument checks for PyTorch data parallelism, run before any communication starts."""
+"""Argument checks for PyTorch data parallelism (torch-specific; shared ones are dualframe.dp_checks)."""
 from __future__ import annotations
 
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from dualframe import dp_checks as core_checks
+from dualframe.dp_checks import check_compression, check_root_rank
 from dualframe.errors import StrategyError
-from dualframe.strategy import DataParallel
-from dualframe.torch.collectives import OPS, hvd, op_of
+from dualframe.torch.collectives import OPS, hvd
 
-Compressor = Any
 GroupsArg = Union[None, int, Sequence[Sequence[torch.Tensor]]]
 
 
 def op_name(op: object) -> str:
     """The core's name (``"average"`` ...) of a Horovod op constant or op name; StrategyError if unknown."""
-    constant = op_of(op)
-    return next(name for name, value in OPS.items() if value == constant)
-
-
-def check_compression(compression: object, compressions: Any) -> Compressor:
-    """A compressor: ``Compression.none``/``.fp16``, their names, or any object with compress/decompress."""
-    if isinstance(compression, str):
-        return compressions.by_name(compression.lower())
-    if callable(getattr(compression, "compress", None)) and callable(getattr(compression, "decompress", None)):
-        return compression
-    raise StrategyError(
-        f"unknown compression {compression!r}; use hvd.Compression.none, hvd.Compression.fp16 or an object "
-        f"with compress(tensor) -> (tensor, ctx) and decompress(tensor, ctx)"
-    )
+    return core_checks.op_name(op, OPS)
 
 
 def check_numbers(backward_passes_per_step: object, op: object, gradient_predivide_factor: object) -> str:
     """Validate the numeric arguments through the core's DataParallel; return the op's core name."""
     name = op_name(op)
-    DataParallel(backward_passes_per_step=backward_passes_per_step,  # type: ignore[arg-type]
-                 op=name, gradient_predivide_factor=gradient_predivide_factor)  # type: ignore[arg-type]
+    core_checks.check_data_parallel(name, "none", backward_passes_per_step, gradient_predivide_factor)
     return name
 
 
@@ -111,13 +97,6 @@ def check_process_set(process_set: object) -> Any:
             f"or hvd.add_process_set(...) (with HOROVOD_DYNAMIC_PROCESS_SETS=1)"
         )
     return process_set
-
-
-def check_root_rank(root_rank: object, size: int) -> int:
-    """``root_rank`` is an int in [0, size)."""
-    if isinstance(root_rank, bool) or not isinstance(root_rank, int) or not 0 <= root_rank < size:
-        raise StrategyError(f"root_rank must be an int in [0, {size}) (root_rank: {root_rank!r}, size: {size})")
-    return root_rank
 
 
 def check_adasum(process_set: Any) -> None:

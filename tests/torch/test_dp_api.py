@@ -31,7 +31,7 @@ def model_and_sgd(seed=0):
     ({"backward_passes_per_step": 1.5}, r"backward_passes_per_step: 1.5"),
     ({"compression": "bz2"}, r"unknown compression 'bz2'; choose one of none, fp16"),
     ({"compression": object()}, r"unknown compression <object"),
-    ({"op": "mean"}, r"unknown op 'mean'; choose one of average, sum"),
+    ({"op": "mean"}, r"unknown op .mean.; use one of hvd.Average"),
     ({"op": 42}, r"unknown op 42"),
     ({"gradient_predivide_factor": 0.0}, r"gradient_predivide_factor must be a number > 0"),
     ({"groups": -1}, r"groups must be an int >= 1 .*\(groups: -1\)"),
