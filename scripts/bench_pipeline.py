@@ -3,10 +3,12 @@
     flock /tmp/dualframe-bench.lock .venv/bin/python scripts/bench_pipeline.py
 
 1. overhead: Pipeline with every group on the same device vs the plain module, same batch, A B rounds
-   interleaved, median ratio of step times (goal <= 1.10);
+   interleaved, median ratio of step times (goal <= 1.10), in process CPU time (robust to a loaded
+   machine) and wall time; beside it the plain module accumulating 4 micro-batches (what micro-batching
+   itself costs) and the Pipeline with overlap_cpu=True (cpu stages in threads: the hand-off cost);
 2. memory: peak activation memory of a deep MLP step with checkpoint="always" vs "never", each measured
    in a fresh subprocess as the growth of peak RSS during one step (after a warm-up that made the grads);
-3. bubble: stages that sleep a fixed time in forward and backward (so "cpu" stages overlap in threads):
+3. bubble: stages that sleep a fixed time in forward and backward (overlap_cpu=True: "cpu" stages overlap):
    the timeline's measured bubble vs (n-1)/(m+n-1) (goal: within 5 points).
 """
 import argparse
@@ -48,9 +50,11 @@ def step_time(model: nn.Module, x: torch.Tensor, steps: int, chunks: int = 1) ->
 def overhead(args: argparse.Namespace) -> None:
     plain = mlp(args.width, args.depth)
     x = torch.randn(args.batch, args.width)
-    variants = {f"Pipeline(chunks={c})": (hvd.Pipeline(mlp(args.width, args.depth), [args.depth, args.depth],
-                                                       ["cpu", "cpu"], chunks=c, checkpoint="never"), 1)
-                for c in (1, 4)}
+    half = args.depth  # layers per group: the 2 * depth layers cut in two
+    variants = {f"Pipeline(chunks={c}{', overlap_cpu=True' if o else ''})":
+                (hvd.Pipeline(mlp(args.width, args.depth), [half, half], ["cpu", "cpu"], chunks=c,
+                              checkpoint="never", overlap_cpu=o), 1)
+                for c, o in ((1, False), (4, False), (4, True))}
     variants["plain module, 4 micro-batches accumulated"] = (plain, 4)
     for model, chunks in [(plain, 1), *variants.values()]:
         step_time(model, x, 2, chunks)  # warm-up
@@ -63,11 +67,17 @@ def overhead(args: argparse.Namespace) -> None:
             base, other = (first, second) if base_first else (second, first)
             ratios[name][0].append(other[0] / base[0])
             ratios[name][1].append(other[1] / base[1])
-    print(f"[overhead] MLP {2 * args.depth} layers x width {args.width}, batch {args.batch}, 2 groups both on cpu, "
-          f"checkpoint=never, {args.rounds} interleaved A/B rounds x {args.steps} steps; ratio to the plain module")
+    print(f"[overhead] MLP {args.depth} x (Linear({args.width}, {args.width}), ReLU), batch {args.batch}, "
+          f"2 groups both on cpu, checkpoint=never, one thread, {args.rounds} interleaved A/B rounds x "
+          f"{args.steps} steps; ratio of step time to the plain module on the same batch (median)")
+    medians = {}
     for name, (wall, cpu) in ratios.items():
-        print(f"  {name}: wall median {statistics.median(wall):.3f} (rounds {', '.join(f'{v:.2f}' for v in wall)}); "
-              f"CPU time median {statistics.median(cpu):.3f}")
+        medians[name] = statistics.median(cpu)
+        print(f"  {name}: CPU time {medians[name]:.3f} (rounds {', '.join(f'{v:.2f}' for v in cpu)}); "
+              f"wall {statistics.median(wall):.3f} (rounds {', '.join(f'{v:.2f}' for v in wall)})")
+    inherent = medians["plain module, 4 micro-batches accumulated"]
+    print(f"  Pipeline(chunks=4) beyond micro-batching itself (CPU medians): "
+          f"{medians['Pipeline(chunks=4)'] / inherent:.3f}")
 
 
 def _peak_child(mode: str, width: int, depth: int, batch: int, chunks: int) -> None:
@@ -125,7 +135,7 @@ def bubble(args: argparse.Namespace) -> None:
     print(f"[bubble] stages sleeping {args.cell_ms} ms per cell (forward and backward), median of {args.rounds} steps")
     for m, n in ((4, 2), (8, 4), (16, 4), (4, 4)):
         pipe = hvd.Pipeline(nn.Sequential(*[Sleep(args.cell_ms / 1000) for _ in range(n)]), [1] * n, ["cpu"] * n,
-                            chunks=m, checkpoint="never")
+                            chunks=m, checkpoint="never", overlap_cpu=True)
         measured = []
         for _ in range(args.rounds):
             with pipe.record() as timeline:
@@ -143,9 +153,9 @@ def main() -> None:
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--depth", type=int, default=4, help="Linear+ReLU pairs per group")
-    parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--depth", type=int, default=12, help="Linear+ReLU pairs (overhead: half per group)")
+    parser.add_argument("--batch", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--cell-ms", type=float, default=20.0)
     parser.add_argument("--only", choices=["overhead", "memory", "bubble"])

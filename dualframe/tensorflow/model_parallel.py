@@ -10,7 +10,7 @@ import tensorflow as tf
 
 from dualframe.errors import ChunksError, DeviceError
 from dualframe.microbatch import micro_batch_sizes
-from dualframe.schedule import GPipeSchedule, RecordFn, run_ticks
+from dualframe.schedule import RecordFn, cached_ticks, run_ticks
 from dualframe.split import SplitPlan, plan_split
 from dualframe.timeline import Recording
 
@@ -142,7 +142,7 @@ class ModelParallel(Recording, keras.Model):
             with tf.device(self.plan.devices[j]):
                 outputs[(i, j)] = fn(source)
 
-        run_ticks(GPipeSchedule(m, n).ticks("F"), cell, n, "F", parallel=False, record=record)
+        run_ticks(cached_ticks(m, n, "F"), cell, n, "F", parallel=False, record=record)
         with tf.device(self.plan.devices[-1]):
             return outputs[(0, n - 1)] if m == 1 else tf.concat([outputs[(i, n - 1)] for i in range(m)], axis=0)
 
