@@ -33,6 +33,36 @@ class CheckpointError(DualframeError, ValueError):
     """A checkpoint folder, file or argument is unusable (corrupt file, bad manifest, bad ``keep`` ...)."""
 
 
+@dataclass
+class TrainingState:
+    """What a ``load_checkpoint`` restored besides the tensors: where training stood.
+
+    Example:
+        >>> state = TrainingState(step=5, epoch=1, data_position={"next_step": 6})
+        >>> state.data_position["next_step"]
+        6
+    """
+
+    step: int
+    epoch: int
+    data_position: Any = None
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+
+def check_json_values(**values: Any) -> None:
+    """Refuse, before anything is written or sent, values a checkpoint cannot hold as JSON.
+
+    Raises:
+        CheckpointError: naming the first argument that is not made of JSON values.
+    """
+    for name, value in values.items():
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError):
+            raise CheckpointError(f"{name} must hold only JSON values (ints, strings, lists, dicts) "
+                                  f"({name}: {value!r:.200})") from None
+
+
 def fsync_directory(directory: str) -> None:
     """Flush a folder's entries (a rename inside it) to disk; a no-op where folders cannot be opened."""
     try:

@@ -11,27 +11,16 @@ import json
 import os
 import random
 import warnings
-from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
 
-from dualframe.checkpoint import CheckpointDir, CheckpointError, atomic_write_bytes
+from dualframe.checkpoint import CheckpointDir, CheckpointError, TrainingState, atomic_write_bytes, check_json_values
 from dualframe.torch.collectives import hvd
 
 FORMAT = "dualframe-torch-checkpoint/1"
 SUFFIX = ".pt"
-
-
-@dataclass
-class TrainingState:
-    """What ``load_checkpoint`` restored besides the tensors: where training stood."""
-
-    step: int
-    epoch: int
-    data_position: Any = None
-    extra: Dict[str, Any] = field(default_factory=dict)
 
 
 def _distributed() -> bool:
@@ -137,11 +126,7 @@ def save_checkpoint(directory: str, model: torch.nn.Module, optimizer: Optional[
     _check_common(directory, model, optimizer, root_rank)
     folder = CheckpointDir(os.fspath(directory), keep=keep, suffix=SUFFIX)
     folder.filename(step)  # validates step
-    for name, value in (("epoch", epoch), ("data_position", data_position), ("extra", extra)):
-        try:
-            json.dumps(value)
-        except (TypeError, ValueError):
-            raise CheckpointError(f"{name} must hold only JSON values (ints, strings, lists, dicts) ({name}: {value!r})") from None
+    check_json_values(epoch=epoch, data_position=data_position, extra=extra)
     rngs = _gather_bytes(_to_bytes(rng_state()), "dualframe.checkpoint.rng")
     writes = (hvd.rank() if hvd.is_initialized() else 0) == root_rank if writer is None else writer
     path = None

@@ -1,0 +1,260 @@
+"""Keras 3 checkpoints: rank 0 writes model, optimizer, progress and every rank's RNG atomically; loads broadcast.
+
+A checkpoint is an ``.npz`` of arrays (every model variable, Dropout's seed generators included,
+every optimizer variable, a JSON header, every rank's numpy and Python RNG states) read back with
+``np.load(allow_pickle=False)``: loading never unpickles arbitrary objects. The folder, the atomic
+write and keep-last-k are the core's :class:`dualframe.checkpoint.CheckpointDir`.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import random
+import warnings
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from dualframe.checkpoint import CheckpointDir, CheckpointError, TrainingState, check_json_values
+from dualframe.tensorflow.collectives import hvd
+
+FORMAT = "dualframe-keras-checkpoint/1"
+SUFFIX = ".npz"
+
+
+def _distributed() -> bool:
+    return bool(hvd.is_initialized()) and int(hvd.size()) > 1
+
+
+def _rank() -> int:
+    return int(hvd.rank()) if hvd.is_initialized() else 0
+
+
+def _size() -> int:
+    return int(hvd.size()) if hvd.is_initialized() else 1
+
+
+def rng_state() -> Dict[str, Any]:
+    """This process's numpy and Python RNG states as JSON values."""
+    _, keys, pos, has_gauss, gauss = np.random.get_state()
+    version, state, py_gauss = random.getstate()
+    return {"numpy": {"keys": [int(k) for k in keys], "pos": int(pos), "has_gauss": int(has_gauss),
+                      "gauss": float(gauss)},
+            "python": {"version": int(version), "state": list(state), "gauss": py_gauss}}
+
+
+def set_rng_state(state: Dict[str, Any]) -> None:
+    """Restore what ``rng_state`` returned."""
+    numpy = state["numpy"]
+    np.random.set_state(("MT19937", np.asarray(numpy["keys"], dtype=np.uint32), numpy["pos"],
+                         numpy["has_gauss"], numpy["gauss"]))
+    python = state["python"]
+    random.setstate((python["version"], tuple(python["state"]), python["gauss"]))
+
+
+def _gather_bytes(data: bytes, name: str) -> List[bytes]:
+    """Every rank's ``data``, in rank order."""
+    if not _distributed():
+        return [data]
+    lengths = hvd.allgather(tf.constant([len(data)], dtype=tf.int64), name=f"{name}.lengths").numpy()
+    joined = hvd.allgather(tf.constant(np.frombuffer(data, dtype=np.uint8)), name=f"{name}.bytes").numpy().tobytes()
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    return [joined[offsets[r]:offsets[r + 1]] for r in range(len(lengths))]
+
+
+def _broadcast_bytes(data: Optional[bytes], root_rank: int, name: str) -> bytes:
+    """Root's ``data`` on every rank (``b""`` when root has none)."""
+    if not _distributed():
+        return data or b""
+    length = hvd.broadcast(tf.constant([len(data or b"")], dtype=tf.int64), root_rank, name=f"{name}.length")
+    size = int(length.numpy()[0])
+    if size == 0:
+        return b""
+    buffer = np.frombuffer(data, dtype=np.uint8) if data else np.zeros(size, dtype=np.uint8)
+    return hvd.broadcast(tf.constant(buffer), root_rank, name=f"{name}.bytes").numpy().tobytes()
+
+
+def _check_common(directory: Any, model: Any, root_rank: Any) -> None:
+    if not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory):
+        raise CheckpointError(f"directory must be a path (directory: {directory!r})")
+    if not isinstance(model, keras.Model):
+        raise CheckpointError(f"model must be a keras.Model (model: {type(model).__name__})")
+    if not model.built:
+        raise CheckpointError(f"model {model.name!r} is not built: build it (an Input, or model.build) before "
+                              "saving or loading a checkpoint")
+    size = _size()
+    if isinstance(root_rank, bool) or not isinstance(root_rank, int) or not 0 <= root_rank < size:
+        raise CheckpointError(f"root_rank must be a rank in [0, {size}) (root_rank: {root_rank!r})")
+
+
+def _optimizer_variables(model: keras.Model, build: bool) -> List[Any]:
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None:
+        return []
+    if not optimizer.built:
+        if not build:
+            return []
+        optimizer.build(model.trainable_variables)
+    return list(optimizer.variables)
+
+
+def _encode(model: keras.Model, header: Dict[str, Any], rngs: Sequence[bytes]) -> bytes:
+    arrays: Dict[str, np.ndarray] = {"format": np.array(FORMAT)}
+    for prefix, variables in (("model", model.variables), ("optimizer", _optimizer_variables(model, False))):
+        header[f"{prefix}_paths"] = [v.path for v in variables]
+        for i, variable in enumerate(variables):
+            arrays[f"{prefix}.{i}"] = np.asarray(variable.numpy())
+    arrays["header"] = np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)
+    arrays["rng"] = np.frombuffer(json.dumps([json.loads(r) for r in rngs]).encode(), dtype=np.uint8)
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)  # type: ignore[arg-type]  # numpy stubs read **kwds as allow_pickle
+    return buffer.getvalue()
+
+
+def save_checkpoint(directory: str, model: keras.Model, *, step: int, epoch: int = 0, data_position: Any = None,
+                    extra: Optional[Dict[str, Any]] = None, keep: int = 3, root_rank: int = 0) -> Optional[str]:
+    """Save a checkpoint of ``step``; every rank calls it, rank ``root_rank`` writes.
+
+    The file holds the model's variables (Dropout's seed generators included), its optimizer's
+    variables (iterations, slots), ``step``, ``epoch``, ``data_position``, ``extra`` (JSON values) and
+    every rank's numpy and Python RNG states. It is written atomically; the newest ``keep`` stay.
+
+    Example:
+        >>> save_checkpoint("ckpt", model, step=int(model.optimizer.iterations), epoch=3)  # doctest: +SKIP
+
+    Returns:
+        The file written by this rank, or None on the others.
+
+    Raises:
+        CheckpointError: a bad argument, found on every rank before any communication or write.
+    """
+    _check_common(directory, model, root_rank)
+    folder = CheckpointDir(os.fspath(directory), keep=keep, suffix=SUFFIX)
+    folder.filename(step)  # validates step
+    check_json_values(epoch=epoch, data_position=data_position, extra=extra)
+    rngs = _gather_bytes(json.dumps(rng_state()).encode(), "dualframe.keras_checkpoint.rng")
+    path = None
+    if _rank() == root_rank:
+        header = {"step": step, "epoch": epoch, "data_position": data_position, "extra": extra or {}}
+        path = folder.save(step, _encode(model, header, rngs), meta={"epoch": epoch})
+    if _distributed():  # nobody runs ahead of a save in progress
+        hvd.broadcast(tf.zeros([1]), root_rank, name="dualframe.keras_checkpoint.saved")
+    return path
+
+
+def _read(directory: str) -> Optional[bytes]:
+    if os.path.isfile(directory):
+        with open(directory, "rb") as handle:
+            return handle.read()
+    found = CheckpointDir(directory, suffix=SUFFIX).read_latest()
+    return found[1] if found else None
+
+
+def _assign(what: str, variables: Sequence[Any], arrays: Any, paths: Sequence[str]) -> None:
+    if len(variables) != len(paths):
+        raise CheckpointError(f"the checkpoint holds {len(paths)} {what} variables, this model has {len(variables)} "
+                              f"(checkpoint: {list(paths)[:4]}..., model: {[v.path for v in variables][:4]}...)")
+    for i, variable in enumerate(variables):
+        value = arrays[f"{what}.{i}"]
+        if tuple(value.shape) != tuple(variable.shape):
+            raise CheckpointError(f"{what} variable {variable.path!r} has shape {tuple(variable.shape)}, the "
+                                  f"checkpoint's {paths[i]!r} has {tuple(value.shape)}")
+    for i, variable in enumerate(variables):
+        variable.assign(arrays[f"{what}.{i}"])
+
+
+def load_checkpoint(directory: str, model: keras.Model, *, root_rank: int = 0,
+                    restore_rng: bool = True) -> Optional[TrainingState]:
+    """Load the newest checkpoint of ``directory`` (or the file ``directory``) into ``model`` on every rank.
+
+    Rank ``root_rank`` reads and verifies the file and broadcasts its bytes; every rank assigns the
+    model's and (after building it) the optimizer's variables and, when the job has as many ranks
+    as the one that saved, takes back its own RNG states. Compile the model first.
+
+    Example:
+        >>> state = load_checkpoint("ckpt", model)                                  # doctest: +SKIP
+        >>> model.fit(x, y, epochs=10, initial_epoch=state.epoch if state else 0)   # doctest: +SKIP
+
+    Returns:
+        The TrainingState (step, epoch, data_position, extra), or None when there is no checkpoint.
+
+    Raises:
+        CheckpointError: a bad argument, a corrupt file, or one that does not fit this model.
+    """
+    _check_common(directory, model, root_rank)
+    data = _read(os.fspath(directory)) if _rank() == root_rank else None
+    data = _broadcast_bytes(data, root_rank, "dualframe.keras_checkpoint.load")
+    if not data:
+        return None
+    try:
+        arrays = np.load(io.BytesIO(data), allow_pickle=False)
+        header = json.loads(arrays["header"].tobytes())
+        kind = str(arrays["format"])
+    except Exception as error:  # not an npz, or one holding pickled objects
+        raise CheckpointError(f"{directory} is not a loadable dualframe Keras checkpoint ({error})") from None
+    if kind != FORMAT:
+        raise CheckpointError(f"{directory} is not a dualframe Keras checkpoint (format must be {FORMAT!r})")
+    _assign("model", list(model.variables), arrays, header["model_paths"])
+    if header["optimizer_paths"]:
+        _assign("optimizer", _optimizer_variables(model, True), arrays, header["optimizer_paths"])
+    if restore_rng:
+        _restore_rng(json.loads(arrays["rng"].tobytes()))
+    return TrainingState(header["step"], header["epoch"], header["data_position"], header["extra"])
+
+
+def _restore_rng(states: Sequence[Dict[str, Any]]) -> None:
+    if len(states) != _size():
+        warnings.warn(f"the checkpoint holds RNG states of {len(states)} ranks, this job has {_size()}: "
+                      "random streams are not restored", RuntimeWarning, stacklevel=3)
+        return
+    set_rng_state(states[_rank()])
+
+
+class CheckpointCallback(keras.callbacks.Callback):
+    """Save a checkpoint at every epoch's end (or every ``save_freq`` batches) during ``fit``.
+
+    Give it to ``fit`` on EVERY rank (it gathers the ranks' RNG states; rank ``root_rank`` writes).
+    The step is the optimizer's ``iterations``; ``data_position`` is ``{"epoch": e, "batch": b}``,
+    the next batch to train, and ``epoch`` the next epoch: resume with ``initial_epoch=state.epoch``.
+
+    Example:
+        >>> state = hvd.load_checkpoint("ckpt", model)                        # doctest: +SKIP
+        >>> model.fit(x, y, epochs=10, initial_epoch=state.epoch if state else 0,   # doctest: +SKIP
+        ...           callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+        ...                      hvd.CheckpointCallback("ckpt", keep=3)])
+
+    Args:
+        directory: the checkpoint folder.
+        keep: how many checkpoints to keep.
+        save_freq: ``"epoch"`` or a number of batches.
+        root_rank: the rank that writes.
+    """
+
+    def __init__(self, directory: str, keep: int = 3, save_freq: Union[str, int] = "epoch",
+                 root_rank: int = 0) -> None:
+        super().__init__()
+        CheckpointDir(os.fspath(directory) if isinstance(directory, (str, os.PathLike)) else directory, keep=keep)
+        if save_freq != "epoch" and (isinstance(save_freq, bool) or not isinstance(save_freq, int) or save_freq < 1):
+            raise CheckpointError(f"save_freq must be 'epoch' or an int >= 1 (save_freq: {save_freq!r})")
+        self.directory, self.keep, self.save_freq, self.root_rank = directory, keep, save_freq, root_rank
+        self.epoch = 0
+
+    def _save(self, epoch: int, position: Dict[str, int]) -> None:
+        optimizer = getattr(self.model, "optimizer", None)
+        step = int(optimizer.iterations.numpy()) if optimizer is not None else position["batch"]
+        save_checkpoint(self.directory, self.model, step=step, epoch=epoch, data_position=position,
+                        keep=self.keep, root_rank=self.root_rank)
+
+    def on_epoch_begin(self, epoch: int, logs: Optional[Dict[str, Any]] = None) -> None:
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch: int, logs: Optional[Dict[str, Any]] = None) -> None:
+        if self.save_freq != "epoch" and (batch + 1) % int(self.save_freq) == 0:
+            self._save(self.epoch, {"epoch": self.epoch, "batch": batch + 1})
+
+    def on_epoch_end(self, epoch: int, logs: Optional[Dict[str, Any]] = None) -> None:
+        if self.save_freq == "epoch":
+            self._save(epoch + 1, {"epoch": epoch + 1, "batch": 0})
