@@ -10,3 +10,9 @@ __all__ = list(_tf_all) + [
     "callbacks", "broadcast_model", "verbose", "DistributedOptimizer", "DistributedLossScaleOptimizer",
     "load_model",
 ]
+
+# Checkpoints: rank 0 writes atomically, loads are broadcast (reliability, issue 8).
+from dualframe.checkpoint import TrainingState  # noqa: E402
+from dualframe.tensorflow.keras.checkpoint import CheckpointCallback, load_checkpoint, save_checkpoint  # noqa: E402
+
+__all__ += ["CheckpointCallback", "TrainingState", "load_checkpoint", "save_checkpoint"]
