@@ -77,8 +77,10 @@ class TFCollectives:
         return hvd.allgather(tensor, name=name)
 
     def barrier(self) -> None:
-        check_initialized("barrier")
-        hvd.barrier()
+        # horovod.tensorflow 0.28 has no barrier; functions.barrier is the one-number allreduce.
+        from dualframe.tensorflow.functions import barrier
+
+        barrier()
 
 
 class TFBatchOps:

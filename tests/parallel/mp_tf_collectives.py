@@ -21,3 +21,10 @@ def test_allreduce_sum_and_average():
     np.testing.assert_array_equal(total.numpy(), [expected, 10.0 * hvd.size()])
     mean = hvd.collectives.allreduce(value, op="average", name="foundation.avg")
     np.testing.assert_allclose(mean.numpy(), [expected / hvd.size(), 10.0])
+
+
+def test_barrier_through_the_protocol():
+    hvd.init()
+    hvd.collectives.barrier()
+    gathered = hvd.collectives.allgather(tf.constant([[float(hvd.rank())]]), name="foundation.gather")
+    np.testing.assert_array_equal(gathered.numpy().ravel(), np.arange(hvd.size(), dtype=np.float32))
