@@ -173,6 +173,10 @@ def _horovodrun(job: _Job) -> Launch:
     notes = ["one host: --network-interfaces lo"] if local else []
     command = horovodrun_command(job.np, [], job.hosts, job.hostfile, job.gloo, "lo" if local else None,
                                  horovodrun=job.path)
+    if any(arg.split("=")[0] == "--host-discovery-script" for arg in job.extra):
+        # Elastic: the script names the hosts, and horovodrun refuses -H beside it.
+        at = command.index("-H")
+        del command[at:at + 2]
     return Launch("horovodrun", command + job.extra + job.program, job.thread_vars, notes)
 
 
