@@ -1,0 +1,61 @@
+"""Elastic data parallelism for torch: Horovod's elastic run loop and TorchState, through dualframe.
+
+Horovod's ``horovod.torch.elastic`` works as it is with dualframe's DistributedOptimizer (whose
+``load_state_dict`` drops reductions a lost rank left pending), so this module reuses it and adds
+argument checks. Start the script with ``horovodrun --min-np/--max-np --host-discovery-script``;
+on one machine also ``--network-interfaces lo`` (``dualframe run`` adds it), and name the machine
+twice in the discovery script (``localhost:1`` and ``127.0.0.1:1``): a failed worker blacklists its host.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, TypeVar
+
+import torch
+from horovod.torch import elastic as _elastic
+
+from dualframe.errors import StrategyError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+ElasticSampler = _elastic.ElasticSampler
+
+
+class TorchState(_elastic.TorchState):  # type: ignore[misc]
+    """Model, optimizer and progress that elastic training commits, restores and syncs to new workers.
+
+    ``commit()`` keeps a copy in memory (and checks whether hosts changed); when a worker fails,
+    the survivors ``restore()`` the last commit; new or restarted workers get rank 0's with ``sync()``.
+    Keyword arguments (``epoch=0, batch=0``) become attributes kept the same way.
+
+    Example:
+        >>> state = TorchState(model, optimizer, epoch=0, batch=0)   # doctest: +SKIP
+        >>> @run                                                      # doctest: +SKIP
+        ... def train(state):
+        ...     for state.epoch in range(state.epoch, epochs): ...; state.commit()
+
+    Raises:
+        StrategyError: ``model`` is not a torch module or ``optimizer`` not a torch optimizer.
+    """
+
+    def __init__(self, model: Any = None, optimizer: Any = None, **kwargs: Any) -> None:
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise StrategyError(f"model must be a torch.nn.Module or None (model: {type(model).__name__})")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise StrategyError(f"optimizer must be a torch.optim.Optimizer or None "
+                                f"(optimizer: {type(optimizer).__name__})")
+        super().__init__(model=model, optimizer=optimizer, **kwargs)
+
+
+def run(func: F) -> F:
+    """Decorate the training function ``func(state, ...)`` to survive workers leaving and joining.
+
+    On a lost worker (``HorovodInternalError``) the survivors restore the last commit, re-form the
+    ring and call ``func`` again; on added hosts every worker syncs from rank 0. ``func`` must not
+    start with a collective (new workers sync first).
+
+    Raises:
+        StrategyError: ``func`` is not callable.
+    """
+    if not callable(func):
+        raise StrategyError(f"run decorates a training function (got {type(func).__name__}: {func!r:.60})")
+    return _elastic.run(func)  # type: ignore[no-any-return]

@@ -1,0 +1,78 @@
+"""Elastic torch data parallelism: a worker SIGKILLed mid-epoch, the survivor restores the last commit and finishes.
+
+Started by tests/parallel/test_failures.py with ``dualframe run`` (horovodrun --min-np 1 --max-np 2,
+a discovery script naming this machine twice). Rank 1 kills itself before step ``KILL_AT``; the
+survivor rolls back to the commit of step ``COMMIT_EVERY * (KILL_AT // COMMIT_EVERY)`` and trains
+alone to ``STEPS``. It then checks its weights against a one-process reference that trains on both
+ranks' batches up to that commit and on rank 0's alone after it (SGD with momentum: the optimizer's
+state must be rolled back too).
+"""
+import os
+import signal
+import time
+
+import torch
+import torch.nn as nn
+
+import dualframe.torch as hvd
+from dualframe.torch import elastic
+
+STEPS, KILL_AT, COMMIT_EVERY = 12, 7, 3
+
+
+def batch(step, rank):
+    generator = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(4, 6, generator=generator)
+    return x, x.sum(1, keepdim=True)
+
+
+def fresh():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+    return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def one_step(model, optimizer, x, y):
+    optimizer.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+    optimizer.step()
+
+
+def reference():
+    model, optimizer = fresh()
+    commit = COMMIT_EVERY * (KILL_AT // COMMIT_EVERY)
+    for step in range(STEPS):
+        parts = [batch(step, r) for r in ((0, 1) if step < commit else (0,))]
+        one_step(model, optimizer, torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts]))
+    return model
+
+
+def main():
+    hvd.init()
+    model, optimizer = fresh()
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+    state = elastic.TorchState(model, optimizer, step=0, restarts=0)
+    state.register_reset_callbacks([lambda: print(f"dualframe-test: reset, now {hvd.size()} worker(s)", flush=True)])
+
+    @elastic.run
+    def train(state):
+        while state.step < STEPS:
+            if state.step == KILL_AT and hvd.size() == 2 and hvd.rank() == 1:
+                print(f"dualframe-test: fault kill at {time.time():.3f}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            one_step(state.model, state.optimizer, *batch(state.step, hvd.rank()))
+            state.step += 1
+            if state.step % COMMIT_EVERY == 0:
+                state.commit()
+
+    train(state)
+    expected = reference()
+    for (name, value), want in zip(model.state_dict().items(), expected.state_dict().values()):
+        error = (value - want).abs().max().item()
+        assert error < 1e-5, f"{name} differs from the reference by {error}"
+    print(f"dualframe-test: elastic run finished {STEPS} steps on {hvd.size()} worker(s), equal to the reference",
+          flush=True)
+
+
+if __name__ == "__main__":
+    main()
