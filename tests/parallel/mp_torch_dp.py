@@ -16,6 +16,7 @@ from dualframe.errors import NotInitializedError, StrategyError
 LAUNCHER = os.environ.get("DUALFRAME_TEST_LAUNCHER", "")
 TOL = 1e-5
 STEPS, BATCH = 4, 8  # global batch of 8 rows, 4 rows per rank
+SINGLETONS = [hvd.ProcessSet([0]), hvd.ProcessSet([1])]
 
 
 def test_before_init_every_call_is_refused():
@@ -26,8 +27,27 @@ def test_before_init_every_call_is_refused():
                  lambda: hvd.broadcast_parameters(model.state_dict(), root_rank=0)):
         with pytest.raises(NotInitializedError, match="init"):
             call()
-    hvd.init()
+    with pytest.raises(StrategyError, match=r"process_sets\[0\] must list distinct ranks in \[0, 2\) \(ranks: \[0, 5\]"):
+        hvd.init(process_sets=[[0, 5]])
+    assert not hvd.is_initialized()
+    hvd.init(process_sets=SINGLETONS)
     assert hvd.size() == 2 and hvd.local_size() == 2 and hvd.cross_size() == 1
+
+
+def test_process_set_limits_the_reduction():
+    """Each rank reduces over its own one-rank process set: that is local training on its own shard."""
+    data = batches(2)
+    mine = SINGLETONS[hvd.rank()]
+    model, optimizer = start_distributed(sgd, process_set=mine)
+    train_distributed(model, optimizer, data)
+    reference = make_model(0)
+    optimizer_ref = sgd(reference)
+    for x, y in data:
+        optimizer_ref.zero_grad()
+        mse(reference, hvd.shard_batch(x), hvd.shard_batch(y)).backward()
+        optimizer_ref.step()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.allclose(p, q, atol=TOL)
 
 
 def make_model(seed, batch_norm=None):
