@@ -1,0 +1,185 @@
+"""Elastic Keras 3 data parallelism: KerasState and its callbacks on public Keras 3 APIs, on Horovod's elastic loop.
+
+Horovod's own Keras elastic state (``horovod.tensorflow.elastic.TensorFlowKerasState``) calls
+``optimizer.variables()``, which Keras 3 made a list, and ``horovod.tensorflow.keras`` does not import on
+Keras 3; this module keeps Horovod's elastic machinery (``run_fn``, ``ObjectState``, the driver's
+notifications) and re-writes the Keras parts: the state copies ``model.variables`` and
+``optimizer.variables`` (Dropout's seed generators and the iteration count included) and syncs them
+with dualframe's ``broadcast_model``.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, TypeVar
+
+import keras
+import numpy as np
+import tensorflow as tf
+from horovod.common.elastic import ObjectState, run_fn
+from horovod.common.exceptions import HorovodInternalError
+
+from dualframe.errors import StrategyError
+from dualframe.tensorflow.collectives import hvd
+from dualframe.tensorflow.keras.callbacks import broadcast_model
+
+F = TypeVar("F", bound=Callable[..., Any])
+#: Horovod's ops as TensorFlow names them in the error a lost peer causes inside a traced train step.
+_HOROVOD_OPS = ("HorovodAllreduce", "HorovodAllgather", "HorovodBroadcast", "HorovodGroupedAllreduce")
+
+
+class KerasState(ObjectState):  # type: ignore[misc]
+    """A Keras model, its optimizer and progress, committed in memory, restored after a lost worker, synced to new ones.
+
+    Keyword arguments (``epoch=0, batch=0``) become attributes kept the same way. The model must be
+    compiled (its optimizer is part of the state) and built.
+
+    Example:
+        >>> state = KerasState(model, epoch=0, batch=0)                      # doctest: +SKIP
+        >>> @run                                                             # doctest: +SKIP
+        ... def train(state):
+        ...     model.fit(x, y, initial_epoch=state.epoch, epochs=10, callbacks=[
+        ...         UpdateEpochStateCallback(state), UpdateBatchStateCallback(state),
+        ...         CommitStateCallback(state, batches_per_commit=10)])
+
+    Raises:
+        StrategyError: ``model`` is not a built keras.Model.
+    """
+
+    def __init__(self, model: keras.Model, **kwargs: Any) -> None:
+        if not isinstance(model, keras.Model):
+            raise StrategyError(f"model must be a keras.Model (model: {type(model).__name__})")
+        if not model.built:
+            raise StrategyError(f"model {model.name!r} is not built: give it an Input or build it first")
+        self.model = model
+        self._saved_variables: List[np.ndarray] = []
+        super().__init__(bcast_object=hvd.broadcast_object, get_rank=hvd.rank, **kwargs)
+        self._save_variables()
+
+    def _variables(self) -> List[Any]:
+        optimizer = getattr(self.model, "optimizer", None)
+        if optimizer is not None and not optimizer.built:
+            optimizer.build(self.model.trainable_variables)
+        return list(self.model.variables) + (list(optimizer.variables) if optimizer is not None else [])
+
+    def _save_variables(self) -> None:
+        self._saved_variables = [np.array(v.numpy()) for v in self._variables()]
+
+    def save(self) -> None:
+        """Keep a copy of the variables and attributes (``commit`` calls it)."""
+        self._save_variables()
+        super().save()
+
+    def restore(self) -> None:
+        """Go back to the last saved copy (after a worker was lost)."""
+        for variable, value in zip(self._variables(), self._saved_variables):
+            variable.assign(value)
+        super().restore()
+
+    def sync(self) -> None:
+        """Make every worker's state rank 0's (at the start and after workers join)."""
+        if hvd.size() > 1:
+            broadcast_model(self.model, root_rank=0)
+        self._save_variables()
+        super().sync()
+
+
+def _is_peer_loss(error: BaseException) -> bool:
+    """A TensorFlow error from a Horovod op in a traced step: how a lost peer surfaces inside ``fit``."""
+    message = getattr(error, "message", str(error))
+    return isinstance(error, tf.errors.OpError) and any(op in message for op in _HOROVOD_OPS)
+
+
+def _reset() -> None:
+    hvd.shutdown()
+    hvd.init()
+
+
+def run(func: F) -> F:
+    """Decorate ``func(state, ...)`` so training survives workers leaving and joining (Horovod's elastic loop).
+
+    A lost worker shows up inside ``fit`` as a TensorFlow error from a Horovod op; it is turned into
+    Horovod's ``HorovodInternalError`` so the survivors restore the last commit and call ``func`` again.
+
+    Raises:
+        StrategyError: ``func`` is not callable.
+    """
+    if not callable(func):
+        raise StrategyError(f"run decorates a training function (got {type(func).__name__}: {func!r:.60})")
+
+    def wrapper(state: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(state, *args, **kwargs)
+        except tf.errors.OpError as error:
+            if _is_peer_loss(error):
+                raise HorovodInternalError(error) from error
+            raise
+
+    return run_fn(wrapper, _reset)  # type: ignore[no-any-return]
+
+
+class CommitStateCallback(keras.callbacks.Callback):
+    """Commit ``state`` every ``batches_per_commit`` batches and at each epoch's end.
+
+    Put it after the Update*StateCallbacks, so a commit records the progress they set.
+
+    Example:
+        >>> CommitStateCallback(state, batches_per_commit=10)   # doctest: +SKIP
+    """
+
+    def __init__(self, state: KerasState, batches_per_commit: int = 1) -> None:
+        super().__init__()
+        if isinstance(batches_per_commit, bool) or not isinstance(batches_per_commit, int) or batches_per_commit < 1:
+            raise StrategyError(f"batches_per_commit must be an int >= 1 (batches_per_commit: {batches_per_commit!r})")
+        self.state, self.batches_per_commit = state, batches_per_commit
+        self.remaining = batches_per_commit
+
+    def on_train_begin(self, logs: Optional[Dict[str, Any]] = None) -> None:
+        self.remaining = self.batches_per_commit  # the same on every rank after a reset
+
+    def on_train_batch_end(self, batch: int, logs: Optional[Dict[str, Any]] = None) -> None:
+        self.remaining -= 1
+        if self.remaining == 0:
+            self.state.commit()
+            self.remaining = self.batches_per_commit
+
+    def on_epoch_end(self, epoch: int, logs: Optional[Dict[str, Any]] = None) -> None:
+        self.state.commit()
+
+
+class UpdateBatchStateCallback(keras.callbacks.Callback):
+    """Keep ``state.batch`` = the next batch of the epoch to train (0 at each epoch's end).
+
+    ``fit`` restarted inside an epoch counts from 0 again: give it the epoch's data from
+    ``state.batch`` on, and this callback adds the offset back.
+
+    Example:
+        >>> UpdateBatchStateCallback(state)   # doctest: +SKIP
+    """
+
+    def __init__(self, state: KerasState) -> None:
+        super().__init__()
+        self.state, self.offset = state, 0
+
+    def on_epoch_begin(self, epoch: int, logs: Optional[Dict[str, Any]] = None) -> None:
+        self.offset = int(self.state.batch)
+
+    def on_train_batch_end(self, batch: int, logs: Optional[Dict[str, Any]] = None) -> None:
+        self.state.batch = self.offset + batch + 1
+
+    def on_epoch_end(self, epoch: int, logs: Optional[Dict[str, Any]] = None) -> None:
+        self.state.batch = 0
+        self.offset = 0
+
+
+class UpdateEpochStateCallback(keras.callbacks.Callback):
+    """Keep ``state.epoch`` = the next epoch to train: resume with ``fit(initial_epoch=state.epoch)``.
+
+    Example:
+        >>> UpdateEpochStateCallback(state)   # doctest: +SKIP
+    """
+
+    def __init__(self, state: KerasState) -> None:
+        super().__init__()
+        self.state = state
+
+    def on_epoch_end(self, epoch: int, logs: Optional[Dict[str, Any]] = None) -> None:
+        self.state.epoch = epoch + 1
