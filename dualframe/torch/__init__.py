@@ -125,3 +125,8 @@ __all__ += ["DistributedPipeline", "PeerLostError"]
 from dualframe.torch.checkpoint import TrainingState, load_checkpoint, merge_stage_checkpoints, save_checkpoint  # noqa: E402
 
 __all__ += ["TrainingState", "load_checkpoint", "merge_stage_checkpoints", "save_checkpoint"]
+
+# Elastic data parallelism: hvd.elastic.run, hvd.elastic.TorchState (issue 8).
+from dualframe.torch import elastic  # noqa: E402
+
+__all__ += ["elastic"]
