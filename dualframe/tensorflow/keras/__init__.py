@@ -15,4 +15,6 @@ __all__ = list(_tf_all) + [
 from dualframe.checkpoint import TrainingState  # noqa: E402
 from dualframe.tensorflow.keras.checkpoint import CheckpointCallback, load_checkpoint, save_checkpoint  # noqa: E402
 
-__all__ += ["CheckpointCallback", "TrainingState", "load_checkpoint", "save_checkpoint"]
+from dualframe.tensorflow.keras import elastic  # noqa: E402
+
+__all__ += ["CheckpointCallback", "TrainingState", "load_checkpoint", "save_checkpoint", "elastic"]
