@@ -93,9 +93,6 @@ barrier = _CHECKED["barrier"]
 poll = _CHECKED["poll"]
 synchronize = _CHECKED["synchronize"]
 
-# Rank-0 checkpoint save and load-then-broadcast live in dualframe.torch.checkpoint (reliability);
-# its public names are exported here, below this line.
-
 __all__ = [
     "OPS", "TorchBatchOps", "TorchCaster", "TorchCollectives", "collectives",
     "Compression", "DistributedOptimizer", "SyncBatchNorm", "distribute",
