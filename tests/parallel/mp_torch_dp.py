@@ -113,6 +113,27 @@ def test_sgd_momentum_matches_one_process(wrap):
     assert_same_everywhere(model, train_reference(sgd, data))
 
 
+def test_synchronize_then_clip_then_skip_synchronize():
+    """Horovod's gradient-clipping pattern: clip the averaged gradients, then step without reducing again."""
+    data = batches()
+    model, optimizer = start_distributed(sgd)
+    for x, y in data:
+        optimizer.zero_grad()
+        mse(model, hvd.shard_batch(x), hvd.shard_batch(y)).backward()
+        optimizer.synchronize()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        with optimizer.skip_synchronize():
+            optimizer.step()
+    reference = make_model(0)
+    optimizer_ref = sgd(reference)
+    for x, y in data:
+        optimizer_ref.zero_grad()
+        mse(reference, x, y).backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+        optimizer_ref.step()
+    assert_same_everywhere(model, reference)
+
+
 def test_adam_with_broadcast_optimizer_state():
     adam = lambda m: torch.optim.Adam(m.parameters(), lr=0.01)  # noqa: E731
     model = make_model(hvd.rank())
