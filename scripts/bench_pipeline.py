@@ -1,29 +1,27 @@
 """Benchmarks of the one-process model split and GPipe pipeline (torch); prints ratios measured in one run.
 
-    flock /tmp/dualframe-bench.lock .venv/bin/python scripts/bench_pipeline.py
+    flock /tmp/dualframe-bench.lock .venv/bin/python scripts/bench_pipeline.py   # the profiler logs to stderr
 
 1. overhead: Pipeline with every group on the same device vs the plain module, same batch, A B rounds
    interleaved, median ratio of step times (goal <= 1.10), in process CPU time (robust to a loaded
    machine) and wall time; beside it the plain module accumulating 4 micro-batches (what micro-batching
    itself costs) and the Pipeline with overlap_cpu=True (cpu stages in threads: the hand-off cost);
-2. memory: peak activation memory of a deep MLP step with checkpoint="always" vs "never", each measured
-   in a fresh subprocess as the growth of peak RSS during one step (after a warm-up that made the grads);
+2. memory: peak activation memory of a deep MLP step with checkpoint="always" vs "never": the peak of
+   the bytes allocated during one step (after a warm-up that made the grads), from torch's profiler
+   record of every allocation and free (peak RSS, used before, moved with the allocator's arenas);
 3. bubble: stages that sleep a fixed time in forward and backward (overlap_cpu=True: "cpu" stages overlap):
    the timeline's measured bubble vs (n-1)/(m+n-1) (goal: within 5 points).
 """
 import argparse
-import json
 import os
-import resource
 import statistics
-import subprocess
-import sys
 import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import dualframe.torch as hvd  # noqa: E402
 from dualframe.timeline import bubble_fraction, theoretical_bubble  # noqa: E402
@@ -80,14 +78,18 @@ def overhead(args: argparse.Namespace) -> None:
           f"{medians['Pipeline(chunks=4)'] / inherent:.3f}")
 
 
-def _peak_child(mode: str, width: int, depth: int, batch: int, chunks: int) -> None:
-    model = hvd.Pipeline(mlp(width, depth), [depth, depth], ["cpu", "cpu"], chunks=chunks, checkpoint=mode)
-    model(torch.randn(chunks, width)).sum().backward()  # warm-up: allocates the gradients
-    x = torch.randn(batch, width)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    model(x).square().mean().backward()
-    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"peak_kib": after - before}))
+def step_peak_mib(model: nn.Module, x: torch.Tensor) -> float:
+    """Peak of the bytes held by tensors allocated during one step, from the profiler's record of every
+    allocation and free of torch's CPU allocator (what the step adds to what was there before)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        model(x).square().mean().backward()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    held = peak = 0
+    for event in events:
+        held += event.nbytes()
+        peak = max(peak, held)
+    return peak / 2 ** 20
 
 
 def memory(args: argparse.Namespace) -> None:
@@ -95,14 +97,12 @@ def memory(args: argparse.Namespace) -> None:
     activations = 2 * depth * batch * width * 4 / 2 ** 20
     peaks = {}
     for mode in ("never", "always", "except_last"):
-        runs = []
-        for _ in range(3):
-            out = subprocess.run([sys.executable, __file__, "--peak-child", mode, str(width), str(depth), str(batch),
-                                  str(chunks)], capture_output=True, text=True, check=True).stdout
-            runs.append(json.loads(out.strip().splitlines()[-1])["peak_kib"] / 1024)
-        peaks[mode] = statistics.median(runs)
-    print(f"[memory] MLP {2 * depth} layers x width {width}, batch {batch}, chunks {chunks}, 2 stages; peak RSS growth "
-          f"during one step, fresh process each, median of 3 (all layer outputs of the batch: {activations:.0f} MiB)")
+        model = hvd.Pipeline(mlp(width, depth), [depth, depth], ["cpu", "cpu"], chunks=chunks, checkpoint=mode)
+        model(torch.randn(chunks, width)).sum().backward()  # warm-up: allocates the gradients
+        peaks[mode] = step_peak_mib(model, torch.randn(batch, width))
+    print(f"[memory] MLP {2 * depth} layers x width {width}, batch {batch}, chunks {chunks}, 2 stages; peak of the "
+          f"memory allocated during one step (torch profiler, profile_memory; all layer outputs of the batch: "
+          f"{activations:.0f} MiB)")
     for mode, peak in peaks.items():
         print(f"  checkpoint={mode}: {peak:.0f} MiB")
     print(f"  always / never: {peaks['always'] / peaks['never']:.3f}; except_last / never: "
@@ -147,10 +147,6 @@ def bubble(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "--peak-child":
-        mode, *numbers = sys.argv[2:]
-        _peak_child(mode, *map(int, numbers))
-        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--depth", type=int, default=12, help="Linear+ReLU pairs (overhead: half per group)")
