@@ -252,3 +252,30 @@ class CheckpointDir:
                     os.unlink(os.path.join(self.directory, name))
                 except FileNotFoundError:
                     pass
+
+
+def read_newest(path: str, suffix: str) -> Optional[bytes]:
+    """The bytes of the file ``path``, or of the newest verified checkpoint of the folder ``path`` (None if none)."""
+    if os.path.isfile(path):
+        with open(path, "rb") as handle:
+            return handle.read()
+    found = CheckpointDir(path, suffix=suffix).read_latest()
+    return found[1] if found else None
+
+
+def split_gathered(joined: bytes, lengths: List[int]) -> List[bytes]:
+    """Cut the concatenation of every rank's bytes (an allgather) back into one ``bytes`` per rank."""
+    parts, start = [], 0
+    for length in lengths:
+        parts.append(joined[start:start + int(length)])
+        start += int(length)
+    return parts
+
+
+def own_rng_state(states: List[Any], rank: int, size: int) -> Optional[Any]:
+    """This rank's saved RNG state, or None (with a warning) when the saving job had another size."""
+    if len(states) != size:
+        warnings.warn(f"the checkpoint holds RNG states of {len(states)} ranks, this job has {size}: "
+                      "random streams are not restored", RuntimeWarning, stacklevel=3)
+        return None
+    return states[rank]

@@ -10,13 +10,13 @@ import io
 import json
 import os
 import random
-import warnings
 from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
 
-from dualframe.checkpoint import CheckpointDir, CheckpointError, TrainingState, atomic_write_bytes, check_json_values
+from dualframe.checkpoint import (CheckpointDir, CheckpointError, TrainingState, atomic_write_bytes,
+                                  check_json_values, own_rng_state, read_newest, split_gathered)
 from dualframe.torch.collectives import hvd
 
 FORMAT = "dualframe-torch-checkpoint/1"
@@ -71,8 +71,7 @@ def _gather_bytes(data: bytes, name: str) -> List[bytes]:
     payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     lengths = hvd.allgather(torch.tensor([len(data)], dtype=torch.int64), name=f"{name}.lengths")
     joined = hvd.allgather(payload, name=f"{name}.bytes").numpy().tobytes()
-    offsets = np.concatenate([[0], np.cumsum(lengths.numpy())])
-    return [joined[offsets[r]:offsets[r + 1]] for r in range(len(lengths))]
+    return split_gathered(joined, lengths.numpy().tolist())
 
 
 def _broadcast_bytes(data: Optional[bytes], root_rank: int, name: str) -> bytes:
@@ -143,13 +142,6 @@ def save_checkpoint(directory: str, model: torch.nn.Module, optimizer: Optional[
     return path
 
 
-def _read(directory: str) -> Optional[bytes]:
-    if os.path.isfile(directory):
-        with open(directory, "rb") as handle:
-            return handle.read()
-    found = CheckpointDir(directory, suffix=SUFFIX).read_latest()
-    return found[1] if found else None
-
 
 def load_checkpoint(directory: str, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
                     *, root_rank: int = 0, restore_rng: bool = True, map_location: Any = "cpu",
@@ -172,7 +164,7 @@ def load_checkpoint(directory: str, model: torch.nn.Module, optimizer: Optional[
     """
     _check_common(directory, model, optimizer, root_rank)
     rank = int(hvd.rank()) if hvd.is_initialized() else 0
-    data = _read(os.fspath(directory)) if rank == root_rank else None
+    data = read_newest(os.fspath(directory), SUFFIX) if rank == root_rank else None
     data = _broadcast_bytes(data, root_rank, "dualframe.checkpoint.load")
     if not data:
         return None
@@ -193,12 +185,9 @@ def load_checkpoint(directory: str, model: torch.nn.Module, optimizer: Optional[
 def _restore_rng(states: Sequence[Dict[str, Any]], rank: int, restore: bool) -> None:
     if not restore or not states:
         return
-    size = int(hvd.size()) if hvd.is_initialized() else 1
-    if len(states) != size:
-        warnings.warn(f"the checkpoint holds RNG states of {len(states)} ranks, this job has {size}: "
-                      "random streams are not restored", RuntimeWarning, stacklevel=3)
-        return
-    set_rng_state(states[rank])
+    own = own_rng_state(list(states), rank, int(hvd.size()) if hvd.is_initialized() else 1)
+    if own is not None:
+        set_rng_state(own)
 
 
 def merge_stage_checkpoints(stage_directories: Sequence[str], output: str) -> str:
@@ -216,7 +205,7 @@ def merge_stage_checkpoints(stage_directories: Sequence[str], output: str) -> st
         raise CheckpointError(f"stage_directories must be a non-empty list of folders ({stage_directories!r})")
     parts = []
     for directory in stage_directories:
-        data = _read(directory)
+        data = read_newest(directory, SUFFIX)
         if data is None:
             raise CheckpointError(f"stage folder {directory} holds no checkpoint")
         parts.append(_from_bytes(data))

@@ -11,14 +11,14 @@ import io
 import json
 import os
 import random
-import warnings
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-from dualframe.checkpoint import CheckpointDir, CheckpointError, TrainingState, check_json_values
+from dualframe.checkpoint import (CheckpointDir, CheckpointError, TrainingState, check_json_values, own_rng_state,
+                                  read_newest, split_gathered)
 from dualframe.tensorflow.collectives import hvd
 
 FORMAT = "dualframe-keras-checkpoint/1"
@@ -61,8 +61,7 @@ def _gather_bytes(data: bytes, name: str) -> List[bytes]:
         return [data]
     lengths = hvd.allgather(tf.constant([len(data)], dtype=tf.int64), name=f"{name}.lengths").numpy()
     joined = hvd.allgather(tf.constant(np.frombuffer(data, dtype=np.uint8)), name=f"{name}.bytes").numpy().tobytes()
-    offsets = np.concatenate([[0], np.cumsum(lengths)])
-    return [joined[offsets[r]:offsets[r + 1]] for r in range(len(lengths))]
+    return split_gathered(joined, lengths.tolist())
 
 
 def _broadcast_bytes(data: Optional[bytes], root_rank: int, name: str) -> bytes:
@@ -145,13 +144,6 @@ def save_checkpoint(directory: str, model: keras.Model, *, step: int, epoch: int
     return path
 
 
-def _read(directory: str) -> Optional[bytes]:
-    if os.path.isfile(directory):
-        with open(directory, "rb") as handle:
-            return handle.read()
-    found = CheckpointDir(directory, suffix=SUFFIX).read_latest()
-    return found[1] if found else None
-
 
 def _assign(what: str, variables: Sequence[Any], arrays: Any, paths: Sequence[str]) -> None:
     if len(variables) != len(paths):
@@ -185,7 +177,7 @@ def load_checkpoint(directory: str, model: keras.Model, *, root_rank: int = 0,
         CheckpointError: a bad argument, a corrupt file, or one that does not fit this model.
     """
     _check_common(directory, model, root_rank)
-    data = _read(os.fspath(directory)) if _rank() == root_rank else None
+    data = read_newest(os.fspath(directory), SUFFIX) if _rank() == root_rank else None
     data = _broadcast_bytes(data, root_rank, "dualframe.keras_checkpoint.load")
     if not data:
         return None
@@ -200,17 +192,10 @@ def load_checkpoint(directory: str, model: keras.Model, *, root_rank: int = 0,
     _assign("model", list(model.variables), arrays, header["model_paths"])
     if header["optimizer_paths"]:
         _assign("optimizer", _optimizer_variables(model, True), arrays, header["optimizer_paths"])
-    if restore_rng:
-        _restore_rng(json.loads(arrays["rng"].tobytes()))
+    own = own_rng_state(json.loads(arrays["rng"].tobytes()), _rank(), _size()) if restore_rng else None
+    if own is not None:
+        set_rng_state(own)
     return TrainingState(header["step"], header["epoch"], header["data_position"], header["extra"])
-
-
-def _restore_rng(states: Sequence[Dict[str, Any]]) -> None:
-    if len(states) != _size():
-        warnings.warn(f"the checkpoint holds RNG states of {len(states)} ranks, this job has {_size()}: "
-                      "random streams are not restored", RuntimeWarning, stacklevel=3)
-        return
-    set_rng_state(states[_rank()])
 
 
 class CheckpointCallback(keras.callbacks.Callback):
