@@ -9,11 +9,13 @@ module, so this module imports none); their messages carry dtypes by the same co
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from dualframe.errors import DualframeError, StrategyError
 from dualframe.partition import partition_ranges
-from dualframe.strategy import RankGrid, _positive_int
+from dualframe.rank_schedule import Action, rank_schedule
+from dualframe.strategy import RankGrid, positive_int, validate_devices
 
 #: dtypes a pipeline message may carry, by code: index in this tuple (both frameworks' spelling).
 DTYPE_NAMES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "uint8", "bool")
@@ -47,7 +49,7 @@ def check_pipeline(layers: int, balance: Sequence[int], loss_fn: Any, data_paral
     if loss_fn is not None and not callable(loss_fn):
         raise StrategyError(f"loss_fn must be callable, e.g. a mean-squared-error loss (loss_fn: {loss_fn!r})")
     grid = RankGrid.build(world, len(ranges))
-    if data_parallel is not None and _positive_int("data_parallel", data_parallel) != grid.replicas:
+    if data_parallel is not None and positive_int("data_parallel", data_parallel) != grid.replicas:
         raise StrategyError(
             f"data_parallel x stages must equal the number of processes (data_parallel: {data_parallel}, "
             f"stages: {len(ranges)}, processes: {world}); launch with -np {data_parallel * len(ranges)}"
@@ -55,6 +57,40 @@ def check_pipeline(layers: int, balance: Sequence[int], loss_fn: Any, data_paral
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise StrategyError(f"timeout must be a number of seconds > 0 (timeout: {timeout!r})")
     return ranges, grid
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """A process pipeline's checked arguments: stage ranges, rank grid, each stage's actions and device.
+
+    Example:
+        >>> layout = layout_pipeline(5, [3, 2], chunks=2, schedule="GPipe", world=2)
+        >>> layout.ranges, layout.schedule, [str(a) for a in layout.plans[1]]
+        ([range(0, 3), range(3, 5)], 'gpipe', ['F0', 'F1', 'B1', 'B0'])
+    """
+
+    ranges: List[range]
+    grid: RankGrid
+    plans: List[List[Action]]
+    devices: Optional[Tuple[str, ...]]
+    chunks: int
+    schedule: str
+    loss_fn: Any
+    timeout: float
+
+
+def layout_pipeline(layers: int, balance: Sequence[int], chunks: int, schedule: str = "gpipe", loss_fn: Any = None,
+                    devices: Optional[Sequence[str]] = None, data_parallel: Optional[int] = None,
+                    timeout: float = 45.0, world: int = 1) -> StageLayout:
+    """Check every argument of a DistributedPipeline (``check_pipeline``, schedule, chunks, devices); no communication.
+
+    Raises:
+        BalanceError, ChunksError, DeviceError, ScheduleError, StrategyError: a rule broken.
+    """
+    ranges, grid = check_pipeline(layers, balance, loss_fn, data_parallel, timeout, world)
+    plans = rank_schedule(schedule, len(ranges), chunks)
+    return StageLayout(ranges, grid, plans, validate_devices(devices, len(ranges)), chunks, schedule.lower(),
+                       loss_fn, timeout)
 
 
 def dtype_code(name: str) -> int:

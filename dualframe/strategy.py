@@ -18,7 +18,8 @@ CHECKPOINT_MODES = ("always", "except_last", "never")
 SCHEDULES = ("gpipe", "1f1b")
 
 
-def _positive_int(name: str, value: object) -> int:
+def positive_int(name: str, value: object) -> int:
+    """``value`` when it is an int >= 1; StrategyError naming ``name`` otherwise."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise StrategyError(f"{name} must be an int >= 1 ({name}: {value!r})")
     return value
@@ -30,7 +31,8 @@ def _choice(name: str, value: object, allowed: Sequence[str]) -> str:
     return value.lower()
 
 
-def _devices(devices: Optional[Sequence[str]], groups: int) -> Optional[Tuple[str, ...]]:
+def validate_devices(devices: Optional[Sequence[str]], groups: int) -> Optional[Tuple[str, ...]]:
+    """``devices`` as a tuple of one non-empty name per group (None stays None); DeviceError otherwise."""
     if devices is None:
         return None
     if isinstance(devices, (str, bytes)) or not isinstance(devices, Sequence):
@@ -63,7 +65,7 @@ class DataParallel:
     gradient_predivide_factor: float = 1.0
 
     def __post_init__(self) -> None:
-        _positive_int("backward_passes_per_step", self.backward_passes_per_step)
+        positive_int("backward_passes_per_step", self.backward_passes_per_step)
         object.__setattr__(self, "op", _choice("op", self.op, REDUCE_OPS))
         object.__setattr__(self, "compression", _choice("compression", self.compression, COMPRESSIONS))
         factor = self.gradient_predivide_factor
@@ -92,7 +94,7 @@ class ModelParallel:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "balance", tuple(validate_balance(self.balance)))
-        object.__setattr__(self, "devices", _devices(self.devices, len(self.balance)))
+        object.__setattr__(self, "devices", validate_devices(self.devices, len(self.balance)))
 
     @property
     def stages(self) -> int:
@@ -172,8 +174,8 @@ class RankGrid:
     @classmethod
     def build(cls, world_size: int, stages: int) -> "RankGrid":
         """Validate that ``world_size`` is a multiple of ``stages`` and build the grid."""
-        _positive_int("world size", world_size)
-        _positive_int("stages", stages)
+        positive_int("world size", world_size)
+        positive_int("stages", stages)
         if world_size % stages:
             raise StrategyError(
                 f"the number of processes must be a multiple of the number of stages "

@@ -15,13 +15,12 @@ import numpy as np
 import tensorflow as tf
 
 from dualframe.errors import StrategyError
-from dualframe.rank_schedule import Action, pipeline_process_sets, rank_schedule
-from dualframe.stage_runner import RecordBook, StepRecord, read_agreement, step_agreement, walk
-from dualframe.stage_setup import check_pipeline
-from dualframe.strategy import RankGrid, _devices
+from dualframe.rank_schedule import Action, pipeline_process_sets
+from dualframe.stage_process import PipelineStage, StageView
+from dualframe.stage_runner import StepRecord
+from dualframe.stage_setup import layout_pipeline
 from dualframe.tensorflow.collectives import hvd
-from dualframe.tensorflow.pipeline_transport import (DTYPES, TFHorovodLinks, allreduce, broadcast, process_sets,
-                                                     tf_dtype_code)
+from dualframe.tensorflow.pipeline_transport import TFWire, process_sets
 from dualframe.tensorflow.pipeline_work import TFStageWork
 from dualframe.topology import detect
 
@@ -51,7 +50,7 @@ def _world_size() -> int:
     return int(hvd.size()) if hvd.is_initialized() else detect().size
 
 
-class DistributedPipeline:
+class DistributedPipeline(StageView):
     """Keras layers whose stages are processes: rank j of each pipeline holds stage j.
 
     Every rank builds the same full model (same seed); each keeps its stage. ``train_step`` runs one
@@ -86,39 +85,21 @@ class DistributedPipeline:
                  data_parallel: Optional[int] = None, timeout: float = 45.0) -> None:
         all_layers = _layers_of(layers)
         loss_fn = _loss_of(loss_fn)
-        ranges, grid = check_pipeline(len(all_layers), balance, loss_fn, data_parallel, timeout, _world_size())
-        plans = rank_schedule(schedule, len(ranges), chunks)
-        device_names = _devices(devices, len(ranges))
-        self.chunks, self.schedule, self.grid, self.loss_fn, self.timeout = chunks, schedule.lower(), grid, loss_fn, timeout
+        layout = layout_pipeline(len(all_layers), balance, chunks, schedule, loss_fn, devices, data_parallel, timeout,
+                                 _world_size())
+        self.chunks, self.schedule, self.grid = chunks, layout.schedule, layout.grid
+        self.loss_fn, self.timeout = loss_fn, timeout
         # From here on, Horovod: every argument above is checked on every rank.
-        sets = process_sets(pipeline_process_sets(grid.replicas * grid.stages, grid.stages))
-        self.replica, self.stage_index = grid.position(int(hvd.rank()))
-        j = self.stage_index
-        self.stages, self.plan = grid.stages, plans[j]
-        self.device = device_names[j] if device_names else None
-        self.layer_indices = ranges[j]
-        self.layers = [all_layers[index] for index in ranges[j]]
+        sets = process_sets(pipeline_process_sets(layout.grid.replicas * layout.grid.stages, layout.grid.stages))
+        # Names without step numbers: each is a traced tf.function (see pipeline_transport).
+        self.role = PipelineStage(layout, TFWire(), int(hvd.rank()), sets, f"dpipe{next(_IDS)}", step_names=False)
+        j = self.role.index
+        self.device = layout.devices[j] if layout.devices else None
+        self.layer_indices = layout.ranges[j]
+        self.layers = [all_layers[index] for index in layout.ranges[j]]
         self._all_layers = all_layers
-        self.pipeline_ranks = grid.pipeline_groups[self.replica]
-        self.stage_ranks = grid.stage_groups[j]
-        self.pipeline_set = sets.get(tuple(self.pipeline_ranks), hvd.global_process_set)
-        self.stage_process_set = sets.get(tuple(self.stage_ranks)) if grid.replicas > 1 else None
-        self._prefix = f"dpipe{next(_IDS)}"
-        self.links = TFHorovodLinks(j, self.pipeline_ranks, sets, self._prefix, timeout)
-        self.records = RecordBook()
         self.gradients: List[Optional[tf.Tensor]] = []
         self.peak_live = 0
-        self._steps = 0
-
-    @property
-    def is_first(self) -> bool:
-        """True on the rank holding stage 0 (it reads the inputs)."""
-        return self.stage_index == 0
-
-    @property
-    def is_last(self) -> bool:
-        """True on the rank holding the last stage (it reads the targets and computes the loss)."""
-        return self.stage_index == self.stages - 1
 
     @property
     def trainable_variables(self) -> List[tf.Variable]:
@@ -148,7 +129,7 @@ class DistributedPipeline:
 
     def gather_weights(self) -> List[np.ndarray]:
         """The full model's weights, merged from every stage of this pipeline (a collective: call it on all ranks)."""
-        parts = hvd.allgather_object((self.stage_index, self.get_weights()), name=f"{self._prefix}.weights",
+        parts = hvd.allgather_object((self.stage_index, self.get_weights()), name=f"{self.role.link.prefix}.weights",
                                      process_set=self.pipeline_set)
         return [w for _, part in sorted(parts, key=lambda item: item[0]) for w in part]
 
@@ -169,30 +150,15 @@ class DistributedPipeline:
         """``optimizer.apply_gradients`` on the last step's gradients and the stage's variables."""
         optimizer.apply_gradients([(g, v) for g, v in zip(self.gradients, self.trainable_variables) if g is not None])
 
-    def _agree(self, inputs: Any, targets: Any, train: bool) -> Tuple[Any, List[int]]:
-        shape = tuple(int(d) for d in inputs.shape) if inputs is not None else None
-        code = tf_dtype_code(inputs.dtype) if inputs is not None else 0
-        rows = (int(targets.shape[0]) if targets is not None and len(targets.shape) else None) if train else 0
-        mine = tf.constant(step_agreement(shape, code, rows, self.is_first, self.is_last), tf.int64)
-        pending = allreduce(mine, hvd.Sum, f"{self._prefix}.agree", self.pipeline_set)
-        fields = pending.result(f"stage {self.stage_index} (rank {hvd.rank()}) starting step {self._steps}", self.timeout)
-        shape, code, sizes = read_agreement([int(f) for f in fields.numpy()], self.chunks, need_targets=train)
-        return (shape, DTYPES[code].name), sizes
-
     def _run(self, plan: Sequence[Action], inputs: Any, targets: Any, train: bool) -> Tuple[TFStageWork, StepRecord]:
         inputs = None if inputs is None or not self.is_first else tf.convert_to_tensor(inputs)
         targets = None if targets is None or not self.is_last else tf.convert_to_tensor(targets)
-        key, sizes = self._agree(inputs, targets, train)
+        sizes = self.role.agree(inputs, targets, train)
         micro_inputs = tf.split(inputs, sizes) if inputs is not None else []
         micro_targets = tf.split(targets, sizes) if train and targets is not None else []
         work = TFStageWork(self.layers, self.is_first, self.is_last, self.loss_fn if train else None,
                            micro_targets, [s / sum(sizes) for s in sizes], self.device)
-        self.links.begin(key, backward=train, chunks=self.chunks)
-        record = walk(plan, self.stage_index, self.stages, micro_inputs, work, self.links)
-        self.links.finish()
-        self.records.add(record)
-        self._steps += 1
-        return work, record
+        return work, self.role.step(plan, micro_inputs, work, train)
 
     def train_step(self, inputs: Any, targets: Any) -> float:
         """Run one mini-batch forward and backward through the pipeline; the stage's gradients land in ``gradients``.
@@ -206,13 +172,7 @@ class DistributedPipeline:
         work, _ = self._run(self.plan, inputs, targets, train=True)
         self.gradients = work.gradients
         self.peak_live = max(self.peak_live, work.peak_live)
-        loss = tf.constant([work.loss_sum if self.is_last else 0.0], tf.float64)
-        name = f"{self._prefix}.loss"
-        if self.is_last and self.stage_process_set is not None:
-            loss = allreduce(loss, hvd.Average, name + ".replicas", self.stage_process_set).result(
-                "averaging the loss", self.timeout)
-        pending = broadcast(loss, self.pipeline_ranks[-1], name, self.pipeline_set)
-        return float(pending.result(f"stage {self.stage_index} waiting for the loss", self.timeout)[0])
+        return self.role.mean_loss(work.loss_sum)
 
     def __call__(self, inputs: Any) -> Optional[tf.Tensor]:
         """Inference through the pipeline (no gradients): the output on the last stage, None elsewhere."""
@@ -220,12 +180,6 @@ class DistributedPipeline:
         work, _ = self._run(plan, inputs, None, train=False)
         return tf.concat(work.outputs, axis=0) if self.is_last else None
 
-    def timing(self) -> str:
-        """One line for this stage: mean step seconds, computing seconds and idle share (the bubble)."""
-        book = self.records
-        return (f"replica {self.replica} stage {self.stage_index} (rank {hvd.rank()}): step "
-                f"{book.mean_wall() * 1e3:.1f} ms, busy {book.mean_busy() * 1e3:.1f} ms, bubble {book.mean_bubble():.1%}")
-
     def timings(self) -> List[str]:
         """Every rank's ``timing()`` line, in rank order, on every rank (a collective: call it on all)."""
-        return list(hvd.allgather_object(self.timing(), name=f"{self._prefix}.timings"))
+        return list(hvd.allgather_object(self.timing(), name=f"{self.role.link.prefix}.timings"))

@@ -16,13 +16,13 @@ import torch
 from torch import nn
 
 from dualframe.errors import StrategyError
-from dualframe.rank_schedule import Action, pipeline_process_sets, rank_schedule
-from dualframe.stage_setup import check_pipeline
-from dualframe.stage_runner import RecordBook, StepRecord, read_agreement, step_agreement, walk
-from dualframe.strategy import RankGrid, _devices
+from dualframe.rank_schedule import Action, pipeline_process_sets
+from dualframe.stage_process import PipelineStage, StageView
+from dualframe.stage_runner import StepRecord
+from dualframe.stage_setup import StageLayout, layout_pipeline
 from dualframe.topology import detect
 from dualframe.torch.collectives import hvd
-from dualframe.torch.pipeline_transport import DTYPES, HorovodLinks, dtype_code, process_sets, wait
+from dualframe.torch.pipeline_transport import TorchWire, process_sets
 from dualframe.torch.pipeline_work import ActivationMeter, TorchStageWork
 
 _IDS = itertools.count()
@@ -32,14 +32,15 @@ def _world_size() -> int:
     return int(hvd.size()) if hvd.is_initialized() else detect().size
 
 
-def _check_arguments(module: nn.Module, balance: Sequence[int], loss_fn: Any, data_parallel: Optional[int],
-                     timeout: float) -> Tuple[List[range], RankGrid]:
+def _layout(module: nn.Module, balance: Sequence[int], chunks: int, schedule: str, loss_fn: Any,
+            devices: Optional[Sequence[str]], data_parallel: Optional[int], timeout: float) -> StageLayout:
     if not isinstance(module, nn.Sequential):
         raise StrategyError(f"DistributedPipeline splits an nn.Sequential (module: {type(module).__name__})")
-    return check_pipeline(len(module), balance, loss_fn, data_parallel, timeout, _world_size())
+    return layout_pipeline(len(module), balance, chunks, schedule, loss_fn, devices, data_parallel, timeout,
+                           _world_size())
 
 
-class DistributedPipeline(nn.Module):
+class DistributedPipeline(StageView, nn.Module):
     """An ``nn.Sequential`` whose stages are processes: rank j of each pipeline holds stage j.
 
     Every rank builds the same pipeline from the same full model (same seed); each keeps its
@@ -73,38 +74,17 @@ class DistributedPipeline(nn.Module):
                  devices: Optional[Sequence[str]] = None, data_parallel: Optional[int] = None,
                  timeout: float = 45.0) -> None:
         super().__init__()
-        ranges, grid = _check_arguments(module, balance, loss_fn, data_parallel, timeout)
-        self.plan: List[Action] = []
-        plans = rank_schedule(schedule, len(ranges), chunks)
-        device_names = _devices(devices, len(ranges))
-        self.chunks, self.schedule, self.grid, self.loss_fn, self.timeout = chunks, schedule.lower(), grid, loss_fn, timeout
+        layout = _layout(module, balance, chunks, schedule, loss_fn, devices, data_parallel, timeout)
+        self.chunks, self.schedule, self.grid = chunks, layout.schedule, layout.grid
+        self.loss_fn, self.timeout = loss_fn, timeout
         # From here on, Horovod: every argument above is checked on every rank.
-        sets = process_sets(pipeline_process_sets(grid.replicas * grid.stages, grid.stages))
-        self.replica, self.stage_index = grid.position(int(hvd.rank()))
-        j = self.stage_index
-        self.stages, self.plan = grid.stages, plans[j]
-        self.device = torch.device(device_names[j] if device_names else "cpu")
+        sets = process_sets(pipeline_process_sets(layout.grid.replicas * layout.grid.stages, layout.grid.stages))
+        j = layout.grid.position(int(hvd.rank()))[1]
+        self.device = torch.device(layout.devices[j] if layout.devices else "cpu")
+        self.role = PipelineStage(layout, TorchWire(self.device), int(hvd.rank()), sets, f"dpipe{next(_IDS)}")
         items = list(module._modules.items())
-        self.stage = nn.Sequential(OrderedDict(items[r] for r in ranges[j])).to(self.device)
-        self.pipeline_ranks = grid.pipeline_groups[self.replica]
-        self.stage_ranks = grid.stage_groups[j]
-        self.pipeline_set = sets.get(tuple(self.pipeline_ranks), hvd.global_process_set)
-        self.stage_process_set = sets.get(tuple(self.stage_ranks)) if grid.replicas > 1 else None
-        self._prefix = f"dpipe{next(_IDS)}"
-        self.links = HorovodLinks(j, self.pipeline_ranks, sets, self._prefix, timeout, self.device)
-        self.records = RecordBook()
+        self.stage = nn.Sequential(OrderedDict(items[r] for r in layout.ranges[j])).to(self.device)
         self.meter = ActivationMeter(self.stage.parameters())
-        self._steps = 0
-
-    @property
-    def is_first(self) -> bool:
-        """True on the rank holding stage 0 (it reads the inputs)."""
-        return self.stage_index == 0
-
-    @property
-    def is_last(self) -> bool:
-        """True on the rank holding the last stage (it reads the targets and computes the loss)."""
-        return self.stage_index == self.stages - 1
 
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[Tuple[str, nn.Parameter]]:
@@ -141,30 +121,15 @@ class DistributedPipeline(nn.Module):
         return wrapper(optimizer, named_parameters=self.named_parameters(),
                        backward_passes_per_step=passes, process_set=self.stage_process_set, **kwargs)
 
-    def _agree(self, inputs: Optional[torch.Tensor], targets: Optional[torch.Tensor], train: bool) -> Tuple[Any, List[int]]:
-        shape = tuple(inputs.shape) if inputs is not None else None
-        code = dtype_code(inputs.dtype) if inputs is not None else 0
-        rows = (int(targets.shape[0]) if targets is not None and targets.dim() else None) if train else 0
-        mine = torch.tensor(step_agreement(shape, code, rows, self.is_first, self.is_last), dtype=torch.int64)
-        handle = hvd.allreduce_async(mine, op=hvd.Sum, name=f"{self._prefix}.{self._steps}.agree",
-                                     process_set=self.pipeline_set)
-        fields = wait(handle, f"stage {self.stage_index} (rank {hvd.rank()}) starting step {self._steps}", self.timeout)
-        shape, code, sizes = read_agreement(fields.tolist(), self.chunks, need_targets=train)
-        return (shape, DTYPES[code]), sizes
-
     def _run(self, plan: Sequence[Action], inputs: Optional[torch.Tensor], targets: Optional[torch.Tensor],
              train: bool) -> Tuple[TorchStageWork, StepRecord]:
-        key, sizes = self._agree(inputs, targets, train)
+        sizes = self.role.agree(inputs, targets, train)
         micro_inputs = list(torch.split(inputs.to(self.device), sizes)) if self.is_first and inputs is not None else []
         micro_targets = list(torch.split(targets.to(self.device), sizes)) if self.is_last and train and targets is not None else []
         work = TorchStageWork(self.stage, self.is_first, self.is_last, self.loss_fn if train else None,
                               micro_targets, [s / sum(sizes) for s in sizes], self.meter)
-        self.links.begin(str(self._steps), key, backward=train, chunks=self.chunks)
         with torch.set_grad_enabled(train), self.meter.counting():
-            record = walk(plan, self.stage_index, self.stages, micro_inputs, work, self.links)
-        self.links.finish()
-        self.records.add(record)
-        self._steps += 1
+            record = self.role.step(plan, micro_inputs, work, train)
         return work, record
 
     def train_step(self, inputs: Optional[torch.Tensor], targets: Optional[torch.Tensor]) -> float:
@@ -177,13 +142,7 @@ class DistributedPipeline(nn.Module):
         if self.loss_fn is None:
             raise StrategyError("train_step needs a loss_fn; pass loss_fn= to DistributedPipeline")
         work, _ = self._run(self.plan, inputs, targets, train=True)
-        loss = torch.tensor([work.loss_sum if self.is_last else 0.0], dtype=torch.float64)
-        name = f"{self._prefix}.{self._steps}.loss"
-        if self.is_last and self.stage_process_set is not None:
-            loss = wait(hvd.allreduce_async(loss, op=hvd.Average, name=name + ".replicas",
-                                            process_set=self.stage_process_set), "averaging the loss", self.timeout)
-        handle = hvd.broadcast_async(loss, self.pipeline_ranks[-1], name=name, process_set=self.pipeline_set)
-        return float(wait(handle, f"stage {self.stage_index} waiting for the loss", self.timeout)[0])
+        return self.role.mean_loss(work.loss_sum)
 
     def forward(self, inputs: Optional[torch.Tensor]) -> Optional[torch.Tensor]:  # type: ignore[override]
         """Inference through the pipeline (no gradients): the output on the last stage, None elsewhere."""
@@ -191,12 +150,6 @@ class DistributedPipeline(nn.Module):
         work, _ = self._run(plan, inputs, None, train=False)
         return torch.cat(work.outputs) if self.is_last else None
 
-    def timing(self) -> str:
-        """One line for this stage: mean step seconds, computing seconds and idle share (the bubble)."""
-        book = self.records
-        return (f"replica {self.replica} stage {self.stage_index} (rank {hvd.rank()}): step "
-                f"{book.mean_wall() * 1e3:.1f} ms, busy {book.mean_busy() * 1e3:.1f} ms, bubble {book.mean_bubble():.1%}")
-
     def timings(self) -> List[str]:
         """Every rank's ``timing()`` line, in rank order, on every rank (a collective: call it on all)."""
-        return list(hvd.allgather_object(self.timing(), name=f"{self._prefix}.timings"))
+        return list(hvd.allgather_object(self.timing(), name=f"{self.role.link.prefix}.timings"))
