@@ -1,0 +1,59 @@
+"""The framework-neutral parts of process pipelines, in one process: headers, bounded waits, the checked layout."""
+import pytest
+
+from dualframe.errors import DeviceError, StrategyError
+from dualframe.stage_link import decode_header, encode_header, wait_for
+from dualframe.stage_setup import PeerLostError, layout_pipeline
+
+
+class Stopped(Exception):
+    """Stands for a framework's "Horovod shut down" error."""
+
+
+class OneOpWire:
+    """Just the waiting half of a Wire, for one operation that finishes or not, and succeeds or raises."""
+
+    def __init__(self, finishes, outcome):
+        self.finishes, self.outcome = finishes, outcome
+
+    def done(self, handle, timeout):
+        return self.finishes
+
+    def result(self, handle):
+        if isinstance(self.outcome, BaseException):
+            raise self.outcome
+        return self.outcome
+
+    def stopped(self, error):
+        return f"peer gone: {error}" if isinstance(error, Stopped) else None
+
+
+def test_header_round_trip_and_dimension_limit():
+    assert encode_header(((4, 3, 2), 1)) == [3, 4, 3, 2, 0, 0, 0, 0, 0, 1]
+    assert decode_header(encode_header(((4, 3, 2), 1))) == ((4, 3, 2), 1)
+    assert decode_header(encode_header(((), 0))) == ((), 0)
+    with pytest.raises(StrategyError, match=r"at most 8 dimensions \(output shape: \(1, 1, 1, 1, 1, 1, 1, 1, 1\)\)"):
+        encode_header(((1,) * 9, 0))
+
+
+def test_wait_for_returns_the_result_or_raises_peer_lost():
+    assert wait_for(OneOpWire(True, 42), None, "waiting for F0", 1.0) == 42
+    with pytest.raises(PeerLostError, match=r"^waiting for F0: nothing arrived within 0.5 s; that stage died or hangs"):
+        wait_for(OneOpWire(False, 42), None, "waiting for F0", 0.5)
+    with pytest.raises(PeerLostError, match=r"^waiting for B1: Horovod stopped \(peer gone: reset\); a neighbouring"):
+        wait_for(OneOpWire(True, Stopped("reset")), None, "waiting for B1", 1.0)
+    with pytest.raises(KeyError):  # not Horovod stopping: passes through unchanged
+        wait_for(OneOpWire(True, KeyError("bug")), None, "waiting for B1", 1.0)
+    assert issubclass(PeerLostError, TimeoutError)
+
+
+def test_layout_checks_every_argument_and_lays_out_the_stages():
+    layout = layout_pipeline(5, [3, 2], chunks=3, schedule="1F1B", devices=["cpu", "cpu"], data_parallel=2,
+                             world=4)
+    assert (layout.schedule, layout.grid.replicas, layout.devices) == ("1f1b", 2, ("cpu", "cpu"))
+    assert [[str(a) for a in plan] for plan in layout.plans] == [["F0", "F1", "B0", "F2", "B1", "B2"],
+                                                                 ["F0", "B0", "F1", "B1", "F2", "B2"]]
+    with pytest.raises(DeviceError, match=r"one device per group \(len\(devices\) = 1, len\(balance\) = 2\)"):
+        layout_pipeline(5, [3, 2], chunks=3, devices=["cpu"], world=2)
+    with pytest.raises(StrategyError, match=r"timeout must be a number of seconds > 0 \(timeout: 0\)"):
+        layout_pipeline(5, [3, 2], chunks=3, timeout=0, world=2)
