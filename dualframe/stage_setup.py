@@ -49,6 +49,12 @@ def check_pipeline(layers: int, balance: Sequence[int], loss_fn: Any, data_paral
     if loss_fn is not None and not callable(loss_fn):
         raise StrategyError(f"loss_fn must be callable, e.g. a mean-squared-error loss (loss_fn: {loss_fn!r})")
     grid = RankGrid.build(world, len(ranges))
+    if len(ranges) == 1 and grid.replicas > 1:
+        # Replicas of a one-stage pipeline share no 2-rank link set; that is plain data parallelism.
+        raise StrategyError(
+            f"a one-stage pipeline over several processes is data parallelism (balance: {list(balance)}, "
+            f"processes: {world}); use DistributedOptimizer, or split the model into >= 2 stages"
+        )
     if data_parallel is not None and positive_int("data_parallel", data_parallel) != grid.replicas:
         raise StrategyError(
             f"data_parallel x stages must equal the number of processes (data_parallel: {data_parallel}, "

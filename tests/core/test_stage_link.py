@@ -57,3 +57,10 @@ def test_layout_checks_every_argument_and_lays_out_the_stages():
         layout_pipeline(5, [3, 2], chunks=3, devices=["cpu"], world=2)
     with pytest.raises(StrategyError, match=r"timeout must be a number of seconds > 0 \(timeout: 0\)"):
         layout_pipeline(5, [3, 2], chunks=3, timeout=0, world=2)
+
+
+def test_one_stage_over_several_processes_is_refused_as_data_parallelism():
+    with pytest.raises(StrategyError, match=r"one-stage pipeline over several processes is data parallelism "
+                                            r"\(balance: \[4\], processes: 2\); use DistributedOptimizer"):
+        layout_pipeline(4, [4], chunks=2, world=2)
+    assert layout_pipeline(4, [4], chunks=2, world=1).grid.replicas == 1
