@@ -26,7 +26,7 @@ run() {  # run LAUNCHER NP SCRIPT ARGS...: one example, announced with its exact
   fi
   echo
   echo "################ ${cmd[*]}"
-  "${cmd[@]}"
+  "${cmd[@]}" < /dev/null  # launchers read stdin: keep them off the list below
 }
 
 # Each line: framework launcher np script args. Examples not yet in the repo are skipped.
@@ -41,6 +41,7 @@ torch horovodrun 2 torch_examples/data_parallel.py --epochs 2
 tf    mpirun     2 tf_examples/data_parallel.py --epochs 2
 torch single     1 torch_examples/model_split.py
 torch single     1 torch_examples/pipeline.py
+tf    single     1 tf_examples/model_split.py
 tf    single     1 tf_examples/pipeline.py
 torch mpirun     2 torch_examples/pipeline_processes.py
 torch mpirun     4 torch_examples/hybrid.py
