@@ -13,16 +13,25 @@ cd "$ROOT"
 bash scripts/bootstrap.sh || exit 1
 export PATH="$ROOT/.venv/bin:$PATH" PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2
 failed=()
+passed=0
+failed_n=0
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
 for suite in core torch tensorflow parallel; do
   [ -d "tests/$suite" ] || continue
   echo "=== tests/$suite ==="
-  .venv/bin/python -m pytest -p no:cacheprovider -q -ra "tests/$suite" "$@"
-  rc=$?
+  .venv/bin/python -m pytest -p no:cacheprovider -q -ra "tests/$suite" "$@" 2>&1 | tee "$log"
+  rc=${PIPESTATUS[0]}
+  summary=$(grep -E '[0-9]+ (passed|failed)' "$log" | tail -n 1)
+  read -r p f < <(echo "$summary" | awk '{for (i = 1; i < NF; i++) { if ($(i+1) ~ /^passed/) p += $i;
+    if ($(i+1) ~ /^(failed|errors?)/) f += $i } } END { print p + 0, f + 0 }')
+  passed=$((passed + p)); failed_n=$((failed_n + f))
   # 5: nothing collected (e.g. a -k that matches nothing here), not a failure.
   if [ $rc -ne 0 ] && [ $rc -ne 5 ]; then failed+=("$suite"); fi
 done
 if [ ${#failed[@]} -gt 0 ]; then
   echo "FAILED suites: ${failed[*]}"
+  echo "total: $passed passed, $failed_n failed"
   exit 1
 fi
-echo "all suites passed"
+echo "total: $passed passed, $failed_n failed"
