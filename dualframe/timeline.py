@@ -271,3 +271,17 @@ def render_png(trace_path_or_events: Union[str, "os.PathLike[str]", Sequence[Eve
     title = (f"{m} micro-batches x {n} stages: bubble measured {bubble_fraction(events):.3f}, "
              f"theoretical {theoretical_bubble(m, n):.3f}")
     return draw_gantt(bars, [f"stage {j}\n{devices.get(j, '?')}" for j in range(n)], title, out_path)
+
+
+def report(events: Sequence[Event], trace: Optional[str] = None, png: Optional[str] = None) -> str:
+    """The summary, plus where the Chrome trace and the PNG Gantt chart were written when asked for.
+
+    Example:
+        >>> print(report(timeline.events, trace="step.json", png="step.png"))  # doctest: +SKIP
+    """
+    lines = [summary(events)]
+    if trace:
+        lines.append(f"trace: {write_chrome_trace(events, trace)}")
+    if png:
+        lines.append(f"timeline: {render_png(events, png)}")
+    return "\n".join(lines)

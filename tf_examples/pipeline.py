@@ -14,7 +14,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import dualframe.tensorflow as hvd  # noqa: E402
-from dualframe.timeline import render_png, write_chrome_trace  # noqa: E402
+from dualframe.timeline import report  # noqa: E402
 
 
 def devices_from(args: argparse.Namespace) -> list:
@@ -72,11 +72,7 @@ def main() -> None:
     eager_step()  # warm-up: the first eager call builds what it needs
     with pipe.record() as timeline:  # dualframe:
         eager_step()
-    print(timeline.summary())
-    if args.trace:
-        print("trace:", write_chrome_trace(timeline.events, args.trace))
-    if args.timeline:
-        print("timeline:", render_png(timeline.events, args.timeline))
+    print(report(timeline.events, trace=args.trace, png=args.timeline))
 
 
 if __name__ == "__main__":

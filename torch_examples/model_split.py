@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import dualframe.torch as hvd
-from dualframe.timeline import render_png, write_chrome_trace
+from dualframe.timeline import report
 
 
 def build(width: int, depth: int) -> nn.Sequential:
@@ -60,11 +60,7 @@ def main() -> None:
         if step % 10 == 0 or step == args.steps - 1:
             print(f"step {step:3d}  loss {loss.item():.5f}")
     print(f"{args.steps} steps in {time.perf_counter() - start:.2f} s")
-    print(timeline.summary())
-    if args.trace:
-        print("trace:", write_chrome_trace(timeline.events, args.trace))
-    if args.timeline:
-        print("timeline:", render_png(timeline.events, args.timeline))
+    print(report(timeline.events, trace=args.trace, png=args.timeline))
 
 
 if __name__ == "__main__":

@@ -78,3 +78,16 @@ def test_empty_timeline_and_foreign_trace_refused(tmp_path):
     with pytest.raises(StrategyError, match="holds no dualframe pipeline events"):
         read_chrome_trace(path)
     assert to_chrome_trace(ideal_events(1, 1))["traceEvents"][0]["name"] == "F0"
+
+
+def test_report_writes_the_trace_and_png_it_names(tmp_path):
+    from dualframe.timeline import Event, read_chrome_trace, report, summary
+
+    events = [Event("F", 0, 0, "cpu", 0.0, 1.0), Event("F", 0, 1, "cpu", 1.0, 2.0),
+              Event("B", 0, 1, "cpu", 2.0, 4.0), Event("B", 0, 0, "cpu", 4.0, 6.0)]
+    text = report(events, trace=str(tmp_path / "t.json"), png=str(tmp_path / "t.png"))
+    assert text.splitlines()[0] == summary(events).splitlines()[0]
+    assert f"trace: {tmp_path / 't.json'}" in text and f"timeline: {tmp_path / 't.png'}" in text
+    assert len(read_chrome_trace(tmp_path / "t.json")) == 4
+    assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert report(events) == summary(events)
