@@ -8,6 +8,9 @@ overhead: one process, ``fit`` with ``hvd.DistributedOptimizer`` vs plain ``fit`
           times (goal <= 1.05).
 scaling:  weak scaling, np=2 vs np=1 under mpirun, one thread per process, a compute-bound CNN with
           a fixed batch per rank: efficiency = images/sec per rank at np=2 / at np=1 (goal >= 0.90).
+          A third arm in the same rounds runs np=2 with the plain optimizer (no allreduce at all):
+          its efficiency is the machine's own ceiling for two processes, and DP / plain at np=2 is
+          what data parallelism costs on top of it.
 """
 from __future__ import annotations
 
@@ -62,8 +65,11 @@ def overhead(rounds: int, steps: int) -> None:
           f"(median of {rounds} rounds; goal <= 1.05)")
 
 
-def worker(steps: int, batch: int) -> None:
-    """Run under a launcher: time ``steps`` fit steps of a small CNN; rank 0 prints img/sec per rank as JSON."""
+def worker(steps: int, batch: int, plain: bool) -> None:
+    """Run under a launcher: time ``steps`` fit steps of a small CNN; rank 0 prints img/sec per rank as JSON.
+
+    ``plain``: every rank trains on its own with the unwrapped optimizer (no collective while timed).
+    """
     import numpy as np
     import keras
     import tensorflow as tf
@@ -77,12 +83,13 @@ def worker(steps: int, batch: int) -> None:
         keras.layers.Conv2D(64, 3, activation="relu"), keras.layers.MaxPooling2D(),
         keras.layers.Conv2D(64, 3, activation="relu"), keras.layers.GlobalAveragePooling2D(),
         keras.layers.Dense(10)])
-    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.01)),
+    optimizer = keras.optimizers.SGD(0.01)
+    model.compile(optimizer=optimizer if plain else hvd.DistributedOptimizer(optimizer),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     x = np.random.RandomState(hvd.rank()).rand(steps * batch, 48, 48, 3).astype("float32")
     y = np.random.RandomState(hvd.rank()).randint(0, 10, steps * batch)
     model.fit(x[:2 * batch], y[:2 * batch], batch_size=batch, verbose=0,
-              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+              callbacks=[] if plain else [hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
     hvd.barrier()
     start = time.perf_counter()
     model.fit(x, y, batch_size=batch, shuffle=False, verbose=0)
@@ -91,10 +98,11 @@ def worker(steps: int, batch: int) -> None:
         print("RESULT " + json.dumps({"np": hvd.size(), "img_per_sec_per_rank": rate}), flush=True)
 
 
-def run_worker(np_: int, steps: int, batch: int) -> float:
+def run_worker(np_: int, steps: int, batch: int, plain: bool = False) -> float:
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **thread_env(np_, cores=np_))
     env["PATH"] = f"{pathlib.Path(sys.executable).parent}:{env['PATH']}"
-    command = mpirun_command(np_, [sys.executable, __file__, "worker", "--steps", str(steps), "--batch", str(batch)],
+    program = [sys.executable, __file__, "worker", "--steps", str(steps), "--batch", str(batch)]
+    command = mpirun_command(np_, program + (["--plain"] if plain else []),
                              oversubscribe=True, export=("PATH", "TF_CPP_MIN_LOG_LEVEL", *thread_env(1)))
     output = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, check=True).stdout
     line = next(line for line in output.splitlines() if line.startswith("RESULT "))
@@ -102,14 +110,19 @@ def run_worker(np_: int, steps: int, batch: int) -> float:
 
 
 def scaling(rounds: int, steps: int, batch: int) -> None:
-    efficiencies = []
-    for _ in range(rounds):
-        one, two = run_worker(1, steps, batch), run_worker(2, steps, batch)  # interleaved: 1 2 1 2 ...
+    efficiencies, ceilings, shares = [], [], []
+    for _ in range(rounds):  # interleaved: 1, 2, 2-plain, 1, 2, 2-plain ...
+        one, two, alone = run_worker(1, steps, batch), run_worker(2, steps, batch), run_worker(2, steps, batch, True)
         efficiencies.append(two / one)
+        ceilings.append(alone / one)
+        shares.append(two / alone)
         print(f"  np=1 {one:.1f} img/s, np=2 {two:.1f} img/s per rank ({2 * two:.1f} total), "
-              f"efficiency {efficiencies[-1]:.3f}", flush=True)
+              f"efficiency {efficiencies[-1]:.3f}; np=2 without allreduce {alone:.1f} img/s per rank "
+              f"(ceiling {ceilings[-1]:.3f}), DP / no-allreduce {shares[-1]:.3f}", flush=True)
     print(f"weak scaling np=2 vs np=1 (one thread per process, batch {batch} per rank): efficiency = "
           f"{statistics.median(efficiencies):.3f} (median of {rounds} rounds; goal >= 0.90)")
+    print(f"  the machine's ceiling (np=2 plain optimizer, no communication, vs np=1) = "
+          f"{statistics.median(ceilings):.3f}; data parallel / that ceiling = {statistics.median(shares):.3f}")
 
 
 def main() -> None:
@@ -118,9 +131,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--plain", action="store_true", help="worker: the unwrapped optimizer, no collective")
     args = parser.parse_args()
     if args.part == "worker":
-        worker(args.steps, args.batch)
+        worker(args.steps, args.batch, args.plain)
         return
     if args.part in ("all", "overhead"):
         os.environ.update(thread_env(1, cores=1))  # one thread, as each rank would have
