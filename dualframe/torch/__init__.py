@@ -119,9 +119,15 @@ from dualframe.torch.pipeline_transport import PeerLostError  # noqa: E402
 __all__ += ["DistributedPipeline", "PeerLostError"]
 
 # Checkpoints with exact resume, and pipeline stages' parts merged (issue 8).
-from dualframe.torch.checkpoint import TrainingState, load_checkpoint, merge_stage_checkpoints, save_checkpoint  # noqa: E402
+from dualframe.torch.checkpoint import TrainingState, load_checkpoint, save_checkpoint  # noqa: E402
+from dualframe.torch.stage_checkpoint import (  # noqa: E402
+    load_stage_checkpoint,
+    merge_stage_checkpoints,
+    save_stage_checkpoint,
+)
 
-__all__ += ["TrainingState", "load_checkpoint", "merge_stage_checkpoints", "save_checkpoint"]
+__all__ += ["TrainingState", "load_checkpoint", "merge_stage_checkpoints", "save_checkpoint",
+            "save_stage_checkpoint", "load_stage_checkpoint"]
 
 # Elastic data parallelism: hvd.elastic.run, hvd.elastic.TorchState (issue 8).
 from dualframe.torch import elastic  # noqa: E402

@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
-from dualframe.checkpoint import (CheckpointDir, CheckpointError, TrainingState, atomic_write_bytes,
+from dualframe.checkpoint import (CheckpointDir, CheckpointError, TrainingState,
                                   check_json_values, own_rng_state, read_newest, split_gathered)
 from dualframe.torch.collectives import hvd
 
@@ -64,26 +64,29 @@ def set_rng_state(state: Dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _gather_bytes(data: bytes, name: str) -> List[bytes]:
-    """Every rank's ``data``, in rank order (only this rank's outside a distributed job)."""
+def _gather_bytes(data: bytes, name: str, process_set: Any = None) -> List[bytes]:
+    """Every rank's ``data`` (of ``process_set``, default all), in rank order (only this rank's outside a distributed job)."""
     if not _distributed():
         return [data]
+    group = {} if process_set is None else {"process_set": process_set}
     payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    lengths = hvd.allgather(torch.tensor([len(data)], dtype=torch.int64), name=f"{name}.lengths")
-    joined = hvd.allgather(payload, name=f"{name}.bytes").numpy().tobytes()
+    lengths = hvd.allgather(torch.tensor([len(data)], dtype=torch.int64), name=f"{name}.lengths", **group)
+    joined = hvd.allgather(payload, name=f"{name}.bytes", **group).numpy().tobytes()
     return split_gathered(joined, lengths.numpy().tolist())
 
 
-def _broadcast_bytes(data: Optional[bytes], root_rank: int, name: str) -> bytes:
-    """Root's ``data`` on every rank (``b""`` when root has none)."""
+def _broadcast_bytes(data: Optional[bytes], root_rank: int, name: str, process_set: Any = None) -> bytes:
+    """Root's ``data`` on every rank (of ``process_set``, default all; ``b""`` when root has none)."""
     if not _distributed():
         return data or b""
-    length = hvd.broadcast(torch.tensor([len(data or b"")], dtype=torch.int64), root_rank, name=f"{name}.length")
+    group = {} if process_set is None else {"process_set": process_set}
+    length = hvd.broadcast(torch.tensor([len(data or b"")], dtype=torch.int64), root_rank, name=f"{name}.length",
+                           **group)
     size = int(length.item())
     if size == 0:
         return b""
     buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(size, dtype=torch.uint8)
-    return hvd.broadcast(buffer, root_rank, name=f"{name}.bytes").numpy().tobytes()
+    return hvd.broadcast(buffer, root_rank, name=f"{name}.bytes", **group).numpy().tobytes()
 
 
 def _check_common(directory: Any, model: Any, optimizer: Any, root_rank: Any) -> None:
@@ -188,35 +191,3 @@ def _restore_rng(states: Sequence[Dict[str, Any]], rank: int, restore: bool) -> 
     own = own_rng_state(list(states), rank, int(hvd.size()) if hvd.is_initialized() else 1)
     if own is not None:
         set_rng_state(own)
-
-
-def merge_stage_checkpoints(stage_directories: Sequence[str], output: str) -> str:
-    """Merge pipeline stages' newest checkpoints (parts of one model, saved at the same step) into one file.
-
-    Each stage's ``state_dict`` uses the full model's keys (``DistributedPipeline.state_dict``), so
-    the parts join into the full model's ``state_dict``; ``load_checkpoint(output, model)`` then
-    loads it into the unsplit model or into a pipeline. Optimizer states stay in the stage files.
-
-    Raises:
-        CheckpointError: a stage has no checkpoint, the stages saved different steps, or two stages
-            hold the same key.
-    """
-    if isinstance(stage_directories, (str, bytes)) or not stage_directories:
-        raise CheckpointError(f"stage_directories must be a non-empty list of folders ({stage_directories!r})")
-    parts = []
-    for directory in stage_directories:
-        data = read_newest(directory, SUFFIX)
-        if data is None:
-            raise CheckpointError(f"stage folder {directory} holds no checkpoint")
-        parts.append(_from_bytes(data))
-    steps = [part["step"] for part in parts]
-    if len(set(steps)) != 1:
-        raise CheckpointError(f"the stages saved different steps (steps: {steps}); save every stage at the same step")
-    model: Dict[str, Any] = {}
-    for j, part in enumerate(parts):
-        overlap = sorted(set(model) & set(part["model"]))
-        if overlap:
-            raise CheckpointError(f"stage {j} repeats keys another stage holds (keys: {overlap[:5]})")
-        model.update(part["model"])
-    merged = dict(parts[0], model=model, optimizer=None, rng=[])
-    return atomic_write_bytes(output, _to_bytes(merged))

@@ -83,8 +83,10 @@ def test_pipeline_stage_parts_merge_into_the_full_model(tmp_path):
     assert load_checkpoint(merged, fresh).step == 5
     for key, value in full.state_dict().items():
         assert torch.equal(fresh.state_dict()[key], value)
-    save_checkpoint(str(tmp_path / "stage-1"), second, step=6)
-    with pytest.raises(CheckpointError, match=r"different steps \(steps: \[5, 6\]\)"):
+    save_checkpoint(str(tmp_path / "stage-1"), second, step=6)  # stage 0 never saved step 6: step 5 is merged
+    assert load_checkpoint(merge_stage_checkpoints(str(tmp_path), str(tmp_path / "y.pt")), fresh).step == 5
+    save_checkpoint(str(tmp_path / "stage-0"), first, step=7, keep=1)
+    with pytest.raises(CheckpointError, match=r"no common step \(steps by stage: \[\[7\], \[5, 6\]\]\)"):
         merge_stage_checkpoints([str(tmp_path / "stage-0"), str(tmp_path / "stage-1")], str(tmp_path / "x.pt"))
 
 
