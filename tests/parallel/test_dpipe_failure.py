@@ -1,7 +1,10 @@
 """A pipeline stage whose neighbour dies or hangs stops with a clear error within 60 s, under both launchers.
 
-Runs tests/parallel/dpipe_workers/neighbour_dies.py (2 processes, stage 1 fails after 3 steps) and
-times from the failing rank's announcement to the end of the whole job.
+Runs tests/parallel/dpipe_workers/neighbour_dies.py (torch) or neighbour_dies_tf.py (Keras) on 2
+processes, stage 1 failing after 3 steps, and times from the failing rank's announcement to the end
+of the whole job. Both frameworks: a death under horovodrun (Gloo fails the pending broadcasts:
+PeerLostError), a death under mpirun (Open MPI aborts the job) and a hang under mpirun (only our own
+bounded wait can end it).
 """
 from __future__ import annotations
 
@@ -17,18 +20,20 @@ import pytest
 from dualframe.launch import horovodrun_command, mpirun_command, thread_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-WORKER = ROOT / "tests" / "parallel" / "dpipe_workers" / "neighbour_dies.py"
+WORKERS = {"torch": ROOT / "tests" / "parallel" / "dpipe_workers" / "neighbour_dies.py",
+           "tf": ROOT / "tests" / "parallel" / "dpipe_workers" / "neighbour_dies_tf.py"}
 BIN = pathlib.Path(sys.executable).parent
 
 
-def launch(launcher: str, fault: str) -> tuple:
-    """Run the worker; return (exit status, output, seconds from the fault to the end)."""
-    program = [sys.executable, str(WORKER)]
+def launch(framework: str, launcher: str, fault: str) -> tuple:
+    """Run the framework's worker; return (exit status, output, seconds from the fault to the end)."""
+    program = [sys.executable, str(WORKERS[framework])]
     if launcher == "horovodrun":
         command = horovodrun_command(2, program, horovodrun=str(BIN / "horovodrun"))
     else:
         command = mpirun_command(2, program, oversubscribe=True,
-                                 export=("PATH", "PYTHONPATH", "DPIPE_FAULT", "DPIPE_TIMEOUT", *thread_env(1)))
+                                 export=("PATH", "PYTHONPATH", "DPIPE_FAULT", "DPIPE_TIMEOUT", "TF_CPP_MIN_LOG_LEVEL",
+                                         *thread_env(1)))
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", DPIPE_FAULT=fault, DPIPE_TIMEOUT="10",
                TF_CPP_MIN_LOG_LEVEL="2", PATH=f"{BIN}:{os.environ['PATH']}", **thread_env(2, cores=2))
     process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -53,9 +58,13 @@ def launch(launcher: str, fault: str) -> tuple:
     return process.returncode, "".join(lines), (end - fault_time) if fault_time else None
 
 
-@pytest.mark.parametrize("launcher, fault", [("horovodrun", "die"), ("mpirun", "die"), ("mpirun", "hang")])
-def test_stage_stops_with_a_clear_error_within_60_s(launcher, fault):
-    status, output, seconds = launch(launcher, fault)
+CASES = [("torch", "horovodrun", "die"), ("torch", "mpirun", "die"), ("torch", "mpirun", "hang"),
+         ("tf", "horovodrun", "die"), ("tf", "mpirun", "die"), ("tf", "mpirun", "hang")]
+
+
+@pytest.mark.parametrize("framework, launcher, fault", CASES, ids=["-".join(case) for case in CASES])
+def test_stage_stops_with_a_clear_error_within_60_s(framework, launcher, fault):
+    status, output, seconds = launch(framework, launcher, fault)
     assert seconds is not None, f"the fault never happened:\n{output[-4000:]}"
     assert status != 0 and "unreachable" not in output, output[-4000:]
     assert seconds < 60, f"the job ran {seconds:.0f} s after stage 1 {fault}d:\n{output[-4000:]}"

@@ -1,0 +1,36 @@
+"""Keras twin of neighbour_dies.py: stage 1 dies (DPIPE_FAULT=die) or hangs (=hang) after 3 steps; stage 0 must stop clearly.
+
+Started by tests/parallel/test_dpipe_failure.py under each launcher; not a pytest module.
+"""
+import os
+import sys
+import time
+
+import keras
+import numpy as np
+
+import dualframe.tensorflow as hvd
+from dualframe.tensorflow.distributed_pipeline import DistributedPipeline
+
+hvd.init()
+keras.utils.set_random_seed(0)
+model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, "relu"), keras.layers.Dense(1)])
+pipe = DistributedPipeline(model, [1, 1], chunks=2, loss_fn="mse",
+                           timeout=float(os.environ.get("DPIPE_TIMEOUT", "20")))
+rng = np.random.RandomState(0)
+x, y = rng.randn(8, 4).astype("float32"), rng.randn(8, 1).astype("float32")
+for step in range(1000):
+    if step == 3 and pipe.stage_index == 1:
+        fault = os.environ.get("DPIPE_FAULT", "die")
+        print(f"rank {hvd.rank()}: stage 1 {'dies' if fault == 'die' else 'hangs'} now", flush=True)
+        if fault == "die":
+            os._exit(7)
+        time.sleep(3600)
+    started = time.monotonic()
+    try:
+        pipe.train_step(x, y)
+    except hvd.PeerLostError as error:
+        print(f"rank {hvd.rank()}: PeerLostError after {time.monotonic() - started:.1f} s: {error}", flush=True)
+        sys.stdout.flush()
+        os._exit(3)
+print("unreachable: the pipeline kept training without its neighbour", flush=True)
