@@ -10,6 +10,7 @@ Prints, from interleaved rounds (A B C A B C ..., median of the per-round ratios
   3. peak activation bytes per rank, gpipe vs 1f1b (chunks=8).
 """
 import argparse
+import functools
 import os
 import statistics
 import time
@@ -19,6 +20,7 @@ from torch import nn
 
 import dualframe
 import dualframe.torch as hvd
+from dualframe.bench_rounds import bubble_line, interleaved, ratio_line, seconds_line
 from dualframe.torch.distributed_pipeline import DistributedPipeline
 
 
@@ -90,22 +92,16 @@ def main() -> None:
     configs = {"chunks=1": ours(model, 1)[1], "chunks=8": ours(model, 8)[1], "torch ScheduleGPipe m=8": torch_gpipe(model, 8)}
     for step in configs.values():  # warm-up: allocator, autograd, shape headers
         step(x, y)
-    times = {name: [] for name in configs}
-    for _ in range(args.rounds):
-        for name, step in configs.items():
-            times[name].append(timed(step, x, y, args.steps))
-    report = []
-    for name in ("chunks=8", "torch ScheduleGPipe m=8"):
-        ratios = [a / b for a, b in zip(times["chunks=1"], times[name])]
-        report.append(f"throughput {name} / chunks=1: median {statistics.median(ratios):.2f} "
-                      f"(rounds: {' '.join(f'{r:.2f}' for r in ratios)})")
-    report.append(f"step seconds (median): " + ", ".join(f"{n} {statistics.median(t):.3f}" for n, t in times.items()))
+    times = interleaved({name: functools.partial(timed, step, x, y, args.steps) for name, step in configs.items()},
+                        args.rounds)
+    report = [ratio_line(f"{name} / chunks=1", times["chunks=1"], times[name])
+              for name in ("chunks=8", "torch ScheduleGPipe m=8")]
+    report.append(seconds_line(times))
     for m in (1, 2, 4, 8, 16):
         pipe, step = ours(model, m)
         for _ in range(args.steps + 1):
             step(x, y)
-        bubble = statistics.mean(hvd.allgather_object(pipe.records.mean_bubble()))
-        report.append(f"bubble m={m:2d}: measured {bubble:.1%}, theory (n-1)/(m+n-1) {1 / (m + 1):.1%}")
+        report.append(bubble_line(m, statistics.mean(hvd.allgather_object(pipe.records.mean_bubble()))))
     for schedule in ("gpipe", "1f1b"):
         pipe, step = ours(model, 8, schedule)
         step(x, y)

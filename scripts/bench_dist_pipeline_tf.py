@@ -1,0 +1,109 @@
+"""Benchmark of Keras 3 pipelines whose stages are processes (2 stages, one thread per process); the TF twin of bench_dist_pipeline.py.
+
+    flock /tmp/dualframe-bench.lock mpirun --allow-run-as-root --oversubscribe -np 2 --bind-to none \\
+        -x OMP_NUM_THREADS=1 -x TF_NUM_INTRAOP_THREADS=1 -x TF_NUM_INTEROP_THREADS=1 -x PATH \\
+        .venv/bin/python scripts/bench_dist_pipeline_tf.py
+
+The same model family (blocks x (Dense(width), ReLU)), batch and method as the PyTorch script, the
+rounds and report lines from ``dualframe.bench_rounds``. Prints, from interleaved rounds (A B A B ...,
+median of the per-round ratios):
+  1. throughput of DistributedPipeline chunks=8 over chunks=1 (naive model parallelism);
+  2. the measured bubble (idle share per stage, mean of both) against (n-1)/(m+n-1) for m = 1..16;
+  3. per rank, the most micro-batch tapes alive at once, gpipe vs 1f1b (chunks=8), and the layer
+     outputs they hold (computed: tapes x rows x width x 4 bytes x layers of the stage; Keras on a
+     CPU has no allocator statistics to read).
+"""
+import argparse
+import functools
+import os
+import statistics
+import sys
+import time
+
+for name in ("OMP_NUM_THREADS", "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS"):
+    os.environ.setdefault(name, "1")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import dualframe.tensorflow as hvd  # noqa: E402
+from dualframe.bench_rounds import bubble_line, interleaved, ratio_line, seconds_line  # noqa: E402
+from dualframe.tensorflow.distributed_pipeline import DistributedPipeline  # noqa: E402
+
+
+def build_model(width: int, blocks: int) -> keras.Sequential:
+    keras.utils.set_random_seed(0)
+    layers = []
+    for _ in range(blocks):
+        layers += [keras.layers.Dense(width), keras.layers.ReLU()]
+    return keras.Sequential([keras.Input((width,))] + layers)
+
+
+def ours(model, chunks, schedule="gpipe"):
+    half = len(model.layers) // 2
+    pipe = DistributedPipeline(model, [half, half], chunks=chunks, schedule=schedule, loss_fn="mse")
+    optimizer = keras.optimizers.SGD(1e-4)
+
+    def step(x, y):
+        pipe.train_step(x, y)
+        pipe.apply_gradients(optimizer)
+    return pipe, step
+
+
+def timed(step, x, y, steps):
+    hvd.barrier()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step(x, y)
+    hvd.barrier()
+    return time.perf_counter() - start
+
+
+def memory_line(model, schedule, x, y, chunks, width):
+    pipe, step = ours(model, chunks, schedule)
+    step(x, y)
+    step(x, y)
+    rows = -(-len(x) // chunks)
+    mib = pipe.peak_live * rows * width * 4 * len(pipe.layers) / 2**20
+    peaks = hvd.allgather_object((pipe.peak_live, mib))
+    return (f"peak tapes alive per rank, {schedule}, chunks={chunks}: "
+            + ", ".join(f"rank {r} {tapes} ({m:.1f} MiB of layer outputs)" for r, (tapes, m) in enumerate(peaks)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--blocks", type=int, default=12)
+    parser.add_argument("--batch", type=int, default=2048)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=2)
+    args = parser.parse_args()
+    hvd.init()
+    if hvd.size() != 2:
+        raise SystemExit(f"run with 2 processes (processes: {hvd.size()})")
+    rng = np.random.RandomState(0)
+    x = rng.randn(args.batch, args.width).astype("float32")
+    y = rng.randn(args.batch, args.width).astype("float32")
+    model = build_model(args.width, args.blocks)
+    configs = {"chunks=1": ours(model, 1)[1], "chunks=8": ours(model, 8)[1]}
+    for step in configs.values():  # warm-up: tracing of the message functions, shape headers
+        step(x, y)
+    times = interleaved({name: functools.partial(timed, step, x, y, args.steps) for name, step in configs.items()},
+                        args.rounds)
+    report = [ratio_line("chunks=8 / chunks=1", times["chunks=1"], times["chunks=8"]), seconds_line(times)]
+    for m in (1, 2, 4, 8, 16):
+        pipe, step = ours(model, m)
+        for _ in range(args.steps + 1):
+            step(x, y)
+        report.append(bubble_line(m, statistics.mean(hvd.allgather_object(pipe.records.mean_bubble()))))
+    report += [memory_line(model, schedule, x, y, 8, args.width) for schedule in ("gpipe", "1f1b")]
+    if hvd.rank() == 0:
+        print(f"Keras {keras.__version__}: {args.blocks} x (Dense({args.width}), ReLU), batch {args.batch}, 2 stages, "
+              f"1 thread per process, {args.rounds} rounds of {args.steps} steps")
+        print("\n".join(report), flush=True)
+
+
+if __name__ == "__main__":
+    main()
