@@ -84,3 +84,12 @@ from dualframe.stage_setup import PeerLostError  # noqa: E402
 from dualframe.tensorflow.distributed_pipeline import DistributedPipeline  # noqa: E402
 
 __all__ += ["DistributedPipeline", "PeerLostError"]
+
+# Process pipelines' checkpoints: each stage saves its part, resumes, a merge gives the full model's (issue 8).
+from dualframe.tensorflow.stage_checkpoint import (  # noqa: E402
+    load_stage_checkpoint,
+    merge_stage_checkpoints,
+    save_stage_checkpoint,
+)
+
+__all__ += ["save_stage_checkpoint", "load_stage_checkpoint", "merge_stage_checkpoints"]

@@ -20,7 +20,7 @@ from test_failures import KILLED, LIMIT_S, launch, resume  # tests/parallel is o
 WORKERS = pathlib.Path(__file__).resolve().parent / "dpipe_workers"
 
 #: torch under both launchers; Keras (a TF process costs 5-10 s to start) under mpirun only.
-CASES = [("torch_resume.py", "horovodrun"), ("torch_resume.py", "mpirun")]
+CASES = [("torch_resume.py", "horovodrun"), ("torch_resume.py", "mpirun"), ("keras_resume.py", "mpirun")]
 
 
 @pytest.mark.parametrize("script, launcher", CASES, ids=[f"{s.split('_')[0]}-{l}" for s, l in CASES])

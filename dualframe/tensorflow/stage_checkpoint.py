@@ -1,0 +1,240 @@
+"""Keras 3 process-pipeline checkpoints: each stage saves its part, loads take it back, a merge makes the full model's.
+
+The TensorFlow twin of ``dualframe.torch.stage_checkpoint``. Stage j's file, in
+``{directory}/stage-{j}``, is an ``.npz`` in the Keras checkpoint format
+(``dualframe.tensorflow.keras.checkpoint``): the variables of the stage's layers (Dropout's seed
+generators included) in the full model's order, the stage optimizer's variables, a JSON header and
+the RNG states of the stage's ranks; written by the first rank of the stage's data-parallel group
+through the core's :class:`~dualframe.checkpoint.CheckpointDir`. ``merge_stage_checkpoints`` joins
+the parts into one file that ``dualframe.tensorflow.keras.load_checkpoint`` loads into the full model.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from dualframe.checkpoint import CheckpointDir, CheckpointError, TrainingState, atomic_write_bytes, check_json_values
+from dualframe.stage_checkpoint import (check_directory, check_part, common_step, read_common, read_step,
+                                        stage_directory, verified_steps)
+from dualframe.tensorflow.collectives import hvd
+from dualframe.tensorflow.distributed_pipeline import DistributedPipeline
+from dualframe.checkpoint import read_newest
+from dualframe.tensorflow.keras.checkpoint import FORMAT, SUFFIX, _assign, _broadcast_bytes, rng_state, set_rng_state
+
+_NAME = "dualframe.stage_checkpoint"
+
+
+def _check(directory: Any, pipe: Any, optimizer: Any) -> str:
+    path = check_directory(directory)
+    if not isinstance(pipe, DistributedPipeline):
+        raise CheckpointError(f"pipe must be a dualframe.tensorflow.DistributedPipeline (pipe: {type(pipe).__name__})")
+    if optimizer is not None and not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise CheckpointError(f"optimizer must be a keras.optimizers.Optimizer or None "
+                              f"(optimizer: {type(optimizer).__name__})")
+    if not all(layer.built for layer in pipe.layers):
+        raise CheckpointError("the stage's layers are not built: give the keras.Sequential a keras.Input, or run a "
+                              "step, before saving or loading a checkpoint")
+    return path
+
+
+def _writes(pipe: DistributedPipeline) -> bool:
+    """The first rank of the stage's data-parallel group writes and reads the stage's folder."""
+    return int(hvd.rank()) == pipe.stage_ranks[0]
+
+
+def stage_variables(pipe: DistributedPipeline) -> List[Any]:
+    """Every variable of the stage's layers (weights and seed generators), in the full model's ``variables`` order."""
+    return [v for layer in pipe.layers for v in layer.variables]
+
+
+def _snapshot(variables: Sequence[Any]) -> Tuple[List[str], List[np.ndarray]]:
+    """The variables' paths and values."""
+    return [v.path for v in variables], [np.asarray(v.numpy()) for v in variables]
+
+
+def _encode(groups: Dict[str, Tuple[List[str], List[np.ndarray]]], header: Dict[str, Any], rngs: Sequence[Any]) -> bytes:
+    """An ``.npz`` in the Keras checkpoint format: ``{group}.{i}`` arrays, the header with each group's paths, rng."""
+    arrays: Dict[str, np.ndarray] = {"format": np.array(FORMAT)}
+    for prefix, (paths, values) in groups.items():
+        header[f"{prefix}_paths"] = list(paths)
+        arrays.update((f"{prefix}.{i}", value) for i, value in enumerate(values))
+    arrays["header"] = np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)
+    arrays["rng"] = np.frombuffer(json.dumps(list(rngs)).encode(), dtype=np.uint8)
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)  # type: ignore[arg-type]  # numpy stubs read **kwds as allow_pickle
+    return buffer.getvalue()
+
+
+def _decode(data: bytes, where: str) -> Tuple[Any, Dict[str, Any]]:
+    try:
+        arrays = np.load(io.BytesIO(data), allow_pickle=False)
+        header, kind = json.loads(arrays["header"].tobytes()), str(arrays["format"])
+    except Exception as error:  # not an npz, or one holding pickled objects
+        raise CheckpointError(f"{where} is not a loadable dualframe Keras checkpoint ({error})") from None
+    if kind != FORMAT:
+        raise CheckpointError(f"{where} is not a dualframe Keras checkpoint (format must be {FORMAT!r})")
+    return arrays, header
+
+
+def _stage_rngs(pipe: DistributedPipeline) -> List[Any]:
+    """The RNG states of the ranks holding this stage, in rank order (one allgather among its replicas)."""
+    mine = json.dumps(rng_state()).encode()
+    if pipe.stage_process_set is None:
+        return [json.loads(mine)]
+    lengths = hvd.allgather(tf.constant([len(mine)], tf.int64), name=f"{_NAME}.rng.lengths",
+                            process_set=pipe.stage_process_set).numpy().tolist()
+    joined = hvd.allgather(tf.constant(np.frombuffer(mine, np.uint8)), name=f"{_NAME}.rng.bytes",
+                           process_set=pipe.stage_process_set).numpy().tobytes()
+    starts = np.cumsum([0] + lengths)
+    return [json.loads(joined[a:b]) for a, b in zip(starts[:-1], starts[1:])]
+
+
+def save_stage_checkpoint(directory: str, pipe: DistributedPipeline, optimizer: Optional[keras.optimizers.Optimizer] = None,
+                          *, step: int, epoch: int = 0, data_position: Any = None,
+                          extra: Optional[Dict[str, Any]] = None, keep: int = 3) -> Optional[str]:
+    """Save this pipeline's stages at ``step``: every rank calls it, one rank per stage writes its part.
+
+    Stage j's file holds its layers' variables, ``optimizer``'s variables (the stage's: iterations,
+    slots), ``step``, ``epoch``, ``data_position``, ``extra`` (JSON values) and the numpy/Python RNG
+    states of the ranks holding stage j. The save ends with a barrier, so once any rank returns
+    every stage's file of ``step`` is complete.
+
+    Example:
+        >>> hvd.save_stage_checkpoint("ckpt", pipe, optimizer, step=step,         # doctest: +SKIP
+        ...                           data_position={"next_step": step + 1}, keep=2)
+
+    Returns:
+        The file this rank wrote, or None on ranks that do not write.
+
+    Raises:
+        CheckpointError: a bad argument, found on every rank before any communication or write.
+    """
+    folder = CheckpointDir(stage_directory(_check(directory, pipe, optimizer), pipe.stage_index), keep=keep,
+                           suffix=SUFFIX)
+    folder.filename(step)  # validates step
+    check_json_values(epoch=epoch, data_position=data_position, extra=extra)
+    rngs = _stage_rngs(pipe)
+    path = None
+    if _writes(pipe):
+        header = {"step": step, "epoch": epoch, "data_position": data_position, "extra": extra or {},
+                  "stage": pipe.stage_index, "stages": pipe.stages}
+        optimizer_variables = list(optimizer.variables) if optimizer is not None and optimizer.built else []
+        data = _encode({"model": _snapshot(stage_variables(pipe)), "optimizer": _snapshot(optimizer_variables)},
+                       header, rngs)
+        path = folder.save(step, data, meta={"epoch": epoch, "stage": pipe.stage_index})
+    if int(hvd.size()) > 1:  # nobody runs ahead while a stage is still writing
+        hvd.broadcast(tf.zeros([1]), 0, name=f"{_NAME}.saved")
+    return path
+
+
+def _agreed_step(pipe: DistributedPipeline, folder: CheckpointDir) -> Optional[int]:
+    """The newest step every stage's folder holds, the same on every rank (one allgather of step lists)."""
+    mine = (pipe.stage_index, verified_steps(folder)) if _writes(pipe) else None
+    everyone = hvd.allgather_object(mine, name=f"{_NAME}.steps") if int(hvd.size()) > 1 else [mine]
+    by_stage = {j: steps for j, steps in (item for item in everyone if item is not None)}
+    return common_step([by_stage.get(j, []) for j in range(pipe.stages)])
+
+
+def _read_part(pipe: DistributedPipeline, folder: CheckpointDir, step: int) -> bytes:
+    """Stage j's bytes of ``step`` on every rank holding stage j (read by the first, broadcast among its replicas)."""
+    data = read_step(folder, step) if _writes(pipe) else b""
+    if pipe.stage_process_set is None:
+        return data
+    root, group = pipe.stage_ranks[0], pipe.stage_process_set
+    size = int(hvd.broadcast(tf.constant([len(data)], tf.int64), root, name=f"{_NAME}.load.length",
+                             process_set=group).numpy()[0])
+    buffer = np.frombuffer(data, np.uint8) if data else np.zeros(size, np.uint8)
+    return hvd.broadcast(tf.constant(buffer), root, name=f"{_NAME}.load.bytes", process_set=group).numpy().tobytes()
+
+
+def _load_merged(path: str, pipe: DistributedPipeline) -> TrainingState:
+    """Each stage takes its layers' variables from a merged full-model file (rank 0 reads it and broadcasts)."""
+    data = _broadcast_bytes(read_newest(path, SUFFIX) if int(hvd.rank()) == 0 else None, 0, f"{_NAME}.merged")
+    arrays, header = _decode(data, path)
+    offset = sum(len(layer.variables) for layer in pipe._all_layers[:pipe.layer_indices.start])
+    variables = stage_variables(pipe)
+    paths = header["model_paths"][offset:offset + len(variables)]
+    _assign("model", variables, {f"model.{i}": arrays[f"model.{offset + i}"] for i in range(len(paths))}, paths)
+    return TrainingState(header["step"], header["epoch"], header["data_position"], header["extra"])
+
+
+def load_stage_checkpoint(directory: str, pipe: DistributedPipeline, optimizer: Optional[keras.optimizers.Optimizer] = None,
+                          *, restore_rng: bool = True) -> Optional[TrainingState]:
+    """Load every stage's part of the newest step all stages hold; every rank calls it.
+
+    The ranks agree on the step (a save interrupted on some stages is skipped), the first rank of
+    each stage reads and verifies its part and hands it to the stage's other replicas; each rank
+    assigns its stage's variables, ``optimizer``'s (building it on the stage's trainable variables
+    first) and takes back its own numpy/Python RNG states. Every check of the file's shapes runs
+    before any variable is assigned. Given a file (a merged checkpoint, ``merge_stage_checkpoints``),
+    each stage takes its layers' variables from it (no optimizer state nor RNG there).
+
+    Example:
+        >>> state = hvd.load_stage_checkpoint("ckpt", pipe, optimizer)            # doctest: +SKIP
+        >>> start = state.data_position["next_step"] if state else 0               # doctest: +SKIP
+
+    Returns:
+        The TrainingState (step, epoch, data_position, extra), or None when no stage holds a checkpoint.
+
+    Raises:
+        CheckpointError: a bad argument (before any communication), stages without a common step,
+            or a part that does not fit this stage.
+    """
+    path = _check(directory, pipe, optimizer)
+    if os.path.isfile(path):
+        return _load_merged(path, pipe)
+    folder = CheckpointDir(stage_directory(path, pipe.stage_index), suffix=SUFFIX)
+    step = _agreed_step(pipe, folder)
+    if step is None:
+        return None
+    arrays, header = _decode(_read_part(pipe, folder, step), folder.directory)
+    check_part((header.get("stage"), header.get("stages")), (pipe.stage_index, pipe.stages), folder.directory)
+    _assign("model", stage_variables(pipe), arrays, header["model_paths"])
+    if optimizer is not None and header["optimizer_paths"]:
+        if not optimizer.built:
+            optimizer.build(pipe.trainable_variables)
+        _assign("optimizer", list(optimizer.variables), arrays, header["optimizer_paths"])
+    states = json.loads(arrays["rng"].tobytes())
+    if restore_rng and len(states) == len(pipe.stage_ranks):
+        set_rng_state(states[pipe.stage_ranks.index(int(hvd.rank()))])
+    return TrainingState(header["step"], header["epoch"], header["data_position"], header["extra"])
+
+
+def merge_stage_checkpoints(stages: Union[str, Sequence[str]], output: str) -> str:
+    """Merge a pipeline's stage parts (the newest step all stages hold) into the full model's Keras checkpoint.
+
+    The stages' variables, in stage order, are the full model's ``variables``; the output is a
+    Keras checkpoint file (``.npz``) that ``dualframe.tensorflow.keras.load_checkpoint(output, model,
+    restore_rng=False)`` loads into the unsplit model. Optimizer states and RNG stay in the stage
+    files. One process, no Horovod.
+
+    Example:
+        >>> merge_stage_checkpoints("ckpt", "full.npz")                                  # doctest: +SKIP
+        >>> hvd_keras.load_checkpoint("full.npz", model, restore_rng=False)               # doctest: +SKIP
+
+    Args:
+        stages: a pipeline checkpoint folder (``stage-0`` ... inside), or a list of stage folders in order.
+        output: the merged file's path (written atomically).
+
+    Raises:
+        CheckpointError: no common step, or a part that is not a stage of the same pipeline.
+    """
+    output = check_directory(output)
+    step, blobs = read_common(stages, SUFFIX)
+    paths: List[str] = []
+    values: List[np.ndarray] = []
+    header: Dict[str, Any] = {}
+    for j, blob in enumerate(blobs):
+        arrays, header = _decode(blob, f"stage {j}")
+        check_part((header.get("stage"), header.get("stages")), (j, len(blobs)), f"stage folder {j}")
+        paths += header["model_paths"]
+        values += [arrays[f"model.{i}"] for i in range(len(header["model_paths"]))]
+    merged = {key: header[key] for key in ("epoch", "data_position", "extra")}
+    merged["step"] = step
+    return atomic_write_bytes(output, _encode({"model": (paths, values), "optimizer": ([], [])}, merged, []))
