@@ -62,6 +62,22 @@ def test_learning_rate_is_the_inner_optimizers():
     assert float(opt.learning_rate) == pytest.approx(0.25)
 
 
+@pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
+def test_keras_two_lr_name_reads_and_sets_the_inner_rate(policy):
+    # Horovod's examples call tf.keras.backend.set_value(model.optimizer.lr, rate) and read .lr.numpy().
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        opt = hvd.DistributedOptimizer(keras.optimizers.Adam(0.1))
+        assert float(opt.lr.numpy()) == pytest.approx(0.1)
+        tf.keras.backend.set_value(opt.lr, 0.5)
+        assert float(opt.inner_optimizer.learning_rate) == pytest.approx(0.5)
+        opt.lr = 0.25
+        assert float(opt.inner_optimizer.learning_rate) == pytest.approx(0.25)
+        assert float(opt.learning_rate) == pytest.approx(0.25)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
 def test_save_and_load_model_keeps_distributed_optimizer_and_its_state(tmp_path):
     m = trained(hvd.DistributedOptimizer(keras.optimizers.Adam(0.01), compression=hvd.Compression.fp16,
                                          backward_passes_per_step=2), batch=3)

@@ -100,8 +100,27 @@ def _wants_loss_scaling(optimizer: object) -> bool:
             and isinstance(optimizer, keras.optimizers.Optimizer) and not isinstance(optimizer, _WRAPPERS))
 
 
+class KerasTwoNames:
+    """``optimizer.lr``, Keras 2's name for ``learning_rate``, on dualframe's own optimizers.
+
+    Horovod-era scripts read and set it (``model.optimizer.lr.numpy()``,
+    ``tf.keras.backend.set_value(model.optimizer.lr, rate)``); Keras 3 optimizers dropped the name.
+    As in Keras 2 it is a ``tf.Variable`` (the one holding the inner optimizer's rate), which Keras 3's
+    legacy ``set_value`` needs; with a schedule it is the current rate.
+    """
+
+    @property
+    def lr(self) -> Any:
+        rate = self.learning_rate  # type: ignore[attr-defined]
+        return rate.value if isinstance(rate, keras.Variable) else rate
+
+    @lr.setter
+    def lr(self, learning_rate: Any) -> None:
+        self.learning_rate = learning_rate
+
+
 @keras.saving.register_keras_serializable(package="dualframe")
-class DistributedOptimizer(keras.optimizers.Optimizer):
+class DistributedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
     """Wraps a Keras 3 optimizer: gradients are averaged over all ranks, then the inner optimizer applies them.
 
     Works with ``model.compile``/``fit``, a custom ``train_step``, learning-rate schedules, saving
@@ -203,7 +222,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
 
 
 @keras.saving.register_keras_serializable(package="dualframe")
-class DistributedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
+class DistributedLossScaleOptimizer(KerasTwoNames, keras.optimizers.LossScaleOptimizer):
     """A LossScaleOptimizer that reduces the (scaled) gradients across ranks before its finite check.
 
     ``compile`` keeps it as it is (it already is a LossScaleOptimizer), and since every rank checks
