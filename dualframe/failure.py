@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import os
+import re
 import socket
 import sys
 import threading
@@ -53,12 +54,16 @@ def rank_label(environ: Optional[Mapping[str, str]] = None) -> str:
 
 def is_peer_failure(error: BaseException) -> bool:
     """True for Horovod's error on the survivors after another rank failed or left."""
-    return type(error).__name__ == "HorovodInternalError" and "shut down" in str(error)
+    text = str(error)
+    # TensorFlow raises it from inside the op, as an UnknownError carrying Horovod's message.
+    return (type(error).__name__ == "HorovodInternalError" and "shut down" in text) or \
+        "Horovod has been shut down" in text
 
 
 def describe(error: BaseException) -> str:
     """One line naming what happened to this rank, for the job's log."""
     first_line = (str(error).strip().splitlines() or [""])[0]
+    first_line = re.sub(r"^\{\{function_node [^}]*\}\}\s*", "", first_line)  # TensorFlow's op-error prefix
     if is_peer_failure(error):
         return ("stopped: Horovod shut down because another rank failed or left "
                 f"(its own 'dualframe: rank ... failed' line names it) [{type(error).__name__}]")
@@ -152,12 +157,16 @@ class Watchdog:
 
     @contextlib.contextmanager
     def guard(self, what: str) -> Iterator[None]:
-        """Arm for the body of the ``with`` block."""
+        """Arm for the body of the ``with`` block; inside another guard, the outer deadline comes back after."""
+        outer = self._deadlines.get(threading.get_ident())
         self.arm(what)
         try:
             yield
         finally:
-            self.disarm()
+            if outer is None:
+                self.disarm()
+            else:
+                self._deadlines[threading.get_ident()] = outer
 
     def active(self) -> Dict[int, Tuple[float, str]]:
         """Armed deadlines by thread id (a copy)."""

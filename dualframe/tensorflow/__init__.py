@@ -85,6 +85,11 @@ from dualframe.tensorflow.distributed_pipeline import DistributedPipeline  # noq
 
 __all__ += ["DistributedPipeline", "PeerLostError"]
 
+# A custom tf.function step bounded by the stall watchdog (issue 8; Keras fit: hvd.callbacks.StallGuardCallback).
+from dualframe.tensorflow.failure import stall_guard  # noqa: E402
+
+__all__ += ["stall_guard"]
+
 # Process pipelines' checkpoints: each stage saves its part, resumes, a merge gives the full model's (issue 8).
 from dualframe.tensorflow.stage_checkpoint import (  # noqa: E402
     load_stage_checkpoint,

@@ -7,6 +7,7 @@ import tensorflow as tf
 
 from dualframe.dp_checks import check_compression, check_root_rank, op_name
 from dualframe.tensorflow.collectives import OPS, check_initialized, hvd
+from dualframe.tensorflow.failure import eager_guard
 from dualframe.tensorflow.gradients import Compression
 
 
@@ -32,22 +33,25 @@ def allreduce(tensor: Any, average: Optional[bool] = None, device_dense: str = "
     compressor = check_compression(compression, Compression)
     if not isinstance(tensor, tf.IndexedSlices):
         tensor = tf.convert_to_tensor(tensor)
-    return hvd.allreduce(tensor, device_dense=device_dense, device_sparse=device_sparse, compression=compressor,
-                         op=constant, prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-                         name=name, process_set=_process_set(process_set))
+    with eager_guard(f"allreduce {name or ''}".strip()):
+        return hvd.allreduce(tensor, device_dense=device_dense, device_sparse=device_sparse, compression=compressor,
+                             op=constant, prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                             name=name, process_set=_process_set(process_set))
 
 
 def allgather(tensor: Any, name: Optional[str] = None, process_set: Any = None) -> tf.Tensor:
     """Concatenate every rank's ``tensor`` along the first axis (the other axes must match)."""
     check_initialized("allgather")
-    return hvd.allgather(tf.convert_to_tensor(tensor), name=name, process_set=_process_set(process_set))
+    with eager_guard(f"allgather {name or ''}".strip()):
+        return hvd.allgather(tf.convert_to_tensor(tensor), name=name, process_set=_process_set(process_set))
 
 
 def broadcast(tensor: Any, root_rank: int, name: Optional[str] = None, process_set: Any = None) -> tf.Tensor:
     """``root_rank``'s ``tensor``, on every rank."""
     check_initialized("broadcast")
     check_root_rank(root_rank, hvd.size())
-    return hvd.broadcast(tf.convert_to_tensor(tensor), root_rank, name=name, process_set=_process_set(process_set))
+    with eager_guard(f"broadcast {name or ''}".strip()):
+        return hvd.broadcast(tf.convert_to_tensor(tensor), root_rank, name=name, process_set=_process_set(process_set))
 
 
 @tf.function(reduce_retracing=True)
@@ -72,7 +76,8 @@ def broadcast_variables(variables: Sequence[Any], root_rank: int = 0, process_se
     variables = list(variables)
     if not variables or hvd.size() == 1:
         return
-    values = _broadcast_all([tf.convert_to_tensor(v) for v in variables], root_rank, _process_set(process_set))
+    with eager_guard("broadcast_variables"):
+        values = _broadcast_all([tf.convert_to_tensor(v) for v in variables], root_rank, _process_set(process_set))
     for variable, value in zip(variables, values):
         variable.assign(value)
 
@@ -81,13 +86,15 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None, p
     """``root_rank``'s ``obj`` (anything cloudpickle can serialize), on every rank."""
     check_initialized("broadcast_object")
     check_root_rank(root_rank, hvd.size())
-    return hvd.broadcast_object(obj, root_rank, name=name, process_set=_process_set(process_set))
+    with eager_guard("broadcast_object"):
+        return hvd.broadcast_object(obj, root_rank, name=name, process_set=_process_set(process_set))
 
 
 def allgather_object(obj: Any, name: Optional[str] = None, process_set: Any = None) -> List[Any]:
     """Every rank's ``obj``, as a list in rank order."""
     check_initialized("allgather_object")
-    return list(hvd.allgather_object(obj, name=name, process_set=_process_set(process_set)))
+    with eager_guard("allgather_object"):
+        return list(hvd.allgather_object(obj, name=name, process_set=_process_set(process_set)))
 
 
 def local_rank() -> int:
@@ -117,4 +124,5 @@ def cross_size() -> int:
 def barrier(process_set: Any = None) -> None:
     """Wait until every rank gets here (horovod.tensorflow 0.28 has no barrier: a one-number allreduce)."""
     check_initialized("barrier")
-    hvd.allreduce(tf.zeros([1]), op=hvd.Sum, name="dualframe.barrier", process_set=_process_set(process_set))
+    with eager_guard("barrier"):
+        hvd.allreduce(tf.zeros([1]), op=hvd.Sum, name="dualframe.barrier", process_set=_process_set(process_set))

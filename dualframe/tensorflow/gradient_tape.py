@@ -8,6 +8,7 @@ import tensorflow as tf
 
 from dualframe.errors import StrategyError
 from dualframe.tensorflow.collectives import hvd
+from dualframe.tensorflow.failure import eager_guard
 from dualframe.tensorflow.gradients import Compression, ReduceSettings, reduce_gradients
 
 
@@ -74,7 +75,9 @@ class DistributedGradientTape:
         flat = tf.nest.flatten(sources)
         grads = list(self._tape.gradient(target, flat, output_gradients, unconnected_gradients))
         shared = [i for i, s in enumerate(flat) if id(s) not in self._local_sources]
-        for i, value in zip(shared, reduce_gradients([grads[i] for i in shared], self._settings)):
+        with eager_guard("DistributedGradientTape.gradient"):
+            reduced = reduce_gradients([grads[i] for i in shared], self._settings)
+        for i, value in zip(shared, reduced):
             grads[i] = value
         if self.scale_local_gradients and len(shared) < len(flat):
             size = float(self._settings.process_set.size())

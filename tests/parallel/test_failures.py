@@ -141,6 +141,26 @@ def test_keras_rank_failure_mid_fit_then_exact_resume(fault: str, launcher: str,
         resume(launcher, script, tmp_path)
 
 
+#: Keras ranks that disagree on a collective in the middle of fit (graph collectives: the stall watchdog bounds
+#: the train step through BroadcastGlobalVariablesCallback). The name mismatch runs under both launchers, the
+#: dtype-then-shape mismatch under one; a rank leaving fit early and the mismatch under the other launcher were
+#: measured by hand (docs/reliability.md): a TF job costs 15-40 s here. The timeout is 10 s, not torch's 5:
+#: a Keras rank's first step (tracing) can lag the other's by seconds on a loaded machine.
+STALLED = r"rank \d/2 \(pid \d+ on \S+\) stalled: a {what}.* waited more than 10 s"
+MISMATCHED = r"rank \d/2 \(pid \d+ on \S+\) failed: \w+: Mismatched ALLREDUCE tensor shapes: One rank sent a tensor of shape \[\d\]"
+KERAS_STALL_CASES = [
+    ("name", "horovodrun", [STALLED.format(what=r"(Keras train step|Horovod collective \(allreduce other name\))")]),
+    ("name", "mpirun", [r"(stalled for longer than|waited more than) 10 s"]),
+    ("mismatch", "horovodrun", [r"dtype mismatch -> \w+: .*Mismatched data types", MISMATCHED]),
+]
+
+
+@pytest.mark.parametrize("fault, launcher, expected", KERAS_STALL_CASES,
+                         ids=[f"{f}-{l}" for f, l, _ in KERAS_STALL_CASES])
+def test_keras_ranks_that_disagree_on_a_collective_end_the_job(fault: str, launcher: str, expected: List[str]) -> None:
+    check(launcher, "keras_stall.py", fault, expected, env={"DUALFRAME_STALL_TIMEOUT": "10"})
+
+
 @pytest.mark.parametrize("script, finished", [
     ("torch_elastic.py", r"elastic run finished 12 steps on 1 worker\(s\), equal to the reference"),
     ("keras_elastic.py", r"elastic run finished 2 epochs on 1 worker\(s\), equal to the reference"),

@@ -6,9 +6,11 @@ import random
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import dualframe.tensorflow.keras as hvd
 from dualframe.checkpoint import CheckpointError
+from dualframe.tensorflow.keras import checkpoint as keras_checkpoint
 
 hvd.init()
 
@@ -111,3 +113,55 @@ def test_unbuilt_model_and_bad_callback_settings_are_refused(tmp_path):
         hvd.CheckpointCallback(str(tmp_path), save_freq=0)
     with pytest.raises(CheckpointError, match=r"keep must be an int >= 1 \(keep: 0\)"):
         hvd.CheckpointCallback(str(tmp_path), keep=0)
+
+
+def epoch_data(epoch_draws):
+    """One epoch of a data pipeline drawing from numpy, Python and TensorFlow's global generator."""
+    noise = tf.random.get_global_generator().normal([6, 3])
+    x = np.random.randn(6, 3).astype("float32") + noise.numpy() * random.random()
+    epoch_draws.append(x)
+    return x
+
+
+def train_epochs(model, first, last, draws, callbacks=()):
+    for epoch in range(first, last):
+        x = epoch_data(draws)
+        model.fit(x, x[:, :2], batch_size=2, epochs=epoch + 1, initial_epoch=epoch, shuffle=False, verbose=0,
+                  callbacks=list(callbacks))
+
+
+def seed_everything(seed):
+    keras.utils.set_random_seed(seed)
+    tf.random.get_global_generator().reset_from_seed(seed)
+
+
+def test_exact_resume_with_dropout_and_tensorflow_numpy_python_draws(tmp_path):
+    """12 steps straight == 6 steps + save + fresh model and RNG streams + load + 6 steps, bit for bit."""
+    seed_everything(5)
+    straight, straight_draws = model_with_optimizer(0), []
+    assert any("seed_generator" in v.path for v in straight.variables)  # Dropout's RNG is a model variable
+    train_epochs(straight, 0, 4, straight_draws)
+
+    seed_everything(5)
+    first, draws = model_with_optimizer(0), []
+    train_epochs(first, 0, 2, draws, [hvd.CheckpointCallback(str(tmp_path))])
+    seed_everything(77)  # other weights, other streams: the load must bring everything back
+    resumed = model_with_optimizer(1)
+    state = hvd.load_checkpoint(str(tmp_path), resumed)
+    assert (state.epoch, state.step) == (2, 6)
+    train_epochs(resumed, state.epoch, 4, draws)
+    for got, want in zip(draws, straight_draws):
+        np.testing.assert_array_equal(got, want)
+    for got, want in zip(resumed.get_weights(), straight.get_weights()):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_rng_state_round_trip_and_checkpoints_without_a_tensorflow_state():
+    state = keras_checkpoint.rng_state()
+    assert set(state) == {"numpy", "python", "tensorflow"}
+    expected = (tf.random.get_global_generator().normal([2]).numpy(), np.random.rand(2))
+    keras_checkpoint.set_rng_state(state)
+    np.testing.assert_array_equal(tf.random.get_global_generator().normal([2]).numpy(), expected[0])
+    del state["tensorflow"]  # a checkpoint written before TensorFlow's generator was saved
+    keras_checkpoint.set_rng_state(state)
+    np.testing.assert_array_equal(np.random.rand(2), expected[1])

@@ -9,6 +9,7 @@ import tensorflow as tf
 from dualframe.dp_checks import check_root_rank
 from dualframe.errors import StrategyError
 from dualframe.tensorflow.collectives import check_initialized, hvd
+from dualframe.tensorflow.failure import StallGuardCallback, guard_train_function  # noqa: F401 (hvd.callbacks.StallGuardCallback)
 from dualframe.tensorflow.functions import allreduce, broadcast_variables
 
 
@@ -43,6 +44,8 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     built when ``fit`` starts (it has an ``Input``, or was called or built). A model that ``fit``
     itself builds, while it traces the first step, has no variables before that step; then the
     broadcast falls back to Horovod's moment, after the first batch, and ranks are equal from there.
+    Under a launcher it also bounds every train step by ``DUALFRAME_STALL_TIMEOUT`` (see
+    ``hvd.callbacks.StallGuardCallback``): ranks whose collectives disagree end the job, not hang.
 
     Example:
         >>> model.fit(x, y, callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])  # doctest: +SKIP
@@ -60,6 +63,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         self.broadcast_done = True
 
     def on_train_begin(self, logs: Optional[Dict[str, Any]] = None) -> None:
+        guard_train_function(self.model)  # a step that waits on the ranks past DUALFRAME_STALL_TIMEOUT ends the job
         if self.broadcast_done:
             return
         if self.model.built:

@@ -1,9 +1,14 @@
 """Keras 3 checkpoints: rank 0 writes model, optimizer, progress and every rank's RNG atomically; loads broadcast.
 
 A checkpoint is an ``.npz`` of arrays (every model variable, Dropout's seed generators included,
-every optimizer variable, a JSON header, every rank's numpy and Python RNG states) read back with
-``np.load(allow_pickle=False)``: loading never unpickles arbitrary objects. The folder, the atomic
-write and keep-last-k are the core's :class:`dualframe.checkpoint.CheckpointDir`.
+every optimizer variable, a JSON header, every rank's numpy, Python and TensorFlow global-generator
+RNG states) read back with ``np.load(allow_pickle=False)``: loading never unpickles arbitrary objects.
+The folder, the atomic write and keep-last-k are the core's :class:`dualframe.checkpoint.CheckpointDir`.
+
+Not saved, for want of a public API: the state behind TensorFlow's stateful op-level random ops
+(``tf.random.uniform`` without a ``Generator``, ``Dataset.shuffle``) and Keras's global
+``SeedGenerator`` (``keras.random.*`` called without a seed). Draw from ``tf.random.get_global_generator()``
+or a layer's own ``keras.random.SeedGenerator`` (a model variable) for an exact resume.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ import tensorflow as tf
 from dualframe.checkpoint import (CheckpointDir, CheckpointError, TrainingState, check_json_values, own_rng_state,
                                   read_newest, split_gathered)
 from dualframe.tensorflow.collectives import hvd
+from dualframe.tensorflow.failure import eager_guard, guard_train_function
 
 FORMAT = "dualframe-keras-checkpoint/1"
 SUFFIX = ".npz"
@@ -38,12 +44,14 @@ def _size() -> int:
 
 
 def rng_state() -> Dict[str, Any]:
-    """This process's numpy and Python RNG states as JSON values."""
+    """This process's numpy, Python and TensorFlow global-generator RNG states as JSON values."""
     _, keys, pos, has_gauss, gauss = np.random.get_state()
     version, state, py_gauss = random.getstate()
+    generator = tf.random.get_global_generator()
     return {"numpy": {"keys": [int(k) for k in keys], "pos": int(pos), "has_gauss": int(has_gauss),
                       "gauss": float(gauss)},
-            "python": {"version": int(version), "state": list(state), "gauss": py_gauss}}
+            "python": {"version": int(version), "state": list(state), "gauss": py_gauss},
+            "tensorflow": {"algorithm": int(generator.algorithm), "state": [int(v) for v in generator.state.numpy()]}}
 
 
 def set_rng_state(state: Dict[str, Any]) -> None:
@@ -53,27 +61,41 @@ def set_rng_state(state: Dict[str, Any]) -> None:
                          numpy["has_gauss"], numpy["gauss"]))
     python = state["python"]
     random.setstate((python["version"], tuple(python["state"]), python["gauss"]))
+    if "tensorflow" in state:  # checkpoints written before it was saved have none
+        _set_global_generator(state["tensorflow"]["algorithm"], state["tensorflow"]["state"])
+
+
+def _set_global_generator(algorithm: int, values: Sequence[int]) -> None:
+    # Reset in place: tf.functions and datasets that captured the global generator keep drawing from it.
+    generator = tf.random.get_global_generator()
+    saved = np.asarray(values, dtype=np.int64)
+    if int(generator.algorithm) == algorithm and tuple(generator.state.shape) == saved.shape:
+        generator.reset(saved)
+    else:
+        tf.random.set_global_generator(tf.random.Generator.from_state(saved, algorithm))
 
 
 def _gather_bytes(data: bytes, name: str) -> List[bytes]:
     """Every rank's ``data``, in rank order."""
     if not _distributed():
         return [data]
-    lengths = hvd.allgather(tf.constant([len(data)], dtype=tf.int64), name=f"{name}.lengths").numpy()
-    joined = hvd.allgather(tf.constant(np.frombuffer(data, dtype=np.uint8)), name=f"{name}.bytes").numpy().tobytes()
-    return split_gathered(joined, lengths.tolist())
+    with eager_guard(name):
+        lengths = hvd.allgather(tf.constant([len(data)], dtype=tf.int64), name=f"{name}.lengths").numpy()
+        joined = hvd.allgather(tf.constant(np.frombuffer(data, dtype=np.uint8)), name=f"{name}.bytes").numpy()
+    return split_gathered(joined.tobytes(), lengths.tolist())
 
 
 def _broadcast_bytes(data: Optional[bytes], root_rank: int, name: str) -> bytes:
     """Root's ``data`` on every rank (``b""`` when root has none)."""
     if not _distributed():
         return data or b""
-    length = hvd.broadcast(tf.constant([len(data or b"")], dtype=tf.int64), root_rank, name=f"{name}.length")
-    size = int(length.numpy()[0])
-    if size == 0:
-        return b""
-    buffer = np.frombuffer(data, dtype=np.uint8) if data else np.zeros(size, dtype=np.uint8)
-    return hvd.broadcast(tf.constant(buffer), root_rank, name=f"{name}.bytes").numpy().tobytes()
+    with eager_guard(name):
+        length = hvd.broadcast(tf.constant([len(data or b"")], dtype=tf.int64), root_rank, name=f"{name}.length")
+        size = int(length.numpy()[0])
+        if size == 0:
+            return b""
+        buffer = np.frombuffer(data, dtype=np.uint8) if data else np.zeros(size, dtype=np.uint8)
+        return hvd.broadcast(tf.constant(buffer), root_rank, name=f"{name}.bytes").numpy().tobytes()
 
 
 def _check_common(directory: Any, model: Any, root_rank: Any) -> None:
@@ -119,7 +141,8 @@ def save_checkpoint(directory: str, model: keras.Model, *, step: int, epoch: int
 
     The file holds the model's variables (Dropout's seed generators included), its optimizer's
     variables (iterations, slots), ``step``, ``epoch``, ``data_position``, ``extra`` (JSON values) and
-    every rank's numpy and Python RNG states. It is written atomically; the newest ``keep`` stay.
+    every rank's numpy, Python and TensorFlow global-generator RNG states. It is written atomically;
+    the newest ``keep`` stay.
 
     Example:
         >>> save_checkpoint("ckpt", model, step=int(model.optimizer.iterations), epoch=3)  # doctest: +SKIP
@@ -140,7 +163,8 @@ def save_checkpoint(directory: str, model: keras.Model, *, step: int, epoch: int
         header = {"step": step, "epoch": epoch, "data_position": data_position, "extra": extra or {}}
         path = folder.save(step, _encode(model, header, rngs), meta={"epoch": epoch})
     if _distributed():  # nobody runs ahead of a save in progress
-        hvd.broadcast(tf.zeros([1]), root_rank, name="dualframe.keras_checkpoint.saved")
+        with eager_guard("dualframe.keras_checkpoint.saved"):
+            hvd.broadcast(tf.zeros([1]), root_rank, name="dualframe.keras_checkpoint.saved")
     return path
 
 
@@ -232,6 +256,9 @@ class CheckpointCallback(keras.callbacks.Callback):
         step = int(optimizer.iterations.numpy()) if optimizer is not None else position["batch"]
         save_checkpoint(self.directory, self.model, step=step, epoch=epoch, data_position=position,
                         keep=self.keep, root_rank=self.root_rank)
+
+    def on_train_begin(self, logs: Optional[Dict[str, Any]] = None) -> None:
+        guard_train_function(self.model)  # a stalled step ends the job (DUALFRAME_STALL_TIMEOUT)
 
     def on_epoch_begin(self, epoch: int, logs: Optional[Dict[str, Any]] = None) -> None:
         self.epoch = epoch
