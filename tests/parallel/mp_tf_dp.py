@@ -259,3 +259,19 @@ def test_bad_input_fails_before_any_communication():
         hvd.DistributedGradientTape(tf.GradientTape(), compression="int8")
     # Nothing was sent: the next collective pairs up on every rank.
     assert float(hvd.allreduce(tf.constant(1.0), op=hvd.Sum)) == SIZE
+
+
+def test_broadcast_callback_keeps_local_variables():
+    # Horovod's BroadcastGlobalVariablesCallback(root_rank, local_variables=...): those stay per rank.
+    def layer():
+        return keras.layers.Dense(3, kernel_initializer=keras.initializers.Constant(float(RANK)),
+                                  bias_initializer=keras.initializers.Constant(float(RANK)))
+    model = keras.Sequential([keras.Input((3,)), layer(), layer()])
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.0)), loss="mse")
+    kept = list(model.layers[0].variables)
+    root = SIZE - 1
+    model.fit(np.ones((2, 3), "float32"), np.ones((2, 3), "float32"), verbose=0,
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(root, local_variables=kept)])
+    for variable in model.variables:
+        expected = float(RANK) if any(variable is k for k in kept) else float(root)
+        np.testing.assert_array_equal(variable.numpy(), np.full(variable.shape, expected, "float32"))

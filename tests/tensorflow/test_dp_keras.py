@@ -171,6 +171,13 @@ def test_learning_rate_callbacks_set_the_rate_per_batch_and_per_epoch():
     assert warmup.learning_rate_at(2.0) == pytest.approx(0.8)
 
 
+def test_broadcast_callback_local_variables_must_be_variables():
+    with pytest.raises(dualframe.StrategyError, match=r"local_variables must be variables \(got ndarray\)"):
+        hvd.callbacks.BroadcastGlobalVariablesCallback(0, local_variables=[np.zeros(2)])
+    kept = keras.Variable(np.ones(2, dtype="float32"))
+    assert hvd.callbacks.BroadcastGlobalVariablesCallback(0, local_variables=[kept]).local_variables == [kept]
+
+
 def test_callback_argument_checks():
     with pytest.raises(dualframe.StrategyError, match="root_rank must be an int >= 0"):
         hvd.callbacks.BroadcastGlobalVariablesCallback(-1)

@@ -1,7 +1,7 @@
 """Keras 3 callbacks for data parallelism: broadcast state, average metrics, warm up and schedule the learning rate."""
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import keras
 import tensorflow as tf
@@ -13,11 +13,12 @@ from dualframe.tensorflow.failure import StallGuardCallback, guard_train_functio
 from dualframe.tensorflow.functions import allreduce, broadcast_variables
 
 
-def broadcast_model(model: keras.Model, root_rank: int = 0) -> None:
+def broadcast_model(model: keras.Model, root_rank: int = 0, local_variables: Sequence[Any] = ()) -> None:
     """Make ``model``'s variables and its optimizer's state equal to ``root_rank``'s on every rank.
 
     The optimizer is built first (its slots, iteration count, accumulators), so its state is sent
-    before the first update rather than after it.
+    before the first update rather than after it. ``local_variables`` (Horovod's argument) stay as
+    each rank has them.
 
     Raises:
         StrategyError: the model is not built (it has no variables to send yet).
@@ -33,7 +34,8 @@ def broadcast_model(model: keras.Model, root_rank: int = 0) -> None:
         if not optimizer.built:
             optimizer.build(model.trainable_variables)
         variables += list(optimizer.variables)
-    broadcast_variables(variables, root_rank)
+    kept = {id(variable) for variable in local_variables}
+    broadcast_variables([v for v in variables if id(v) not in kept], root_rank)
 
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
@@ -46,20 +48,26 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     broadcast falls back to Horovod's moment, after the first batch, and ranks are equal from there.
     Under a launcher it also bounds every train step by ``DUALFRAME_STALL_TIMEOUT`` (see
     ``hvd.callbacks.StallGuardCallback``): ranks whose collectives disagree end the job, not hang.
+    ``local_variables`` (Horovod's argument, e.g. a layer kept per rank) are not sent.
 
     Example:
         >>> model.fit(x, y, callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])  # doctest: +SKIP
     """
 
-    def __init__(self, root_rank: int = 0, device: str = "") -> None:
+    def __init__(self, root_rank: int = 0, device: str = "", local_variables: Optional[Sequence[Any]] = None) -> None:
         super().__init__()
         if isinstance(root_rank, bool) or not isinstance(root_rank, int) or root_rank < 0:
             raise StrategyError(f"root_rank must be an int >= 0 (root_rank: {root_rank!r})")
+        local = list(local_variables or [])
+        if not all(isinstance(v, (keras.Variable, tf.Variable)) for v in local):
+            kinds = sorted({type(v).__name__ for v in local})
+            raise StrategyError(f"local_variables must be variables (got {', '.join(kinds)})")
         self.root_rank = root_rank
+        self.local_variables = local
         self.broadcast_done = False
 
     def _broadcast(self) -> None:
-        broadcast_model(self.model, self.root_rank)
+        broadcast_model(self.model, self.root_rank, self.local_variables)
         self.broadcast_done = True
 
     def on_train_begin(self, logs: Optional[Dict[str, Any]] = None) -> None:
