@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import re
 import warnings
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from dualframe.checkpoint import CheckpointDir, CheckpointEntry, CheckpointError
 
@@ -102,6 +102,20 @@ def common_step(steps_by_stage: Sequence[Sequence[int]]) -> Optional[int]:
     return max(shared)
 
 
+def agreed_step(folder: CheckpointDir, j: int, n: int, writes: bool, gather: Callable[[Any], List[Any]]) -> Optional[int]:
+    """The newest step every stage's folder holds, the same on every rank.
+
+    Args:
+        folder: this rank's stage folder (read only where ``writes``).
+        j: this rank's stage; n: stages.
+        writes: whether this rank reads its stage's folder (one rank per stage).
+        gather: the framework's allgather of a small Python object over every rank.
+    """
+    mine = (j, verified_steps(folder)) if writes else None
+    by_stage = {stage: steps for stage, steps in (item for item in gather(mine) if item is not None)}
+    return common_step([by_stage.get(stage, []) for stage in range(n)])
+
+
 def read_common(stages: Union[str, Sequence[str]], suffix: str) -> Tuple[int, List[bytes]]:
     """The newest step all stage folders hold, and each stage's bytes of it (one process: for merges).
 
@@ -128,7 +142,7 @@ def read_step(folder: CheckpointDir, step: int) -> bytes:
     return folder.read(entry)
 
 
-def check_part(saved: Tuple[int, int], expected: Tuple[int, int], where: str) -> None:
+def check_part(saved: Tuple[Optional[int], Optional[int]], expected: Tuple[int, int], where: str) -> None:
     """Refuse stage ``(j, n)`` of a saved pipeline where stage ``(j, n)`` of this pipeline is expected."""
     if tuple(saved) != tuple(expected):
         raise CheckpointError(f"{where} holds stage {saved[0]} of {saved[1]}, this rank holds stage {expected[0]} "

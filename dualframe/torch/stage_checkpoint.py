@@ -16,8 +16,8 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import torch
 
 from dualframe.checkpoint import CheckpointDir, CheckpointError, TrainingState, atomic_write_bytes, check_json_values
-from dualframe.stage_checkpoint import (check_directory, check_part, common_step, read_common, read_step,
-                                        stage_directory, verified_steps)
+from dualframe.stage_checkpoint import (agreed_step, check_directory, check_part, read_common, read_step,
+                                        stage_directory)
 from dualframe.torch.checkpoint import (FORMAT, SUFFIX, _broadcast_bytes, _from_bytes, _gather_bytes, _to_bytes,
                                         load_checkpoint, rng_state, set_rng_state)
 from dualframe.torch.collectives import hvd
@@ -80,10 +80,10 @@ def save_stage_checkpoint(directory: str, pipe: DistributedPipeline, optimizer: 
 
 def _agreed_step(pipe: DistributedPipeline, folder: CheckpointDir) -> Optional[int]:
     """The newest step every stage's folder holds, the same on every rank (one allgather of step lists)."""
-    mine = (pipe.stage_index, verified_steps(folder)) if _writes(pipe) else None
-    everyone = hvd.allgather_object(mine, name="dualframe.stage_checkpoint.steps") if int(hvd.size()) > 1 else [mine]
-    by_stage = {j: steps for j, steps in (item for item in everyone if item is not None)}
-    return common_step([by_stage.get(j, []) for j in range(pipe.stages)])
+    def gather(mine: Any) -> List[Any]:
+        return list(hvd.allgather_object(mine, name="dualframe.stage_checkpoint.steps")) if int(hvd.size()) > 1 else [mine]
+
+    return agreed_step(folder, pipe.stage_index, pipe.stages, _writes(pipe), gather)
 
 
 def load_stage_checkpoint(directory: str, pipe: DistributedPipeline, optimizer: Optional[torch.optim.Optimizer] = None,

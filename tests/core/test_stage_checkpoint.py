@@ -4,7 +4,7 @@ import os
 import pytest
 
 from dualframe.checkpoint import CheckpointDir, CheckpointError
-from dualframe.stage_checkpoint import (check_part, common_step, read_common, read_step, stage_directories,
+from dualframe.stage_checkpoint import (agreed_step, check_part, common_step, read_common, read_step, stage_directories,
                                         stage_directory, verified_steps)
 
 
@@ -52,3 +52,16 @@ def test_a_part_of_another_pipeline_is_refused():
     check_part((1, 2), (1, 2), "ckpt/stage-1")
     with pytest.raises(CheckpointError, match=r"holds stage 1 of 3, this rank holds stage 1 of 2"):
         check_part((1, 3), (1, 2), "ckpt/stage-1")
+
+
+def test_agreed_step_from_every_stage_writer(tmp_path):
+    folders = [CheckpointDir(stage_directory(str(tmp_path), j), suffix=".bin") for j in range(2)]
+    for j, steps in enumerate(([3, 4], [3])):
+        for step in steps:
+            folders[j].save(step, b"x")
+    other = (1, verified_steps(folders[1]))  # what stage 1's writer contributes; a replica contributes None
+    assert agreed_step(folders[0], 0, 2, True, lambda mine: [mine, other, None]) == 3
+    with pytest.raises(CheckpointError, match=r"stages \[0\] hold no checkpoint"):  # nobody read stage 0
+        agreed_step(folders[0], 0, 2, False, lambda mine: [mine, other])
+    with pytest.raises(CheckpointError, match=r"stages \[1\] hold no checkpoint"):
+        agreed_step(folders[0], 0, 2, True, lambda mine: [mine, None])
