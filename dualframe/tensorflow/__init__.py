@@ -98,3 +98,8 @@ from dualframe.tensorflow.stage_checkpoint import (  # noqa: E402
 )
 
 __all__ += ["save_stage_checkpoint", "load_stage_checkpoint", "merge_stage_checkpoints"]
+
+# Horovod's hvd.elastic for GradientTape scripts (run, TensorFlowKerasState on Keras 3, TensorFlowState): a
+# submodule as in Horovod, not in __all__ (dualframe.tensorflow.keras has its own). Last: it imports
+# dualframe.tensorflow.keras, which re-exports everything above.
+from dualframe.tensorflow import elastic  # noqa: E402,F401

@@ -275,3 +275,19 @@ def test_broadcast_callback_keeps_local_variables():
     for variable in model.variables:
         expected = float(RANK) if any(variable is k for k in kept) else float(root)
         np.testing.assert_array_equal(variable.numpy(), np.full(variable.shape, expected, "float32"))
+
+
+def test_tape_elastic_state_sync_makes_model_and_optimizer_rank_zeros():
+    # hvd.elastic.TensorFlowKerasState(model, optimizer) (Horovod's GradientTape elastic example) on Keras 3.
+    keras.utils.set_random_seed(SEED0 + RANK)
+    model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(2)])
+    optimizer = keras.optimizers.Adam(0.1)
+    with tf.GradientTape() as tape:  # a local step: Adam's slots and iteration count now differ per rank
+        loss = tf.reduce_mean(model(np.full((2, FEATURES), RANK + 1.0, "float32")) ** 2)
+    optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+    state = dualframe.tensorflow.elastic.TensorFlowKerasState(model, optimizer, batch=10 + RANK)
+    state.sync()
+    values = [v.numpy() for v in model.variables + optimizer.variables]
+    for mine, root in zip(values, hvd.broadcast_object(values, root_rank=0)):
+        np.testing.assert_array_equal(mine, root)
+    assert state.batch == 10
