@@ -5,7 +5,7 @@ again from the same seeds with ``hvd.CheckpointCallback`` saving each epoch; in 
 rank 1 raises (``--fault raise``) or is SIGKILLed (``--fault kill``).
 ``--phase resume``: load the newest checkpoint (end of epoch 0), fit epoch 1, compare with ``straight.npz``.
 Dropout (a seed generator among the model's variables), per-epoch data drawn from each rank's own
-numpy stream, SGD momentum and the optimizer's iteration count make every part of the state matter.
+numpy stream and TensorFlow global generator, SGD momentum and the optimizer's iteration count make every part of the state matter.
 """
 import argparse
 import os
@@ -14,6 +14,7 @@ import time
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 import dualframe.tensorflow.keras as hvd
 
@@ -38,6 +39,7 @@ class Fault(keras.callbacks.Callback):
 
 def fresh(seed):
     keras.utils.set_random_seed(seed + hvd.rank())  # ranks start apart; the broadcast makes them equal
+    tf.random.get_global_generator().reset_from_seed(seed + hvd.rank())
     model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, activation="tanh"),
                               keras.layers.Dropout(0.3), keras.layers.Dense(1)])
     model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.05, momentum=0.9)), loss="mse")
@@ -46,7 +48,9 @@ def fresh(seed):
 
 def train(model, start, callbacks):
     for epoch in range(start, EPOCHS):
-        x = np.random.randn(STEPS * BATCH, 6).astype("float32")  # this rank's data for the epoch
+        # This rank's data for the epoch, from its numpy stream and TensorFlow's global generator.
+        x = np.random.randn(STEPS * BATCH, 6).astype("float32") + tf.random.get_global_generator().normal(
+            [STEPS * BATCH, 6]).numpy()
         model.fit(x, x.sum(1, keepdims=True), batch_size=BATCH, epochs=epoch + 1, initial_epoch=epoch,
                   shuffle=False, verbose=0, callbacks=callbacks)
 
