@@ -12,8 +12,10 @@ from typing import Any, Callable, TypeVar
 
 import torch
 from horovod.torch import elastic as _elastic
+from horovod.torch.elastic.state import OptimizerStateHandler
 
 from dualframe.errors import StrategyError
+from dualframe.torch.functions import broadcast_optimizer_state
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -44,6 +46,21 @@ class TorchState(_elastic.TorchState):  # type: ignore[misc]
             raise StrategyError(f"optimizer must be a torch.optim.Optimizer or None "
                                 f"(optimizer: {type(optimizer).__name__})")
         super().__init__(model=model, optimizer=optimizer, **kwargs)
+        for name, handler in list(self._handlers.items()):
+            if type(handler) is OptimizerStateHandler:
+                self._handlers[name] = _OptimizerHandler(handler.value)
+
+
+class _OptimizerHandler(OptimizerStateHandler):  # type: ignore[misc]
+    """Horovod's optimizer handler, synced with dualframe's ``broadcast_optimizer_state``.
+
+    A worker that joins a running job has a fresh optimizer, the others do not: Horovod's sync would
+    create its state with a step of dualframe's DistributedOptimizer, an allreduce the others never
+    call (a hang); dualframe's steps the wrapped optimizer, which communicates nothing.
+    """
+
+    def sync(self) -> None:
+        broadcast_optimizer_state(self.value, root_rank=0)
 
 
 def run(func: F) -> F:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 import weakref
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple, Union
@@ -108,13 +109,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._hook_handles: List[Any] = []
         self._synchronized = False
         self._should_synchronize = True
-        # Adasum combines the wrapped optimizer's weight deltas, not gradients (see _adasum_step).
-        self._adasum = self.op_name == "adasum" and hvd.size() > 1
-        self._active = bool(self.process_set.included()) and hvd.size() > 1 and not self._adasum
+        # Under elastic Horovod the world size changes at a reset: hooks stay registered and whether
+        # to reduce is re-decided at each step (a job started on 1 worker must reduce once it grows).
+        self._elastic = os.environ.get("HOROVOD_ELASTIC") == "1"
+        self._adasum = self._active = False
+        self._decide()
         _WRAPPED.add(optimizer)
         self._track(dp_checks.optimizer_params(optimizer))
-        if self._active and self._groups is not None:
+        if (self._active or self._elastic) and self._groups is not None:
             self._form_groups()
+
+    def _decide(self) -> None:
+        # Adasum combines the wrapped optimizer's weight deltas, not gradients (see _adasum_step).
+        many = hvd.size() > 1
+        self._adasum = self.op_name == "adasum" and many
+        self._active = bool(self.process_set.included()) and many and not self._adasum
 
     # -- the wrapped optimizer's data, shared rather than copied ------------------------------
     @property  # type: ignore[override]
@@ -156,15 +165,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _track(self, params: List[torch.Tensor]) -> None:
         for p in params:
             self._delay[p] = self.backward_passes_per_step
-            if self._active and p.requires_grad:
+            if (self._active or self._elastic) and p.requires_grad:
                 self._requires_update.add(p)
                 self._hook_handles.append(p.register_post_accumulate_grad_hook(_weak_hook(self)))
 
     def _form_groups(self) -> None:
         params = [p for p in dp_checks.optimizer_params(self._optimizer) if p.requires_grad]
-        # Every rank must fuse the same tensors in the same order: rank 0's order decides.
-        order = hvd.broadcast_object([self._names[p] for p in params], root_rank=0,
-                                     process_set=self.process_set)
+        # Every rank must fuse the same tensors in the same order: rank 0's order decides. Elastic
+        # workers build their optimizer at different times, so there no collective: the model's order.
+        order = [self._names[p] for p in params]
+        if not self._elastic:
+            order = hvd.broadcast_object(order, root_rank=0, process_set=self.process_set)
         params.sort(key=lambda p: order.index(self._names[p]))
         if isinstance(self._groups, int):
             n = min(self._groups, len(params))
@@ -181,6 +192,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._p_to_group[p] = group
 
     def _on_gradient(self, p: torch.Tensor) -> None:
+        if self._elastic and not self._handles:
+            self._decide()  # the first gradient of a step: the world may have grown or shrunk since
+        if not self._active:
+            return
         if p in self._handles and self._handles[p][0] is not None and self._delay[p] <= 0:
             raise AssertionError(
                 f"gradients were computed more than backward_passes_per_step "
@@ -292,6 +307,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # type: ignore[override]
         """Synchronize the gradients (unless inside ``skip_synchronize()``), then step the wrapped optimizer."""
+        if self._elastic and not self._handles:
+            self._decide()
         if self._adasum:
             return self._adasum_step(closure)
         if self._should_synchronize:

@@ -19,7 +19,6 @@ from typing import Dict, List, Optional
 import pytest
 
 from dualframe.launch import horovodrun_command, mpirun_command, thread_env
-from dualframe.run import plan_launch
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -160,32 +159,3 @@ KERAS_STALL_CASES = [
 def test_keras_ranks_that_disagree_on_a_collective_end_the_job(fault: str, launcher: str, expected: List[str]) -> None:
     check(launcher, "keras_stall.py", fault, expected, env={"DUALFRAME_STALL_TIMEOUT": "10"})
 
-
-@pytest.mark.parametrize("script, finished", [
-    ("torch_elastic.py", r"elastic run finished 12 steps on 1 worker\(s\), equal to the reference"),
-    ("keras_elastic.py", r"elastic run finished 2 epochs on 1 worker\(s\), equal to the reference"),
-], ids=["torch", "keras"])
-def test_elastic_worker_killed_mid_epoch_survivor_finishes_from_the_last_commit(
-        script: str, finished: str, tmp_path: pathlib.Path) -> None:
-    """``dualframe run`` + horovodrun elastic on this machine, named twice (a failed worker blacklists its host)."""
-    discovery = tmp_path / "discover_hosts.sh"
-    discovery.write_text("#!/bin/sh\necho localhost:1\necho 127.0.0.1:1\n")
-    discovery.chmod(0o755)
-    job = plan_launch(2, [str(WORKERS / script)], launcher="horovodrun", launcher_args=[
-        "--min-np", "1", "--max-np", "2", "--host-discovery-script", str(discovery)])
-    assert job.command[job.command.index("--network-interfaces") + 1] == "lo", job.command
-    bindir = pathlib.Path(sys.executable).parent
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="2",
-               PATH=f"{bindir}:{os.environ['PATH']}", **job.env)
-    process = subprocess.Popen(job.command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"elastic horovodrun hung past 240 s:\n{output[-6000:]}")
-    assert "dualframe-test: fault kill at" in output, f"the worker was never killed:\n{output[-6000:]}"
-    assert process.returncode == 0, f"the elastic job failed:\n{output[-6000:]}"
-    assert "reset, now 1 worker(s)" in output, output[-6000:]
-    assert re.search(finished, output), output[-6000:]

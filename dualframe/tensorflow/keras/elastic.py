@@ -74,6 +74,17 @@ class KerasState(ObjectState):  # type: ignore[misc]
             variable.assign(value)
         super().restore()
 
+    def reset(self) -> None:
+        """After workers left or joined: drop the model's traced train/test functions.
+
+        A ``tf.function`` keeps the world size it was traced at (a step traced on one worker has no
+        allreduce in it); ``fit`` re-traces them for the new size.
+        """
+        for name in ("train_function", "test_function", "predict_function"):
+            if hasattr(self.model, name):
+                setattr(self.model, name, None)
+        super().reset()
+
     def sync(self) -> None:
         """Make every worker's state rank 0's (at the start and after workers join)."""
         if hvd.size() > 1:

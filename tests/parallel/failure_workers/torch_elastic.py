@@ -6,8 +6,16 @@ survivor rolls back to the commit of step ``COMMIT_EVERY * (KILL_AT // COMMIT_EV
 alone to ``STEPS``. It then checks its weights against a one-process reference that trains on both
 ranks' batches up to that commit and on rank 0's alone after it (SGD with momentum: the optimizer's
 state must be rolled back too).
+
+``--grow MARKER``: started on one worker (the discovery script lists one slot until MARKER exists).
+Each step trains on one global batch of ``GLOBAL`` rows split over the current workers, so the
+result does not depend on the world size. After the commit of step ``COMMIT_EVERY`` the worker
+writes MARKER and waits (committing, which is where Horovod notices new hosts) until a second worker
+joins; the two finish, and both must equal a one-process reference on the whole batches, and each other.
 """
+import argparse
 import os
+import pathlib
 import signal
 import time
 
@@ -18,6 +26,7 @@ import dualframe.torch as hvd
 from dualframe.torch import elastic
 
 STEPS, KILL_AT, COMMIT_EVERY = 12, 7, 3
+GLOBAL, GROW_WAIT_S = 8, 150.0
 
 
 def batch(step, rank):
@@ -47,7 +56,72 @@ def reference():
     return model
 
 
+def global_batch(step):
+    return torch.randn(GLOBAL, 6, generator=torch.Generator().manual_seed(7000 + step))
+
+
+def shard(step):
+    """This worker's rows of the step's global batch (equal shares: averaging the gradients = the whole batch)."""
+    x = global_batch(step)
+    rows = GLOBAL // hvd.size()
+    x = x[hvd.rank() * rows:(hvd.rank() + 1) * rows]
+    return x, x.sum(1, keepdim=True)
+
+
+def grow_reference():
+    model, optimizer = fresh()
+    for step in range(STEPS):
+        x = global_batch(step)
+        one_step(model, optimizer, x, x.sum(1, keepdim=True))
+    return model
+
+
+def wait_for_a_second_worker(state, marker):
+    """Hold training (committing) until Horovod resets with a new worker: HostsUpdatedInterrupt leaves this loop."""
+    marker.write_text("committed\n")
+    print(f"dualframe-test: wrote {marker.name} after step {state.step}, waiting for a worker", flush=True)
+    deadline = time.monotonic() + GROW_WAIT_S
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        state.commit()
+    raise SystemExit(f"no second worker joined within {GROW_WAIT_S} s of {marker}")
+
+
+def grow(marker):
+    hvd.init()
+    model, optimizer = fresh()
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+    state = elastic.TorchState(model, optimizer, step=0)
+    state.register_reset_callbacks([lambda: print(f"dualframe-test: reset, now {hvd.size()} worker(s)", flush=True)])
+
+    @elastic.run
+    def train(state):
+        while state.step < STEPS:
+            one_step(state.model, state.optimizer, *shard(state.step))
+            state.step += 1
+            if state.step % COMMIT_EVERY == 0:
+                state.commit()
+                if state.step == COMMIT_EVERY and hvd.size() == 1:
+                    wait_for_a_second_worker(state, marker)
+
+    train(state)
+    assert hvd.size() == 2, f"the job ended on {hvd.size()} worker(s), it never grew"
+    flat = torch.cat([v.flatten() for v in model.state_dict().values()])
+    gathered = hvd.allgather(flat[None]).reshape(2, -1)
+    assert torch.equal(gathered[0], gathered[1]), f"the workers differ by {(gathered[0] - gathered[1]).abs().max()}"
+    for (name, value), want in zip(model.state_dict().items(), grow_reference().state_dict().values()):
+        error = (value - want).abs().max().item()
+        assert error <= 1e-5, f"{name} differs from the one-process reference by {error}"
+    print(f"dualframe-test: grown run finished {STEPS} steps on {hvd.size()} workers, rank {hvd.rank()} equal to "
+          f"the reference and to the other worker", flush=True)
+
+
 def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--grow", type=pathlib.Path, help="marker file the discovery script waits for")
+    args = parser.parse_args()
+    if args.grow:
+        return grow(args.grow)
     hvd.init()
     model, optimizer = fresh()
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
