@@ -1,8 +1,9 @@
 """Elastic data parallelism for torch: Horovod's elastic run loop and TorchState, through dualframe.
 
-Horovod's ``horovod.torch.elastic`` works as it is with dualframe's DistributedOptimizer (whose
-``load_state_dict`` drops reductions a lost rank left pending), so this module reuses it and adds
-argument checks. Start the script with ``horovodrun --min-np/--max-np --host-discovery-script``;
+This module reuses ``horovod.torch.elastic`` with dualframe's DistributedOptimizer (whose
+``load_state_dict`` drops reductions a lost rank left pending, and which re-decides whether to reduce
+at each step under elastic Horovod, so a job that grows starts averaging); it adds argument checks and
+syncs the optimizer without stepping it (a joining worker would otherwise hang). Start the script with ``horovodrun --min-np/--max-np --host-discovery-script``;
 on one machine also ``--network-interfaces lo`` (``dualframe run`` adds it), and name the machine
 twice in the discovery script (``localhost:1`` and ``127.0.0.1:1``): a failed worker blacklists its host.
 """
