@@ -8,7 +8,8 @@ The same model family (blocks x (Dense(width), ReLU)), batch and method as the P
 rounds and report lines from ``dualframe.bench_rounds``. Prints, from interleaved rounds (A B A B ...,
 median of the per-round ratios):
   1. throughput of DistributedPipeline chunks=8 over chunks=1 (naive model parallelism);
-  2. the measured bubble (idle share per stage, mean of both) against (n-1)/(m+n-1) for m = 1..16;
+  2. the measured bubble (idle share per stage, mean of both) against (n-1)/(m+n-1) for m = 1..16,
+     with the step and computing seconds per stage (what micro-batching costs vs what waiting costs);
   3. per rank, the most micro-batch tapes alive at once, gpipe vs 1f1b (chunks=8), and the layer
      outputs they hold (computed: tapes x rows x width x 4 bytes x layers of the stage; Keras on a
      CPU has no allocator statistics to read).
@@ -97,7 +98,10 @@ def main() -> None:
         pipe, step = ours(model, m)
         for _ in range(args.steps + 1):
             step(x, y)
-        report.append(bubble_line(m, statistics.mean(hvd.allgather_object(pipe.records.mean_bubble()))))
+        book = pipe.records
+        bubbles, walls, busy = zip(*hvd.allgather_object((book.mean_bubble(), book.mean_wall(), book.mean_busy())))
+        report.append(bubble_line(m, statistics.mean(bubbles))
+                      + f"; step {statistics.mean(walls):.3f} s, computing {statistics.mean(busy):.3f} s per stage")
     report += [memory_line(model, schedule, x, y, 8, args.width) for schedule in ("gpipe", "1f1b")]
     if hvd.rank() == 0:
         print(f"Keras {keras.__version__}: {args.blocks} x (Dense({args.width}), ReLU), batch {args.batch}, 2 stages, "
