@@ -2,6 +2,7 @@
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import dualframe.tensorflow.keras as hvd
 from dualframe import failure
@@ -56,6 +57,19 @@ def test_a_failing_step_disarms_so_a_caller_that_recovers_is_not_ended_later(wat
 def test_one_process_adds_nothing_and_eager_guards_arm_only_eagerly(watchdog):
     with eager_guard("allreduce x"):
         assert list(watchdog.active().values())[0][1] == "a Horovod collective (allreduce x)"
+    armed = []
+
+    @tf.function
+    def traced():
+        with eager_guard("allreduce in a graph"):  # tracing waits on nobody: nothing to bound
+            armed.append(bool(watchdog.active()))
+        return tf.constant(0)
+
+    traced()
+    assert armed == [False]
+    with hvd.stall_guard("a custom step"):
+        assert list(watchdog.active().values())[0][1] == "a custom step"
+    assert watchdog.active() == {}
     failure._installed["watchdog"] = Watchdog(0)
     model = small_model()
     assert guard_train_function(model) is False and not isinstance(model.train_function, GuardedStep)

@@ -6,6 +6,8 @@ Started by tests/parallel/test_failures.py with ``DUALFRAME_STALL_TIMEOUT=10``. 
   (its gradient allreduce, inside the graph): both wait forever without dualframe's stall watchdog.
 * ``--fault early``: rank 1 leaves ``fit`` (``stop_training``) and calls ``hvd.barrier()`` while rank 0
   still trains.
+* ``--fault loop``: a custom loop whose ``tf.function`` step (DistributedGradientTape) runs under
+  ``hvd.stall_guard``; rank 1 stops calling collectives (sleeps), rank 0's guarded step waits for it.
 * ``--fault mismatch``: both ranks call an allreduce named ``mismatch``; first with different dtypes
   (the error is caught and printed: Horovod goes on working), then with different shapes (not
   caught: the failure hook names the rank and Horovod's error, and the job ends).
@@ -53,9 +55,29 @@ class Fault(keras.callbacks.Callback):
             self.model.stop_training = True
 
 
+def custom_loop(model, x):
+    optimizer = keras.optimizers.SGD(0.01)
+
+    @tf.function
+    def train_step(xb):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(xb, training=True) - tf.reduce_sum(xb, 1, keepdims=True)) ** 2)
+        grads = hvd.DistributedGradientTape(tape).gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+    hvd.broadcast_variables(model.variables, root_rank=0)
+    train_step(x[:4])  # traced outside the guard: autograph takes more than this test's 10 s on a loaded box
+    for batch in range(1, len(x) // 4):
+        if batch == 2 and hvd.rank() == 1:
+            print(f"dualframe-test: fault loop at {time.time():.3f}", flush=True)
+            time.sleep(120)  # stuck outside any collective: only rank 0's guard can end the job
+        with hvd.stall_guard("a custom tf.function train step"):
+            train_step(x[4 * batch:4 * batch + 4])
+
+
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--fault", choices=("name", "early", "mismatch"), required=True)
+    parser.add_argument("--fault", choices=("name", "early", "mismatch", "loop"), required=True)
     args = parser.parse_args()
     hvd.init()
     # Start together: under a loaded machine one rank can take seconds longer to reach its first collective,
@@ -65,6 +87,8 @@ def main():
     model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)])
     model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.01)), loss="mse")
     x = np.random.randn(400, 6).astype("float32")
+    if args.fault == "loop":
+        custom_loop(model, x)
     model.fit(x, x.sum(1, keepdims=True), batch_size=4, epochs=1, shuffle=False, verbose=0,
               callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), Fault(args.fault)])
     hvd.barrier()  # rank 1 after an early exit from fit; never reached otherwise
