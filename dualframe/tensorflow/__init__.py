@@ -58,6 +58,17 @@ gloo_built = _hvd.gloo_built
 nccl_built = _hvd.nccl_built
 cuda_built = _hvd.cuda_built
 mpi_threads_supported = _hvd.mpi_threads_supported
+ccl_built = _hvd.ccl_built
+grouped_allgather = _hvd.grouped_allgather
+grouped_reducescatter = _hvd.grouped_reducescatter
+broadcast_ = _hvd.broadcast_  # in place, on tf.Variables
+broadcast_object_fn = _hvd.broadcast_object_fn
+broadcast_global_variables = _hvd.broadcast_global_variables  # TF 1 graph mode, as Horovod's
+rank_op = _hvd.rank_op
+local_rank_op = _hvd.local_rank_op
+size_op = _hvd.size_op
+local_size_op = _hvd.local_size_op
+process_set_included_op = _hvd.process_set_included_op
 
 __all__ = [
     "OPS", "TFBatchOps", "TFCaster", "TFCollectives", "collectives",
@@ -70,6 +81,8 @@ __all__ = [
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "is_homogeneous",
     "start_timeline", "stop_timeline", "mpi_enabled", "mpi_built", "gloo_enabled", "gloo_built",
     "nccl_built", "cuda_built", "mpi_threads_supported",
+    "ccl_built", "grouped_allgather", "grouped_reducescatter", "broadcast_", "broadcast_object_fn",
+    "broadcast_global_variables", "rank_op", "local_rank_op", "size_op", "local_size_op", "process_set_included_op",
 ]
 
 # Model split and GPipe pipeline in one process (issue 5).

@@ -101,3 +101,20 @@ def test_use_before_init_is_refused_with_the_fix():
     assert len(lines) == 6, output
     for line in lines:
         assert line.startswith("NotInitializedError") and "init() first" in line, line
+
+
+def test_horovods_own_tf_functions_are_there_and_work_in_one_process():
+    # Horovod's test_tensorflow.py calls these on hvd; they are Horovod's, unchanged (they work on Keras 3).
+    import horovod.tensorflow as horovod_tf
+    for name in ("grouped_allgather", "grouped_reducescatter", "broadcast_", "broadcast_object_fn", "rank_op",
+                 "local_rank_op", "size_op", "local_size_op", "process_set_included_op", "ccl_built"):
+        assert getattr(hvd, name) is getattr(horovod_tf, name)
+    x = tf.constant([[1.0, 2.0], [3.0, 4.0]])
+    gathered, scattered = hvd.grouped_allgather([x]), hvd.grouped_reducescatter([x], op=hvd.Sum)
+    np.testing.assert_array_equal(gathered[0].numpy(), x.numpy())
+    np.testing.assert_array_equal(scattered[0].numpy(), x.numpy())
+    variable = tf.Variable([5.0])
+    hvd.broadcast_([variable], root_rank=0)
+    assert variable.numpy().tolist() == [5.0]
+    assert (int(hvd.rank_op()), int(hvd.size_op()), int(hvd.local_size_op())) == (0, 1, 1)
+
