@@ -9,7 +9,8 @@ import tensorflow as tf
 class TFStageWork:
     """Forward and backward of one stage's layers on micro-batch i, keeping its tape until backward runs.
 
-    Forward records micro-batch i under its own ``tf.GradientTape`` (watching the received input);
+    Forward records micro-batch i under its own ``tf.GradientTape`` (watching the received input),
+    through ``compiled`` (the stage's layers in one ``tf.function``) when given and the layers are built;
     backward asks that tape for the gradients of the stage's variables and of its input, given the
     output's gradient from the next stage. The last stage turns each output into its loss, weighted
     by the micro-batch's share of rows, so the summed gradients are those of the mini-batch's mean loss.
@@ -20,8 +21,9 @@ class TFStageWork:
     """
 
     def __init__(self, layers: Sequence[Any], first: bool, last: bool, loss_fn: Optional[Callable[[Any, Any], Any]], targets: List[tf.Tensor], weights: List[float],
-                 device: Optional[str] = None) -> None:
+                 device: Optional[str] = None, compiled: Optional[Callable[[tf.Tensor, bool], tf.Tensor]] = None) -> None:
         self.layers, self.first, self.last = list(layers), first, last
+        self.compiled = compiled
         self.loss_fn, self.targets, self.weights, self.device = loss_fn, targets, weights, device
         self._saved: Dict[int, Tuple[tf.GradientTape, tf.Tensor, tf.Tensor]] = {}
         self.variables: List[tf.Variable] = []  # read at the first backward: unbuilt layers build in forward
@@ -31,6 +33,10 @@ class TFStageWork:
         self.peak_live = 0  # most micro-batches whose tapes were alive at once
 
     def _run(self, x: tf.Tensor, training: bool) -> tf.Tensor:
+        # The compiled stage (a tf.function the tape records as one op) once every layer is built:
+        # eager Keras pays per op, which made 8 micro-batches cost 1.43x one batch (docs/benchmarks.md).
+        if self.compiled is not None and all(layer.built for layer in self.layers):
+            return self.compiled(x, training)
         for layer in self.layers:
             x = layer(x, training=training)
         return x
