@@ -3,13 +3,12 @@
 Started by tests/parallel/test_dpipe_failure.py under each launcher; not a pytest module.
 """
 import os
-import sys
-import time
 
 import keras
 import numpy as np
 
 import dualframe.tensorflow as hvd
+from dpipe_fault import train_until_fault
 from dualframe.tensorflow.distributed_pipeline import DistributedPipeline
 
 hvd.init()
@@ -19,18 +18,4 @@ pipe = DistributedPipeline(model, [1, 1], chunks=2, loss_fn="mse",
                            timeout=float(os.environ.get("DPIPE_TIMEOUT", "20")))
 rng = np.random.RandomState(0)
 x, y = rng.randn(8, 4).astype("float32"), rng.randn(8, 1).astype("float32")
-for step in range(1000):
-    if step == 3 and pipe.stage_index == 1:
-        fault = os.environ.get("DPIPE_FAULT", "die")
-        print(f"rank {hvd.rank()}: stage 1 {'dies' if fault == 'die' else 'hangs'} now", flush=True)
-        if fault == "die":
-            os._exit(7)
-        time.sleep(3600)
-    started = time.monotonic()
-    try:
-        pipe.train_step(x, y)
-    except hvd.PeerLostError as error:
-        print(f"rank {hvd.rank()}: PeerLostError after {time.monotonic() - started:.1f} s: {error}", flush=True)
-        sys.stdout.flush()
-        os._exit(3)
-print("unreachable: the pipeline kept training without its neighbour", flush=True)
+train_until_fault(pipe, lambda: pipe.train_step(x, y), hvd.rank(), hvd.PeerLostError)
