@@ -1,7 +1,7 @@
 """TensorFlow collectives over horovod.tensorflow, implementing the core's Collectives protocol."""
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import tensorflow as tf
 
@@ -45,11 +45,18 @@ class TFCollectives:
         >>> c.allreduce(tf.ones(2), op="sum")                            # doctest: +SKIP
     """
 
-    def init(self, process_sets: Optional[Sequence[Sequence[int]]] = None) -> None:
-        """Start Horovod once; later calls do nothing."""
+    def init(self, process_sets: Any = None) -> None:
+        """Start Horovod once; later calls do nothing.
+
+        ``process_sets``: lists of ranks, Horovod's ``hvd.ProcessSet`` objects (passed on as they are:
+        Horovod gives them their ids) or ``"dynamic"``, as ``horovod.tensorflow.init`` takes them.
+        """
         if not hvd.is_initialized():
-            if process_sets:
-                hvd.init(process_sets=[hvd.ProcessSet(list(ranks)) for ranks in process_sets])
+            if process_sets == "dynamic":
+                hvd.init(process_sets="dynamic")
+            elif process_sets:
+                hvd.init(process_sets=[ranks if isinstance(ranks, hvd.ProcessSet) else hvd.ProcessSet(list(ranks))
+                                       for ranks in process_sets])
             else:
                 hvd.init()
 

@@ -118,3 +118,21 @@ def test_horovods_own_tf_functions_are_there_and_work_in_one_process():
     assert variable.numpy().tolist() == [5.0]
     assert (int(hvd.rank_op()), int(hvd.size_op()), int(hvd.local_size_op())) == (0, 1, 1)
 
+
+
+
+def test_init_passes_horovods_process_set_objects_on_as_they_are(monkeypatch):
+    # Horovod's test_tensorflow_process_sets.py: hvd.init(process_sets=[even_set, odd_set]), then reads
+    # even_set.process_set_id, which Horovod's init assigns: the objects must reach it unchanged.
+    # (A real second set needs two ranks: the suite run in docs/keras_data_parallel.md does that.)
+    collectives = sys.modules["dualframe.tensorflow.collectives"]  # the module (the package exports an instance)
+    seen = []
+    monkeypatch.setattr(collectives.hvd, "is_initialized", lambda: False)
+    monkeypatch.setattr(collectives.hvd, "init", lambda **kwargs: seen.append(kwargs))
+    even, odd = hvd.ProcessSet([0, 2]), hvd.ProcessSet([1, 3])
+    hvd.init(process_sets=[even, odd])
+    hvd.init(process_sets=[[0, 1], (2, 3)])
+    hvd.init(process_sets="dynamic")
+    assert seen[0]["process_sets"][0] is even and seen[0]["process_sets"][1] is odd
+    assert [s.ranks for s in seen[1]["process_sets"]] == [[0, 1], [2, 3]]
+    assert seen[2] == {"process_sets": "dynamic"}
