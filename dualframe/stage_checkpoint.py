@@ -116,6 +116,21 @@ def agreed_step(folder: CheckpointDir, j: int, n: int, writes: bool, gather: Cal
     return common_step([by_stage.get(stage, []) for stage in range(n)])
 
 
+def root_sees_file(path: str, rank: int, share: Callable[[Optional[bytes]], bytes]) -> bool:
+    """Whether ``path`` is a file (a merged checkpoint) as rank 0 sees it, the same answer on every rank.
+
+    Each rank looking for itself could split the ranks between a file's load and a folder's (a file
+    rank 0 is still writing, or one on rank 0's disk alone), leaving each half waiting on another
+    collective; rank 0 reads the file anyway.
+
+    Args:
+        path: the checkpoint folder or merged file.
+        rank: this rank.
+        share: the framework's broadcast of rank 0's bytes to every rank (given None elsewhere).
+    """
+    return share((b"1" if os.path.isfile(path) else b"0") if rank == 0 else None) == b"1"
+
+
 def read_common(stages: Union[str, Sequence[str]], suffix: str) -> Tuple[int, List[bytes]]:
     """The newest step all stage folders hold, and each stage's bytes of it (one process: for merges).
 

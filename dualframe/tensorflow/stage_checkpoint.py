@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import keras
@@ -21,7 +20,7 @@ import tensorflow as tf
 
 from dualframe.checkpoint import CheckpointDir, CheckpointError, TrainingState, atomic_write_bytes, check_json_values
 from dualframe.stage_checkpoint import (agreed_step, check_directory, check_part, read_common, read_step,
-                                        stage_directory)
+                                        root_sees_file, stage_directory)
 from dualframe.tensorflow.collectives import hvd
 from dualframe.tensorflow.distributed_pipeline import DistributedPipeline
 from dualframe.checkpoint import read_newest
@@ -173,7 +172,8 @@ def load_stage_checkpoint(directory: str, pipe: DistributedPipeline, optimizer: 
     assigns its stage's variables, ``optimizer``'s (building it on the stage's trainable variables
     first) and takes back its own numpy/Python RNG states. Every check of the file's shapes runs
     before any variable is assigned. Given a file (a merged checkpoint, ``merge_stage_checkpoints``),
-    each stage takes its layers' variables from it (no optimizer state nor RNG there).
+    each stage takes its layers' variables from it (no optimizer state nor RNG there); whether
+    ``directory`` is a file is rank 0's view, shared with every rank.
 
     Example:
         >>> state = hvd.load_stage_checkpoint("ckpt", pipe, optimizer)            # doctest: +SKIP
@@ -187,7 +187,7 @@ def load_stage_checkpoint(directory: str, pipe: DistributedPipeline, optimizer: 
             or a part that does not fit this stage.
     """
     path = _check(directory, pipe, optimizer)
-    if os.path.isfile(path):
+    if root_sees_file(path, int(hvd.rank()), lambda data: _broadcast_bytes(data, 0, f"{_NAME}.kind")):
         return _load_merged(path, pipe)
     folder = CheckpointDir(stage_directory(path, pipe.stage_index), suffix=SUFFIX)
     step = _agreed_step(pipe, folder)

@@ -10,14 +10,13 @@ the parts into one file ``load_checkpoint`` loads into the unsplit ``nn.Sequenti
 from __future__ import annotations
 
 import json
-import os
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 
 from dualframe.checkpoint import CheckpointDir, CheckpointError, TrainingState, atomic_write_bytes, check_json_values
 from dualframe.stage_checkpoint import (agreed_step, check_directory, check_part, read_common, read_step,
-                                        stage_directory)
+                                        root_sees_file, stage_directory)
 from dualframe.torch.checkpoint import (FORMAT, SUFFIX, _broadcast_bytes, _from_bytes, _gather_bytes, _to_bytes,
                                         load_checkpoint, rng_state, set_rng_state)
 from dualframe.torch.collectives import hvd
@@ -94,7 +93,8 @@ def load_stage_checkpoint(directory: str, pipe: DistributedPipeline, optimizer: 
     each stage reads and verifies its part and hands it to the stage's other replicas; each rank
     loads its stage's tensors, ``optimizer``'s state and its own RNG states. Given a file (a merged
     checkpoint, ``merge_stage_checkpoints``), each stage takes its part of the full model's tensors
-    (``load_checkpoint``; no optimizer state nor RNG there).
+    (``load_checkpoint``; no optimizer state nor RNG there). Whether ``directory`` is a file is
+    rank 0's view, shared with every rank.
 
     Example:
         >>> state = hvd.load_stage_checkpoint("ckpt", pipe, optimizer)            # doctest: +SKIP
@@ -108,7 +108,7 @@ def load_stage_checkpoint(directory: str, pipe: DistributedPipeline, optimizer: 
             or a part of a pipeline with another number of stages.
     """
     path = _check(directory, pipe, optimizer)
-    if os.path.isfile(path):
+    if root_sees_file(path, int(hvd.rank()), lambda data: _broadcast_bytes(data, 0, "dualframe.stage_checkpoint.kind")):
         return load_checkpoint(path, pipe, optimizer, restore_rng=False, map_location=map_location)
     folder = CheckpointDir(stage_directory(path, pipe.stage_index), suffix=SUFFIX)
     step = _agreed_step(pipe, folder)

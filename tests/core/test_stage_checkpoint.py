@@ -4,8 +4,8 @@ import os
 import pytest
 
 from dualframe.checkpoint import CheckpointDir, CheckpointError
-from dualframe.stage_checkpoint import (agreed_step, check_part, common_step, read_common, read_step, stage_directories,
-                                        stage_directory, verified_steps)
+from dualframe.stage_checkpoint import (agreed_step, check_part, common_step, read_common, read_step, root_sees_file,
+                                        stage_directories, stage_directory, verified_steps)
 
 
 def test_common_step_is_the_newest_step_every_stage_holds():
@@ -65,3 +65,21 @@ def test_agreed_step_from_every_stage_writer(tmp_path):
         agreed_step(folders[0], 0, 2, False, lambda mine: [mine, other])
     with pytest.raises(CheckpointError, match=r"stages \[1\] hold no checkpoint"):
         agreed_step(folders[0], 0, 2, True, lambda mine: [mine, None])
+
+
+def test_every_rank_takes_rank_0s_view_of_file_or_folder(tmp_path):
+    """A file rank 0 sees but another rank does not (yet): both take the file's branch, and the reverse."""
+    merged = tmp_path / "full.pt"
+    merged.write_bytes(b"x")
+    sent = []
+
+    def share(data):  # rank 0's bytes reach every rank
+        sent.append(data)
+        return sent[0]
+
+    assert root_sees_file(str(merged), 0, share) is True
+    assert root_sees_file(str(tmp_path / "missing"), 1, share) is True  # rank 1 follows rank 0's answer
+    sent.clear()
+    assert root_sees_file(str(tmp_path), 0, share) is False  # a folder
+    assert root_sees_file(str(merged), 1, share) is False
+    assert sent == [b"0", None]  # only rank 0 looked

@@ -1,7 +1,13 @@
-"""Hybrid on 4 processes: 2 replicas x 2 stages, against one process training the whole model on the global batch."""
+"""Hybrid on 4 processes: 2 replicas x 2 stages, against one process training the whole model on the global batch.
+
+Also the hybrid's stage checkpoints: k steps, save (one writer per stage), a fresh perturbed pipeline
+on every rank, load (broadcast among each stage's replicas), the remaining steps == the straight run;
+the merged stages == one process.
+"""
 # np: 4
 # timeout: 400
 import copy
+import os
 
 import horovod.torch as horovod
 import pytest
@@ -58,3 +64,85 @@ def test_hybrid_equals_one_process_on_the_global_batch(schedule):
         torch.testing.assert_close(merged[key], value, atol=1e-5, rtol=0)
     for key, value in pipe.state_dict().items():  # both replicas of a stage hold the same weights
         torch.testing.assert_close(value, reference.state_dict()[key], atol=1e-5, rtol=0)
+
+
+RESUME_STEPS, SAVE_AFTER = 4, 2
+
+
+def hybrid_run(seed, momentum=0.9):
+    """A hybrid pipeline + its distributed SGD with momentum; weights perturbed by ``seed`` (0: the model's own)."""
+    pipe = DistributedPipeline(make_model(), balance=[3, 2], chunks=4, schedule="1f1b", loss_fn=nn.MSELoss(),
+                               data_parallel=2)
+    if seed:  # every rank its own wrong weights: only a load that reaches every replica puts them right
+        generator = torch.Generator().manual_seed(seed + hvd.rank())
+        with torch.no_grad():
+            for parameter in pipe.parameters():
+                parameter.add_(torch.randn(parameter.shape, generator=generator))
+    return pipe, pipe.distributed_optimizer(torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=momentum))
+
+
+def hybrid_step(pipe, optimizer, x, y):
+    rows = len(x) // 2
+    shard = slice(pipe.replica * rows, (pipe.replica + 1) * rows)
+    optimizer.zero_grad()
+    loss = pipe.train_step(x[shard], y[shard])
+    optimizer.step()
+    return loss
+
+
+def test_hybrid_stage_checkpoint_resume_and_merge(tmp_path):
+    folder = horovod.broadcast_object(str(tmp_path), 0, name="hybrid.ckpt.folder")  # one folder for all ranks
+    ckpt = os.path.join(folder, "ckpt")
+    generator = torch.Generator().manual_seed(11)
+    data = [(torch.randn(GLOBAL_BATCH, 5, generator=generator), torch.randn(GLOBAL_BATCH, 2, generator=generator))
+            for _ in range(RESUME_STEPS)]
+    pipe, optimizer = hybrid_run(0)
+    straight_losses = [hybrid_step(pipe, optimizer, x, y) for x, y in data]
+    straight = copy.deepcopy(pipe.state_dict())
+
+    pipe, optimizer = hybrid_run(0)
+    for x, y in data[:SAVE_AFTER]:
+        hybrid_step(pipe, optimizer, x, y)
+    torch.manual_seed(100 + hvd.rank())  # each rank its own RNG stream, saved with its stage
+    written = hvd.save_stage_checkpoint(ckpt, pipe, optimizer, step=SAVE_AFTER - 1,
+                                        data_position={"next_step": SAVE_AFTER})
+    assert (written is not None) == (pipe.replica == 0), f"rank {hvd.rank()} wrote {written}"
+    saved, draw = copy.deepcopy(pipe.state_dict()), torch.rand(3)
+    assert sorted(os.listdir(ckpt)) == ["stage-0", "stage-1"]
+
+    pipe, optimizer = hybrid_run(77)  # fresh, perturbed, no momentum yet, another RNG stream
+    torch.manual_seed(999)
+    state = hvd.load_stage_checkpoint(ckpt, pipe, optimizer)
+    assert state.step == SAVE_AFTER - 1 and state.data_position == {"next_step": SAVE_AFTER}, state
+    for key, value in saved.items():  # every replica holds exactly what the stage's writer saved
+        torch.testing.assert_close(pipe.state_dict()[key], value, atol=0, rtol=0, msg=f"rank {hvd.rank()}: {key}")
+    torch.testing.assert_close(torch.rand(3), draw, atol=0, rtol=0, msg=f"rank {hvd.rank()}: RNG not restored")
+    for step in range(SAVE_AFTER, RESUME_STEPS):
+        loss = hybrid_step(pipe, optimizer, *data[step])
+        assert loss == pytest.approx(straight_losses[step], abs=1e-5), f"step {step} after resuming"
+    for key, value in straight.items():
+        torch.testing.assert_close(pipe.state_dict()[key], value, atol=1e-5, rtol=0, msg=f"rank {hvd.rank()}: {key}")
+    check_merged(ckpt, folder, pipe, data, straight_losses)
+
+
+def check_merged(ckpt, folder, pipe, data, straight_losses):
+    """Save the end, merge the stages; the full model == one process; every stage loads rank 0's merged file."""
+    hvd.save_stage_checkpoint(ckpt, pipe, step=RESUME_STEPS - 1, data_position={"next_step": RESUME_STEPS})
+    reference = make_model()
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for step, (x, y) in enumerate(data):
+        ref_optimizer.zero_grad()
+        loss = nn.functional.mse_loss(reference(x), y)
+        loss.backward()
+        ref_optimizer.step()
+        assert loss.item() == pytest.approx(straight_losses[step], abs=1e-5), f"step {step}: hybrid vs one process"
+    mine = os.path.join(folder, f"full-{hvd.rank()}.pt")  # every rank merges (one process, no communication) and checks alike
+    hvd.merge_stage_checkpoints(ckpt, mine)
+    full = make_model()
+    full.load_state_dict(torch.load(mine, weights_only=True)["model"], strict=True)
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(full.state_dict()[key], value, atol=1e-5, rtol=0, msg=f"merged {key}")
+    again, _ = hybrid_run(55)
+    assert hvd.load_stage_checkpoint(os.path.join(folder, "full-0.pt"), again).step == RESUME_STEPS - 1
+    for key, value in pipe.state_dict().items():
+        torch.testing.assert_close(again.state_dict()[key], value, atol=0, rtol=0, msg=f"rank {hvd.rank()}: {key}")
