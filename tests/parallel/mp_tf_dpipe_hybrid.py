@@ -1,4 +1,10 @@
-"""Keras hybrid on 4 processes: 2 replicas x 2 stages, GPipe and 1F1B, against one process training the whole model on the global batch."""
+"""Keras hybrid on 4 processes: 2 replicas x 2 stages, GPipe and 1F1B, against one process training the whole model on the global batch.
+
+Also the hybrid's stage checkpoints: k steps, save (one writer per stage), a fresh perturbed pipeline
+on every rank, load (broadcast among each stage's replicas), the remaining steps == the straight run;
+the merged stages == one process.
+"""
+import os
 # np: 4
 # timeout: 400
 import keras
@@ -7,6 +13,7 @@ import pytest
 import tensorflow as tf
 
 import dualframe.tensorflow as hvd
+import dualframe.tensorflow.keras as hvd_keras
 from dualframe.rank_schedule import pipeline_process_sets
 from dualframe.tensorflow.distributed_pipeline import DistributedPipeline
 
@@ -28,10 +35,10 @@ def make_model(seed=3):
     ])
 
 
-def global_batches():
-    rng = np.random.RandomState(5)
+def global_batches(steps=STEPS, seed=5):
+    rng = np.random.RandomState(seed)
     return [(rng.randn(GLOBAL_BATCH, 5).astype("float32"), rng.randn(GLOBAL_BATCH, 2).astype("float32"))
-            for _ in range(STEPS)]
+            for _ in range(steps)]
 
 
 def reference(data):
@@ -72,3 +79,76 @@ def test_hybrid_equals_one_process_on_the_global_batch(schedule):
     replicas = hvd.allgather_object(pipe.get_weights(), name=f"hybrid.{schedule}.weights")
     for got, want in zip(replicas[pipe.stage_index], replicas[2 + pipe.stage_index]):
         np.testing.assert_array_equal(got, want)
+
+
+RESUME_STEPS, SAVE_AFTER = 4, 2
+
+
+def hybrid_run(seed=0):
+    """A 1F1B hybrid pipeline + its distributed SGD with momentum; weights perturbed by ``seed`` (0: the model's own)."""
+    pipe = DistributedPipeline(make_model(), balance=[3, 2], chunks=CHUNKS, schedule="1f1b", loss_fn="mse",
+                               data_parallel=2)
+    if seed:  # every rank its own wrong weights: only a load that reaches every replica puts them right
+        rng = np.random.RandomState(seed + hvd.rank())
+        for variable in pipe.trainable_variables:
+            variable.assign_add(rng.randn(*variable.shape).astype("float32"))
+    return pipe, pipe.distributed_optimizer(keras.optimizers.SGD(0.2, momentum=0.9))
+
+
+def hybrid_step(pipe, optimizer, x, y):
+    rows = GLOBAL_BATCH // 2
+    shard = slice(pipe.replica * rows, (pipe.replica + 1) * rows)
+    loss = pipe.train_step(x[shard], y[shard])
+    pipe.apply_gradients(optimizer)
+    return loss
+
+
+def assert_weights(got, want, what, atol):
+    assert len(got) == len(want), what
+    for i, (a, b) in enumerate(zip(got, want)):
+        np.testing.assert_allclose(a, b, atol=atol, rtol=0, err_msg=f"rank {hvd.rank()}: {what}, weight {i}")
+
+
+def test_hybrid_stage_checkpoint_resume_and_merge(tmp_path):
+    folder = hvd.broadcast_object(str(tmp_path), 0, name="hybrid.ckpt.folder")  # one folder for all ranks
+    ckpt, data = os.path.join(folder, "ckpt"), global_batches(RESUME_STEPS, seed=11)
+    pipe, optimizer = hybrid_run()
+    straight_losses = [hybrid_step(pipe, optimizer, x, y) for x, y in data]
+    straight = pipe.get_weights()
+
+    pipe, optimizer = hybrid_run()
+    for x, y in data[:SAVE_AFTER]:
+        hybrid_step(pipe, optimizer, x, y)
+    np.random.seed(100 + hvd.rank())  # each rank its own numpy stream, saved with its stage
+    written = hvd.save_stage_checkpoint(ckpt, pipe, optimizer, step=SAVE_AFTER - 1,
+                                        data_position={"next_step": SAVE_AFTER})
+    assert (written is not None) == (pipe.replica == 0), f"rank {hvd.rank()} wrote {written}"
+    saved, draw = pipe.get_weights(), np.random.rand(3)
+    assert sorted(os.listdir(ckpt)) == ["stage-0", "stage-1"]
+
+    pipe, optimizer = hybrid_run(77)  # fresh, perturbed, optimizer not built, another numpy stream
+    np.random.seed(999)
+    state = hvd.load_stage_checkpoint(ckpt, pipe, optimizer)
+    assert state.step == SAVE_AFTER - 1 and state.data_position == {"next_step": SAVE_AFTER}, state
+    assert_weights(pipe.get_weights(), saved, "loaded vs saved", 0)  # every replica holds what its writer saved
+    np.testing.assert_array_equal(np.random.rand(3), draw, err_msg=f"rank {hvd.rank()}: RNG not restored")
+    for step in range(SAVE_AFTER, RESUME_STEPS):
+        loss = hybrid_step(pipe, optimizer, *data[step])
+        assert loss == pytest.approx(straight_losses[step], abs=1e-5), f"step {step} after resuming"
+    assert_weights(pipe.get_weights(), straight, "resumed vs straight", 1e-5)
+    check_merged(ckpt, folder, pipe, data, straight_losses)
+
+
+def check_merged(ckpt, folder, pipe, data, straight_losses):
+    """Save the end, merge the stages; the full model == one process; every stage loads rank 0's merged file."""
+    hvd.save_stage_checkpoint(ckpt, pipe, step=RESUME_STEPS - 1, data_position={"next_step": RESUME_STEPS})
+    losses, weights = reference(data)
+    assert losses == pytest.approx(straight_losses, abs=1e-5), "hybrid vs one process"
+    mine = os.path.join(folder, f"full-{hvd.rank()}.npz")  # every rank merges its copy (no communication)
+    hvd.merge_stage_checkpoints(ckpt, mine)
+    full = make_model()
+    hvd_keras.load_checkpoint(mine, full, restore_rng=False)  # a collective: rank 0 reads its copy
+    assert_weights(full.get_weights(), weights, "merged vs one process", 1e-5)
+    again, _ = hybrid_run(55)  # rank 0 reads its merged file, each stage takes its part
+    assert hvd.load_stage_checkpoint(os.path.join(folder, "full-0.npz"), again).step == RESUME_STEPS - 1
+    assert_weights(again.get_weights(), pipe.get_weights(), "taken from the merged file", 0)
