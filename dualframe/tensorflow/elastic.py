@@ -2,21 +2,15 @@
 
 Horovod's ``horovod.tensorflow.elastic.TensorFlowKerasState(model, optimizer)`` calls
 ``optimizer.variables()``, a list in Keras 3. ``TensorFlowKerasState`` here is the Keras 3
-``KerasState`` (``dualframe.tensorflow.keras.elastic``) given the optimizer explicitly, as a
-GradientTape loop has it (the model is not compiled). ``TensorFlowState`` (a list of ``tf.Variable``)
+``KerasState`` (``dualframe.tensorflow.keras.elastic``, which takes Horovod's
+``(model, optimizer=None, **kwargs)``) under Horovod's GradientTape name: given the optimizer a
+GradientTape loop applies with (the model is not compiled). ``TensorFlowState`` (a list of ``tf.Variable``)
 is Horovod's own, which works on Keras 3 as it is.
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional
-
-import keras
-from horovod.common.elastic import ObjectState
 from horovod.tensorflow.elastic import TensorFlowState
 
-from dualframe.errors import StrategyError
-from dualframe.tensorflow.collectives import hvd
-from dualframe.tensorflow.functions import broadcast_variables
 from dualframe.tensorflow.keras.elastic import KerasState, run
 
 __all__ = ["run", "TensorFlowKerasState", "TensorFlowState", "KerasState"]
@@ -39,26 +33,4 @@ class TensorFlowKerasState(KerasState):
         StrategyError: ``optimizer`` is not a Keras optimizer (or the model is not a built keras.Model).
     """
 
-    def __init__(self, model: keras.Model, optimizer: Optional[keras.optimizers.Optimizer] = None,
-                 **kwargs: Any) -> None:
-        if optimizer is not None and not isinstance(optimizer, keras.optimizers.Optimizer):
-            raise StrategyError(f"optimizer must be a keras.optimizers.Optimizer (optimizer: {type(optimizer).__name__})")
-        self.optimizer = optimizer
-        super().__init__(model, **kwargs)
-
-    def _variables(self) -> List[Any]:
-        if self.optimizer is None:
-            return super()._variables()
-        if not self.optimizer.built:
-            self.optimizer.build(self.model.trainable_variables)
-        return list(self.model.variables) + list(self.optimizer.variables)
-
-    def sync(self) -> None:
-        """Make every worker's model and optimizer rank 0's (at the start and after workers join)."""
-        if self.optimizer is None:
-            super().sync()
-            return
-        if hvd.size() > 1:
-            broadcast_variables(self._variables(), root_rank=0)
-        self._save_variables()
-        ObjectState.sync(self)
+    # KerasState itself takes Horovod's (model, optimizer=None, **kwargs): this is its GradientTape name.

@@ -5,7 +5,8 @@ Horovod's own Keras elastic state (``horovod.tensorflow.elastic.TensorFlowKerasS
 Keras 3; this module keeps Horovod's elastic machinery (``run_fn``, ``ObjectState``, the driver's
 notifications) and re-writes the Keras parts: the state copies ``model.variables`` and
 ``optimizer.variables`` (Dropout's seed generators and the iteration count included) and syncs them
-with dualframe's ``broadcast_model``.
+with dualframe's ``broadcast_variables``. ``KerasState(model, optimizer=None, **kwargs)`` is Horovod's
+signature: a custom loop's optimizer is part of the state.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from horovod.common.exceptions import HorovodInternalError
 
 from dualframe.errors import StrategyError
 from dualframe.tensorflow.collectives import hvd
-from dualframe.tensorflow.keras.callbacks import broadcast_model
+from dualframe.tensorflow.functions import broadcast_variables
 
 F = TypeVar("F", bound=Callable[..., Any])
 #: Horovod's ops as TensorFlow names them in the error a lost peer causes inside a traced train step.
@@ -29,8 +30,10 @@ _HOROVOD_OPS = ("HorovodAllreduce", "HorovodAllgather", "HorovodBroadcast", "Hor
 class KerasState(ObjectState):  # type: ignore[misc]
     """A Keras model, its optimizer and progress, committed in memory, restored after a lost worker, synced to new ones.
 
-    Keyword arguments (``epoch=0, batch=0``) become attributes kept the same way. The model must be
-    compiled (its optimizer is part of the state) and built.
+    Horovod's signature: ``KerasState(model, optimizer=None, **kwargs)``. The optimizer given (a
+    GradientTape loop's, the model not compiled) is the one committed, restored and synced; without
+    one, the compiled model's (Horovod's ``optimizer or model.optimizer``). Keyword arguments
+    (``epoch=0, batch=0``) become attributes kept the same way. The model must be built.
 
     Example:
         >>> state = KerasState(model, epoch=0, batch=0)                      # doctest: +SKIP
@@ -39,23 +42,33 @@ class KerasState(ObjectState):  # type: ignore[misc]
         ...     model.fit(x, y, initial_epoch=state.epoch, epochs=10, callbacks=[
         ...         UpdateEpochStateCallback(state), UpdateBatchStateCallback(state),
         ...         CommitStateCallback(state, batches_per_commit=10)])
+        >>> state = KerasState(model, optimizer, batch=0)   # a custom loop's optimizer  # doctest: +SKIP
 
     Raises:
-        StrategyError: ``model`` is not a built keras.Model.
+        StrategyError: ``model`` is not a built keras.Model, or ``optimizer`` not a Keras optimizer.
     """
 
-    def __init__(self, model: keras.Model, **kwargs: Any) -> None:
+    def __init__(self, model: keras.Model, optimizer: Optional[keras.optimizers.Optimizer] = None,
+                 **kwargs: Any) -> None:
         if not isinstance(model, keras.Model):
             raise StrategyError(f"model must be a keras.Model (model: {type(model).__name__})")
         if not model.built:
             raise StrategyError(f"model {model.name!r} is not built: give it an Input or build it first")
+        if optimizer is not None and not isinstance(optimizer, keras.optimizers.Optimizer):
+            raise StrategyError(f"optimizer must be a keras.optimizers.Optimizer (optimizer: {type(optimizer).__name__})")
         self.model = model
+        self._optimizer = optimizer
         self._saved_variables: List[np.ndarray] = []
         super().__init__(bcast_object=hvd.broadcast_object, get_rank=hvd.rank, **kwargs)
         self._save_variables()
 
+    @property
+    def optimizer(self) -> Optional[keras.optimizers.Optimizer]:
+        """The optimizer given, else the compiled model's (None for an uncompiled model without one)."""
+        return self._optimizer if self._optimizer is not None else getattr(self.model, "optimizer", None)
+
     def _variables(self) -> List[Any]:
-        optimizer = getattr(self.model, "optimizer", None)
+        optimizer = self.optimizer
         if optimizer is not None and not optimizer.built:
             optimizer.build(self.model.trainable_variables)
         return list(self.model.variables) + (list(optimizer.variables) if optimizer is not None else [])
@@ -86,9 +99,9 @@ class KerasState(ObjectState):  # type: ignore[misc]
         super().reset()
 
     def sync(self) -> None:
-        """Make every worker's state rank 0's (at the start and after workers join)."""
+        """Make every worker's model, optimizer and attributes rank 0's (at the start and after workers join)."""
         if hvd.size() > 1:
-            broadcast_model(self.model, root_rank=0)
+            broadcast_variables(self._variables(), root_rank=0)
         self._save_variables()
         super().sync()
 
