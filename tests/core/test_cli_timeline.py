@@ -83,7 +83,7 @@ def test_real_horovod_timeline_from_two_processes_to_png(tmp_path):
     operations = [a for a in activities if a.name == "ALLREDUCE"]
     # 4 steps x 4 gradient tensors (+ the closing allreduce); Horovod's writer thread may still drop
     # events at shutdown on a loaded machine (seen once in CI: fewer than 3 steps), so at least 2 steps.
-    gradients = [a for a in operations if a.tensor.startswith("allreduce.")]
+    gradients = [a for a in operations if "closing" not in a.tensor]
     assert 2 * 4 <= len(gradients) <= 4 * 4, len(gradients)
     assert any(a.name == "GLOO_ALLREDUCE" and a.depth == 1 for a in activities)
     assert 0 < horovod_timeline.idle_fraction(activities) < 1
