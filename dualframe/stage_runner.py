@@ -153,6 +153,31 @@ class RecordBook:
         return sum(r.busy for r in kept) / len(kept) if kept else 0.0
 
 
+def pipeline_bubble(busy: Sequence[float], walls: Sequence[float]) -> float:
+    """Idle share of the whole pipeline's step, from every stage's mean computing and step seconds.
+
+    ``1 - mean(busy) / max(walls)``: the definition GPipe's (n-1)/(m+n-1) counts (the same as
+    ``dualframe.timeline.bubble_fraction`` in one process). A stage's own ``bubble`` ends when that
+    stage finishes; under GPipe the last stage finishes its backward passes while the first still
+    runs its own, so its own figure leaves out the idle tail. The stages start a step together
+    (after the step agreement), so the longest stage step is the pipeline's.
+
+    Example:
+        >>> pipeline_bubble([3.0, 3.0], [6.0, 4.0])   # m = 1, n = 2, a backward costing two forwards
+        0.5
+
+    Raises:
+        StrategyError: no stages, different numbers of busy and step figures, or a step of 0 s.
+    """
+    if not busy or len(busy) != len(walls):
+        raise StrategyError(f"pipeline_bubble needs one busy and one step figure per stage "
+                            f"(busy: {len(busy)}, walls: {len(walls)})")
+    span = max(walls)
+    if span <= 0:
+        raise StrategyError(f"pipeline_bubble needs a step longer than 0 s (walls: {list(walls)})")
+    return 1.0 - sum(busy) / len(busy) / span
+
+
 #: Most input dimensions the step agreement can carry.
 MAX_DIMS = 8
 _MISSING, _TOO_MANY_DIMS = 1, 2

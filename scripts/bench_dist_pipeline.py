@@ -5,14 +5,15 @@
 
 Prints, from interleaved rounds (A B C A B C ..., median of the per-round ratios):
   1. throughput of DistributedPipeline chunks=8 over chunks=1 (naive model parallelism), and of
-     torch.distributed.pipelining's ScheduleGPipe (8 micro-batches, gloo) over the same chunks=1;
-  2. the measured bubble (idle share per stage, mean of both) against (n-1)/(m+n-1) for m = 1..16;
+     torch.distributed.pipelining's ScheduleGPipe (8 micro-batches, gloo) over the same chunks=1,
+     and the two pipelines head to head (ScheduleGPipe seconds / DistributedPipeline seconds);
+  2. the measured bubble (the pipeline's idle share: 1 - mean stage busy / longest stage step,
+     ``dualframe.stage_runner.pipeline_bubble``) against (n-1)/(m+n-1) for m = 1..16;
   3. peak activation bytes per rank, gpipe vs 1f1b (chunks=8).
 """
 import argparse
 import functools
 import os
-import statistics
 import time
 
 import torch
@@ -21,6 +22,7 @@ from torch import nn
 import dualframe
 import dualframe.torch as hvd
 from dualframe.bench_rounds import bubble_line, interleaved, ratio_line, seconds_line
+from dualframe.stage_runner import pipeline_bubble
 from dualframe.torch.distributed_pipeline import DistributedPipeline
 
 
@@ -80,8 +82,8 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--blocks", type=int, default=12)
     parser.add_argument("--batch", type=int, default=2048)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(1)
     hvd.init()
@@ -96,12 +98,14 @@ def main() -> None:
                         args.rounds)
     report = [ratio_line(f"{name} / chunks=1", times["chunks=1"], times[name])
               for name in ("chunks=8", "torch ScheduleGPipe m=8")]
+    report.append(ratio_line("chunks=8 / torch ScheduleGPipe m=8", times["torch ScheduleGPipe m=8"], times["chunks=8"]))
     report.append(seconds_line(times))
     for m in (1, 2, 4, 8, 16):
         pipe, step = ours(model, m)
         for _ in range(args.steps + 1):
             step(x, y)
-        report.append(bubble_line(m, statistics.mean(hvd.allgather_object(pipe.records.mean_bubble()))))
+        busy, walls = zip(*hvd.allgather_object((pipe.records.mean_busy(), pipe.records.mean_wall())))
+        report.append(bubble_line(m, pipeline_bubble(busy, walls)))
     for schedule in ("gpipe", "1f1b"):
         pipe, step = ours(model, 8, schedule)
         step(x, y)

@@ -75,7 +75,7 @@ class TorchWire:
             if time.monotonic() > deadline:
                 return False
             time.sleep(pause)
-            pause = min(0.002, pause + 0.0001)
+            pause = min(0.0002, pause + 0.00005)
         return True
 
     def result(self, handle: Any) -> torch.Tensor:

@@ -131,3 +131,9 @@ def test_bad_batches_are_refused_on_every_rank():
         pipe.train_step(torch.randn(8, 6), torch.randn(6, 3))
     # After refusing, the pipeline still trains.
     assert pipe.train_step(torch.randn(8, 6), torch.randn(8, 3)) > 0
+
+
+def test_mpi_waits_yield_the_core_unless_the_launch_said_otherwise():
+    # dualframe.mpi_defaults, applied when dualframe.torch was imported, before hvd.init() started MPI.
+    import os
+    assert os.environ.get("OMPI_MCA_mpi_yield_when_idle") == "1"
