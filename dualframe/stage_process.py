@@ -11,11 +11,35 @@ from typing import Any, Dict, Generic, List, Optional, Sequence, Tuple, TypeVar
 
 from dualframe.rank_schedule import Action
 from dualframe.stage_link import StageLink, Wire
-from dualframe.stage_runner import RecordBook, StageWork, StepRecord, read_agreement, step_agreement, walk
+from dualframe.stage_runner import (RecordBook, StageWork, StepRecord, pipeline_bubble, read_agreement, step_agreement,
+                                    walk)
 from dualframe.stage_setup import DTYPE_NAMES, StageLayout
 
 T = TypeVar("T")
 _INT64, _FLOAT64 = DTYPE_NAMES.index("int64"), DTYPE_NAMES.index("float64")
+
+#: What one rank contributes to ``timing_report``: (replica, its timing line, mean busy s, mean step s).
+TimingFacts = Tuple[int, str, float, float]
+
+
+def timing_report(gathered: Sequence[TimingFacts]) -> List[str]:
+    """Every rank's timing line in rank order, then each replica's step and bubble over its whole pipeline.
+
+    A stage's own bubble ends when that stage finishes; the replica line uses
+    ``stage_runner.pipeline_bubble``, the share that GPipe's (n-1)/(m+n-1) counts.
+
+    Example:
+        >>> timing_report([(0, "stage 0 ...", 3.0, 6.0), (0, "stage 1 ...", 3.0, 4.0)])[-1]
+        'replica 0 pipeline: step 6000.0 ms, bubble 50.0%'
+    """
+    lines = [line for _, line, _, _ in gathered]
+    for replica in sorted({facts[0] for facts in gathered}):
+        busy = [b for r, _, b, _ in gathered if r == replica]
+        walls = [w for r, _, _, w in gathered if r == replica]
+        if max(walls) > 0:
+            lines.append(f"replica {replica} pipeline: step {max(walls) * 1e3:.1f} ms, "
+                         f"bubble {pipeline_bubble(busy, walls):.1%}")
+    return lines
 
 
 class PipelineStage(Generic[T]):
@@ -103,7 +127,7 @@ class PipelineStage(Generic[T]):
         """One line for this stage: mean step seconds, computing seconds and idle share (the bubble)."""
         book = self.records
         return (f"replica {self.replica} stage {self.index} (rank {self.rank}): step "
-                f"{book.mean_wall() * 1e3:.1f} ms, busy {book.mean_busy() * 1e3:.1f} ms, bubble {book.mean_bubble():.1%}")
+                f"{book.mean_wall() * 1e3:.1f} ms, busy {book.mean_busy() * 1e3:.1f} ms, idle {book.mean_bubble():.1%}")
 
 
 class StageView:
@@ -175,3 +199,8 @@ class StageView:
     def timing(self) -> str:
         """One line for this stage: mean step seconds, computing seconds and idle share (the bubble)."""
         return self.role.timing()
+
+    def timing_facts(self) -> TimingFacts:
+        """What ``timing_report`` needs from this rank: (replica, ``timing()``, mean busy s, mean step s)."""
+        book = self.records
+        return self.replica, self.timing(), book.mean_busy(), book.mean_wall()

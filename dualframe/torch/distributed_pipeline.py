@@ -17,7 +17,7 @@ from torch import nn
 
 from dualframe.errors import StrategyError
 from dualframe.rank_schedule import Action, pipeline_process_sets
-from dualframe.stage_process import PipelineStage, StageView
+from dualframe.stage_process import PipelineStage, StageView, timing_report
 from dualframe.stage_runner import StepRecord
 from dualframe.stage_setup import StageLayout, layout_pipeline
 from dualframe.topology import detect
@@ -151,5 +151,8 @@ class DistributedPipeline(StageView, nn.Module):
         return torch.cat(work.outputs) if self.is_last else None
 
     def timings(self) -> List[str]:
-        """Every rank's ``timing()`` line, in rank order, on every rank (a collective: call it on all)."""
-        return list(hvd.allgather_object(self.timing(), name=f"{self.role.link.prefix}.timings"))
+        """Every rank's ``timing()`` line in rank order, then each replica's pipeline bubble, on every rank.
+
+        A collective: call it on every rank.
+        """
+        return timing_report(hvd.allgather_object(self.timing_facts(), name=f"{self.role.link.prefix}.timings"))
