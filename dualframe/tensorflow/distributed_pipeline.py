@@ -21,7 +21,7 @@ from dualframe.stage_runner import StepRecord
 from dualframe.stage_setup import layout_pipeline
 from dualframe.tensorflow.collectives import hvd
 from dualframe.tensorflow.pipeline_transport import TFWire, process_sets
-from dualframe.tensorflow.pipeline_work import TFStageWork
+from dualframe.tensorflow.pipeline_work import StageFunctions, TFStageWork, fusable
 from dualframe.topology import detect
 
 _IDS = itertools.count()
@@ -98,15 +98,10 @@ class DistributedPipeline(StageView):
         self.layer_indices = layout.ranges[j]
         self.layers = [all_layers[index] for index in layout.ranges[j]]
         self._all_layers = all_layers
-        # One trace per training flag and (relaxed) input shape; the tapes record each call as one op.
-        self._compiled = tf.function(self._forward, reduce_retracing=True)
+        # One trace per training flag and (relaxed) input shape, kept across steps (see pipeline_work).
+        self._functions = StageFunctions(self.layers, self.is_first, loss_fn)
         self.gradients: List[Optional[tf.Tensor]] = []
         self.peak_live = 0
-
-    def _forward(self, x: tf.Tensor, training: bool) -> tf.Tensor:
-        for layer in self.layers:
-            x = layer(x, training=training)
-        return x
 
     @property
     def trainable_variables(self) -> List[tf.Variable]:
@@ -164,7 +159,7 @@ class DistributedPipeline(StageView):
         micro_inputs = tf.split(inputs, sizes) if inputs is not None else []
         micro_targets = tf.split(targets, sizes) if train and targets is not None else []
         work = TFStageWork(self.layers, self.is_first, self.is_last, self.loss_fn if train else None,
-                           micro_targets, [s / sum(sizes) for s in sizes], self.device, self._compiled)
+                           micro_targets, [s / sum(sizes) for s in sizes], self.device, self._functions, fusable(plan))
         return work, self.role.step(plan, micro_inputs, work, train)
 
     def train_step(self, inputs: Any, targets: Any) -> float:

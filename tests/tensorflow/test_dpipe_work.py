@@ -1,0 +1,124 @@
+"""One Keras pipeline stage's work (dualframe.tensorflow.pipeline_work), in one process: the last stage's compiled
+forward+loss+backward against one tape over the whole batch, and against the taped path."""
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from dualframe.rank_schedule import rank_schedule
+from dualframe.tensorflow.pipeline_work import StageFunctions, TFStageWork, fusable
+
+SIZES = [3, 3, 2, 2]  # 10 rows in 4 micro-batches
+
+
+def run_step(layers, functions, x, y, first, schedule):
+    """One training step of a last stage over SIZES micro-batches, in the order of ``schedule``'s last stage;
+    micro-batches whose backward follows their forward are fused. Returns the work and the input gradients."""
+    plan = rank_schedule("gpipe" if schedule == "taped" else schedule, 2, len(SIZES))[1]
+    xs, ys = tf.split(x, SIZES), tf.split(y, SIZES)
+    work = TFStageWork(layers, first, True, keras.losses.MeanSquaredError(), ys, [s / sum(SIZES) for s in SIZES],
+                       "/CPU:0", functions, fusable(plan) if schedule != "taped" else ())
+    input_grads = [None] * len(SIZES)
+    for action in plan:
+        if action.kind == "F":
+            assert work.forward(action.micro, xs[action.micro]) is None
+        else:
+            input_grads[action.micro] = work.backward(action.micro, None)
+    return work, input_grads
+
+
+def whole_batch(layers, x, y, first):
+    """The reference: one tape over the whole batch's mean loss."""
+    with tf.GradientTape() as tape:
+        if not first:
+            tape.watch(x)
+        out = x
+        for layer in layers:
+            out = layer(out, training=True)
+        loss = keras.losses.MeanSquaredError()(y, out)
+    variables = [v for layer in layers for v in layer.trainable_weights]
+    grads = tape.gradient(loss, variables + ([] if first else [x]))
+    return float(loss), [tf.convert_to_tensor(g) for g in grads]
+
+
+def dense_stage(seed=1):
+    init = keras.initializers.GlorotUniform
+    return [keras.layers.Dense(8, "tanh", kernel_initializer=init(seed)), keras.layers.Dense(3, kernel_initializer=init(seed + 1))]
+
+
+def test_fusable_micro_batches_of_the_schedules():
+    assert fusable(rank_schedule("gpipe", 2, 4)[1]) == [3]
+    assert fusable(rank_schedule("1f1b", 2, 4)[1]) == [0, 1, 2, 3]
+    assert fusable(rank_schedule("1f1b", 2, 4)[0]) == []  # F0 F1 B0 F2 B1 F3 B2 B3
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "taped"])
+def test_last_stage_equals_one_tape_over_the_batch(schedule):
+    rng = np.random.RandomState(0)
+    x, y = tf.constant(rng.randn(10, 5).astype("float32")), tf.constant(rng.randn(10, 3).astype("float32"))
+    layers = dense_stage()
+    functions = StageFunctions(layers, first=False, loss_fn=keras.losses.MeanSquaredError())
+    eager, _ = run_step(layers, functions, x, y, first=False, schedule=schedule)  # unbuilt: the eager path builds them
+    assert not eager.functions and functions.ready()
+    work, input_grads = run_step(layers, functions, x, y, first=False, schedule=schedule)
+    # 1F1B's last stage holds one micro-batch (its input gradient) at a time, GPipe's all four.
+    assert work.functions is functions and work.peak_live == (1 if schedule == "1f1b" else 4)
+    loss, expected = whole_batch(layers, x, y, first=False)
+    assert work.loss_sum == pytest.approx(loss, abs=1e-6)
+    for got, want in zip(work.gradients + [tf.concat(input_grads, 0)], expected):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-6, rtol=0)
+    for got, want in zip(eager.gradients, work.gradients):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-6, rtol=0)
+
+
+def test_embedding_gradients_summed_dense_in_the_compiled_step():
+    ids = tf.constant(np.random.RandomState(1).randint(0, 20, size=(10, 2)))
+    y = tf.constant(np.random.RandomState(2).randn(10, 3).astype("float32"))
+    layers = [keras.layers.Embedding(20, 4, embeddings_initializer=keras.initializers.RandomNormal(seed=3)),
+              keras.layers.Flatten()] + dense_stage(4)
+    model = keras.Sequential([keras.Input((2,), dtype="int64")] + layers)
+    assert model.built
+    functions = StageFunctions(layers, first=True, loss_fn=keras.losses.MeanSquaredError())
+    work, input_grads = run_step(layers, functions, ids, y, first=True, schedule="1f1b")
+    assert input_grads == [None] * 4
+    _, expected = whole_batch(layers, ids, y, first=True)
+    assert isinstance(work.gradients[0], tf.Tensor)  # IndexedSlices made dense
+    for got, want in zip(work.gradients, expected):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-6, rtol=0)
+
+
+def test_batch_norm_and_dropout_fused_as_taped():
+    """BatchNorm's moving statistics move once per micro-batch either way; dropout's mask is the one its own backward uses."""
+    rng = np.random.RandomState(4)
+    x, y = tf.constant(rng.randn(10, 5).astype("float32")), tf.constant(rng.randn(10, 3).astype("float32"))
+
+    def stage():
+        keras.utils.set_random_seed(5)
+        layers = [keras.layers.Dense(6), keras.layers.BatchNormalization(momentum=0.5), keras.layers.Dense(3)]
+        keras.Sequential([keras.Input((5,))] + layers)
+        return layers
+
+    results = []
+    for schedule in ("1f1b", "taped"):
+        layers = stage()
+        work, input_grads = run_step(layers, StageFunctions(layers, False, keras.losses.MeanSquaredError()), x, y, False, schedule)
+        results.append((work.gradients + input_grads, layers[1].moving_mean.numpy()))
+    (fused_grads, fused_mean), (taped_grads, taped_mean) = results
+    assert not np.allclose(fused_mean, 0.0)
+    np.testing.assert_allclose(fused_mean, taped_mean, atol=1e-6, rtol=0)
+    for got, want in zip(fused_grads, taped_grads):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-5, rtol=0)
+    # Dropout: with the mask drawn once in the compiled step, the input gradient is zero exactly where it dropped.
+    keras.utils.set_random_seed(6)
+    drop = [keras.layers.Dropout(0.5), keras.layers.Dense(3, use_bias=False, kernel_initializer="ones")]
+    keras.Sequential([keras.Input((5,))] + drop)
+    work, input_grads = run_step(drop, StageFunctions(drop, False, keras.losses.MeanSquaredError()), x, y, False, "1f1b")
+    grads = tf.concat(input_grads, 0).numpy()
+    assert 0 < (grads == 0).sum() < grads.size
+    # The forward used the same mask: the loss and kernel gradient of x masked where the backward saw zeros.
+    kept = tf.constant(x.numpy() * (grads != 0) * 2.0)
+    kernel = tf.Variable(tf.ones((5, 3)))
+    with tf.GradientTape() as tape:
+        loss = keras.losses.MeanSquaredError()(y, kept @ kernel)
+    assert work.loss_sum == pytest.approx(float(loss), abs=1e-5)
+    np.testing.assert_allclose(work.gradients[0].numpy(), tape.gradient(loss, kernel).numpy(), atol=1e-5, rtol=0)
