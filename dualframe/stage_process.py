@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Dict, Generic, List, Optional, Sequence, Tuple, TypeVar
 
 from dualframe.rank_schedule import Action
-from dualframe.stage_link import StageLink, Wire
+from dualframe.stage_link import PointToPoint, StageLink, Wire
 from dualframe.stage_runner import (RecordBook, StageWork, StepRecord, pipeline_bubble, read_agreement, step_agreement,
                                     walk)
 from dualframe.stage_setup import DTYPE_NAMES, StageLayout
@@ -52,6 +52,7 @@ class PipelineStage(Generic[T]):
         sets: Horovod process sets by sorted ranks (``stage_setup.resolve_process_sets``).
         prefix: the pipeline's name in its Horovod operations.
         step_names: whether operation names carry the step number (see ``StageLink``).
+        direct: MPI point-to-point for the activations and gradients (see ``StageLink``); None: Horovod broadcasts.
 
     Example:
         >>> stage = PipelineStage(layout, wire, hvd.rank(), sets, "dpipe0")        # doctest: +SKIP
@@ -61,7 +62,7 @@ class PipelineStage(Generic[T]):
     """
 
     def __init__(self, layout: StageLayout, wire: "Wire[T]", rank: int, sets: Dict[Tuple[int, ...], Any],
-                 prefix: str, step_names: bool = True) -> None:
+                 prefix: str, step_names: bool = True, direct: "Optional[PointToPoint[T]]" = None) -> None:
         grid = layout.grid
         self.layout, self.wire, self.rank = layout, wire, rank
         self.replica, self.index = grid.position(rank)
@@ -71,7 +72,8 @@ class PipelineStage(Generic[T]):
         everyone = sets[tuple(range(grid.replicas * grid.stages))]  # Horovod's global set
         self.pipeline_set = sets.get(tuple(self.pipeline_ranks), everyone)
         self.stage_process_set = sets.get(tuple(self.stage_ranks)) if grid.replicas > 1 else None
-        self.link = StageLink(wire, self.index, self.pipeline_ranks, rank, sets, prefix, layout.timeout, step_names)
+        self.link = StageLink(wire, self.index, self.pipeline_ranks, rank, sets, prefix, layout.timeout, step_names,
+                              direct)
         self.records = RecordBook()
         self._key: Any = None
 

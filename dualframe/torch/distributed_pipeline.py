@@ -22,7 +22,7 @@ from dualframe.stage_runner import StepRecord
 from dualframe.stage_setup import StageLayout, layout_pipeline
 from dualframe.topology import detect
 from dualframe.torch.collectives import hvd
-from dualframe.torch.pipeline_transport import TorchWire, process_sets
+from dualframe.torch.pipeline_transport import TorchWire, point_to_point, process_sets
 from dualframe.torch.pipeline_work import ActivationMeter, TorchStageWork
 
 _IDS = itertools.count()
@@ -81,7 +81,9 @@ class DistributedPipeline(StageView, nn.Module):
         sets = process_sets(pipeline_process_sets(layout.grid.replicas * layout.grid.stages, layout.grid.stages))
         j = layout.grid.position(int(hvd.rank()))[1]
         self.device = torch.device(layout.devices[j] if layout.devices else "cpu")
-        self.role = PipelineStage(layout, TorchWire(self.device), int(hvd.rank()), sets, f"dpipe{next(_IDS)}")
+        prefix = f"dpipe{next(_IDS)}"
+        self.direct = point_to_point(self.device, chunks, prefix)  # None: messages go as Horovod broadcasts
+        self.role = PipelineStage(layout, TorchWire(self.device), int(hvd.rank()), sets, prefix, direct=self.direct)
         items = list(module._modules.items())
         self.stage = nn.Sequential(OrderedDict(items[r] for r in layout.ranges[j])).to(self.device)
         self.meter = ActivationMeter(self.stage.parameters())

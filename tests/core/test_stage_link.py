@@ -2,7 +2,8 @@
 import pytest
 
 from dualframe.errors import DeviceError, StrategyError
-from dualframe.stage_link import decode_header, encode_header, wait_for
+from dualframe.stage_link import (TRANSPORT_VARIABLE, agree_transport, decode_header, encode_header, largest_tag,
+                                  message_tag, transport_choice, transport_votes, wait_for)
 from dualframe.stage_setup import PeerLostError, layout_pipeline
 
 
@@ -64,3 +65,30 @@ def test_one_stage_over_several_processes_is_refused_as_data_parallelism():
                                             r"\(balance: \[4\], processes: 2\); use DistributedOptimizer"):
         layout_pipeline(4, [4], chunks=2, world=2)
     assert layout_pipeline(4, [4], chunks=2, world=1).grid.replicas == 1
+
+
+def test_message_tags_are_distinct_per_micro_batch_and_kind():
+    tags = [message_tag(f"{kind}{i}") for i in range(5) for kind in "FB"] + [message_tag(f"F{i}", True) for i in range(5)]
+    assert len(set(tags)) == len(tags) and max(tags) == largest_tag(5)
+
+
+def test_transport_choice_reads_and_checks_the_variable():
+    assert transport_choice({}) == "auto"
+    assert transport_choice({TRANSPORT_VARIABLE: " MPI "}) == "mpi"
+    with pytest.raises(StrategyError, match=r"must be one of auto, mpi, horovod \(DUALFRAME_PIPELINE_TRANSPORT: 'nccl'\)"):
+        transport_choice({TRANSPORT_VARIABLE: "nccl"})
+
+
+def test_agree_transport_decides_alike_on_every_rank():
+    def sums(*ranks):  # each rank's (choice, what it lacks), summed as the allreduce does
+        votes = [transport_votes(choice, missing) for choice, missing in ranks]
+        return [sum(column) for column in zip(*votes)]
+
+    assert agree_transport(sums(("auto", None), ("auto", None)), 2, "auto", None) is True
+    lacking = sums(("auto", None), ("auto", "Horovod runs on Gloo"))
+    assert agree_transport(lacking, 2, "auto", None) is False  # one rank lacks it: nobody uses it
+    assert agree_transport(sums(("horovod", None), ("horovod", None)), 2, "horovod", None) is False
+    with pytest.raises(StrategyError, match=r"=mpi needs MPI point-to-point on every rank \(1 of 2 lack it; here: no"):
+        agree_transport(sums(("mpi", None), ("mpi", "no")), 2, "mpi", "no")
+    with pytest.raises(StrategyError, match=r"every rank must set the same DUALFRAME_PIPELINE_TRANSPORT"):
+        agree_transport(sums(("mpi", None), ("auto", None)), 2, "mpi", None)

@@ -1,5 +1,6 @@
 """DistributedPipeline on 2 processes (one stage each), GPipe and 1F1B, against one process training the whole model."""
 import copy
+import os
 
 import horovod.torch as horovod
 import pytest
@@ -135,5 +136,25 @@ def test_bad_batches_are_refused_on_every_rank():
 
 def test_mpi_waits_yield_the_core_unless_the_launch_said_otherwise():
     # dualframe.mpi_defaults, applied when dualframe.torch was imported, before hvd.init() started MPI.
-    import os
     assert os.environ.get("OMPI_MCA_mpi_yield_when_idle") == "1"
+
+
+def test_messages_go_over_mpi_point_to_point_exactly_when_the_job_runs_on_mpi():
+    # mpirun: Horovod on MPI, so activations and gradients go rank to rank (the training tests above
+    # ran that way); horovodrun --gloo: no MPI world, Horovod broadcasts.
+    pipe = DistributedPipeline(make_model(), [3, 2], chunks=2, loss_fn=nn.MSELoss())
+    gloo = "HOROVOD_GLOO_RENDEZVOUS_ADDR" in os.environ
+    assert horovod.mpi_enabled() is not gloo
+    assert (pipe.direct is not None) is not gloo
+
+
+def test_asking_for_mpi_point_to_point_where_there_is_none_is_refused_on_every_rank(monkeypatch):
+    monkeypatch.setenv("DUALFRAME_PIPELINE_TRANSPORT", "mpi")
+    if "HOROVOD_GLOO_RENDEZVOUS_ADDR" in os.environ:
+        with pytest.raises(StrategyError, match=r"=mpi needs MPI point-to-point on every rank \(2 of 2 lack it; "
+                                                r"here: Horovod runs on Gloo"):
+            DistributedPipeline(make_model(), [3, 2], chunks=2, loss_fn=nn.MSELoss())
+    else:
+        assert DistributedPipeline(make_model(), [3, 2], chunks=2, loss_fn=nn.MSELoss()).direct is not None
+    monkeypatch.setenv("DUALFRAME_PIPELINE_TRANSPORT", "horovod")
+    assert DistributedPipeline(make_model(), [3, 2], chunks=2, loss_fn=nn.MSELoss()).direct is None
