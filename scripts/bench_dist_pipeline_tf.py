@@ -7,7 +7,7 @@
 The same model family (blocks x (Dense(width), ReLU)), batch and method as the PyTorch script, the
 rounds and report lines from ``dualframe.bench_rounds``. Prints, from interleaved rounds (A B A B ...,
 median of the per-round ratios):
-  1. throughput of DistributedPipeline chunks=8 over chunks=1 (naive model parallelism);
+  1. throughput of DistributedPipeline chunks=8 over chunks=1 (naive model parallelism), GPipe and 1F1B;
   2. the measured bubble (idle share per stage, mean of both) against (n-1)/(m+n-1) for m = 1..16,
      with the step and computing seconds per stage (what micro-batching costs vs what waiting costs);
   3. per rank, the most micro-batch tapes alive at once, gpipe vs 1f1b (chunks=8), and the layer
@@ -88,12 +88,13 @@ def main() -> None:
     x = rng.randn(args.batch, args.width).astype("float32")
     y = rng.randn(args.batch, args.width).astype("float32")
     model = build_model(args.width, args.blocks)
-    configs = {"chunks=1": ours(model, 1)[1], "chunks=8": ours(model, 8)[1]}
+    configs = {"chunks=1": ours(model, 1)[1], "chunks=8": ours(model, 8)[1], "chunks=8 1f1b": ours(model, 8, "1f1b")[1]}
     for step in configs.values():  # warm-up: tracing of the message functions, shape headers
         step(x, y)
     times = interleaved({name: functools.partial(timed, step, x, y, args.steps) for name, step in configs.items()},
                         args.rounds)
-    report = [ratio_line("chunks=8 / chunks=1", times["chunks=1"], times["chunks=8"]), seconds_line(times)]
+    report = [ratio_line("chunks=8 / chunks=1", times["chunks=1"], times["chunks=8"]),
+              ratio_line("chunks=8 1f1b / chunks=1", times["chunks=1"], times["chunks=8 1f1b"]), seconds_line(times)]
     for m in (1, 2, 4, 8, 16):
         pipe, step = ours(model, m)
         for _ in range(args.steps + 1):

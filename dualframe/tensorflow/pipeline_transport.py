@@ -6,7 +6,8 @@ What moves, when, under which name, and how long a wait may last is the core's
 * Horovod's TF ops in eager mode block the caller and all carry their op type as Horovod's name,
   so two in flight at once collide ("a tensor with the same name ... is being processed"). Each
   message is therefore a small ``tf.function`` named after the message (traced once per name and
-  shape), run on its own daemon thread: sends return at once, receives are posted ahead.
+  shape), run on a daemon worker thread of its own (reused once idle): sends return at once,
+  receives are posted ahead.
 * A blocking op cannot be polled, so a wait is ``Event.wait(timeout)`` on that thread.
 
 Names carry no step number (``StageLink(step_names=False)``): a name comes back only after this
@@ -15,6 +16,7 @@ rank's previous op of that name finished (every step waits for its sends), which
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -40,8 +42,36 @@ def process_sets(needed: Sequence[Sequence[int]]) -> Dict[Tuple[int, ...], Any]:
     return resolve_process_sets(hvd, registry, needed)
 
 
+class _Workers:
+    """Daemon threads that run one blocking call each and then wait for the next: a thread is started only when none is idle.
+
+    Starting a thread per message made the caller wait until the new thread was scheduled, which on
+    a box whose cores are busy computing took milliseconds per message, on the pipeline's critical path.
+    """
+
+    def __init__(self) -> None:
+        self._idle: "queue.SimpleQueue[queue.SimpleQueue[Callable[[], None]]]" = queue.SimpleQueue()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        """Run ``job`` on an idle worker, or on a new one."""
+        try:
+            inbox = self._idle.get_nowait()
+        except queue.Empty:
+            inbox = queue.SimpleQueue()
+            threading.Thread(target=self._serve, args=(inbox,), daemon=True, name="dualframe-pipeline-op").start()
+        inbox.put(job)
+
+    def _serve(self, inbox: "queue.SimpleQueue[Callable[[], None]]") -> None:
+        while True:
+            inbox.get()()
+            self._idle.put(inbox)
+
+
+_WORKERS = _Workers()
+
+
 class Pending:
-    """One Horovod op running on its own daemon thread; ``done`` waits for it, bounded; ``result`` gives it.
+    """One Horovod op running on a worker thread of its own; ``done`` waits for it, bounded; ``result`` gives it.
 
     Example:
         >>> pending = Pending(lambda: 42)
@@ -53,7 +83,7 @@ class Pending:
         self._done = threading.Event()
         self._value: Any = None
         self._error: Optional[BaseException] = None
-        threading.Thread(target=self._run, args=(call,), daemon=True, name="dualframe-pipeline-op").start()
+        _WORKERS.submit(lambda: self._run(call))
 
     def _run(self, call: Callable[[], Any]) -> None:
         try:
