@@ -6,7 +6,8 @@
 Prints, from interleaved rounds (A B C A B C ..., median of the per-round ratios):
   1. throughput of DistributedPipeline chunks=8 over chunks=1 (naive model parallelism), and of
      torch.distributed.pipelining's ScheduleGPipe (8 micro-batches, gloo) over the same chunks=1,
-     and the two pipelines head to head (ScheduleGPipe seconds / DistributedPipeline seconds);
+     and the two pipelines head to head (ScheduleGPipe seconds / DistributedPipeline seconds); on MPI
+     also chunks=8 with its messages as Horovod broadcasts against MPI point-to-point (the default);
   2. the measured bubble (the pipeline's idle share: 1 - mean stage busy / longest stage step,
      ``dualframe.stage_runner.pipeline_bubble``) against (n-1)/(m+n-1) for m = 1..16;
   3. peak activation bytes per rank, gpipe vs 1f1b (chunks=8).
@@ -34,8 +35,10 @@ def build_model(width: int, blocks: int) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-def ours(model, chunks, schedule="gpipe"):
+def ours(model, chunks, schedule="gpipe", transport="auto"):
+    os.environ["DUALFRAME_PIPELINE_TRANSPORT"] = transport  # read when the pipeline is built
     pipe = DistributedPipeline(model, [len(model) // 2] * 2, chunks=chunks, schedule=schedule, loss_fn=nn.MSELoss())
+    os.environ.pop("DUALFRAME_PIPELINE_TRANSPORT")
     optimizer = torch.optim.SGD(pipe.parameters(), lr=1e-4)
 
     def step(x, y):
@@ -92,6 +95,8 @@ def main() -> None:
     x, y = torch.randn(args.batch, args.width), torch.randn(args.batch, args.width)
     model = build_model(args.width, args.blocks)
     configs = {"chunks=1": ours(model, 1)[1], "chunks=8": ours(model, 8)[1], "torch ScheduleGPipe m=8": torch_gpipe(model, 8)}
+    if ours(model, 8)[0].direct is not None:  # on MPI: the same pipeline with Horovod broadcasts, side by side
+        configs["chunks=8 Horovod broadcasts"] = ours(model, 8, transport="horovod")[1]
     for step in configs.values():  # warm-up: allocator, autograd, shape headers
         step(x, y)
     times = interleaved({name: functools.partial(timed, step, x, y, args.steps) for name, step in configs.items()},
@@ -99,6 +104,9 @@ def main() -> None:
     report = [ratio_line(f"{name} / chunks=1", times["chunks=1"], times[name])
               for name in ("chunks=8", "torch ScheduleGPipe m=8")]
     report.append(ratio_line("chunks=8 / torch ScheduleGPipe m=8", times["torch ScheduleGPipe m=8"], times["chunks=8"]))
+    if "chunks=8 Horovod broadcasts" in times:
+        report.append(ratio_line("chunks=8 MPI point-to-point / Horovod broadcasts", times["chunks=8 Horovod broadcasts"],
+                                 times["chunks=8"]))
     report.append(seconds_line(times))
     for m in (1, 2, 4, 8, 16):
         pipe, step = ours(model, m)
