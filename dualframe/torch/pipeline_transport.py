@@ -7,17 +7,17 @@ What moves, when, under which name, and how long a wait may last is the core's
 """
 from __future__ import annotations
 
-import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from dualframe.errors import StrategyError
-from dualframe.stage_link import Shape, agree_transport, largest_tag, transport_choice, transport_votes
+from dualframe.mpi_direct import MPIDirect, open_direct, poll
+from dualframe.stage_link import Shape
 from dualframe.stage_setup import DTYPE_NAMES, PeerLostError, resolve_process_sets
 from dualframe.torch.collectives import hvd
 
-__all__ = ["DTYPES", "PeerLostError", "TorchMPI", "TorchWire", "dtype_code", "point_to_point", "process_sets"]
+__all__ = ["DTYPES", "PeerLostError", "TorchWire", "dtype_code", "point_to_point", "process_sets"]
 
 #: dtypes a message may carry, by code (``dualframe.stage_setup.DTYPE_NAMES``).
 DTYPES = tuple(getattr(torch, name) for name in DTYPE_NAMES)
@@ -70,7 +70,7 @@ class TorchWire:
                                    process_set=process_set)
 
     def done(self, handle: Any, timeout: float) -> bool:
-        return _poll(lambda: hvd.poll(handle), timeout)
+        return poll(lambda: hvd.poll(handle), timeout)
 
     def result(self, handle: Any) -> torch.Tensor:
         return hvd.synchronize(handle)
@@ -79,85 +79,22 @@ class TorchWire:
         return str(error) if isinstance(error, hvd.HorovodInternalError) else None
 
 
-def _poll(finished: Any, timeout: float) -> bool:
-    """Call ``finished()`` until it is true, sleeping at most 0.2 ms between calls; False after ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    pause = 0.0
-    while not finished():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(pause)
-        pause = min(0.0002, pause + 0.00005)
-    return True
 
-
-def _bytes(tensor: torch.Tensor) -> Any:
+def _byte_view(tensor: torch.Tensor) -> Any:
     # A flat byte view: MPI moves any dtype (bfloat16 included, which numpy lacks) without a copy.
-    return tensor.reshape(-1).view(torch.uint8).numpy()
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
-class TorchMPI:
-    """MPI's nonblocking send and receive of CPU tensors on a communicator of their own (the core's ``PointToPoint``).
+def point_to_point(device: torch.device, chunks: int, name: str) -> Optional[MPIDirect[torch.Tensor]]:
+    """MPI point-to-point for a pipeline when every rank has it (``dualframe.mpi_direct.open_direct``); else None.
 
-    Example:
-        >>> direct = point_to_point(torch.device("cpu"), chunks=8, name="dpipe0")   # doctest: +SKIP
-        >>> handle = direct.send(x, dest=1, tag=0); direct.done(handle, timeout=5.0)  # doctest: +SKIP
-    """
-
-    def __init__(self, comm: Any) -> None:
-        self.comm = comm
-
-    def send(self, tensor: torch.Tensor, dest: int, tag: int) -> Any:
-        data = tensor.detach().contiguous()
-        return self.comm.Isend(_bytes(data), dest=dest, tag=tag), data  # the tensor lives as long as the request
-
-    def receive(self, buffer: torch.Tensor, source: int, tag: int) -> Any:
-        return self.comm.Irecv(_bytes(buffer), source=source, tag=tag), buffer
-
-    def done(self, handle: Any, timeout: float) -> bool:
-        return _poll(handle[0].Test, timeout)
-
-    def result(self, handle: Any) -> torch.Tensor:
-        return handle[1]
-
-    def stopped(self, error: BaseException) -> Optional[str]:
-        return None  # MPI's errors abort the job (MPI_ERRORS_ARE_FATAL): nothing here to explain
-
-
-def _mpi_missing(device: torch.device, chunks: int) -> Optional[str]:
-    """Why this rank cannot send pipeline messages over MPI point-to-point; None when it can."""
-    if device.type != "cpu":
-        return f"the stage is on {device} (MPI moves CPU tensors here; GPU tensors go through Horovod)"
-    if not hvd.mpi_enabled():
-        return "Horovod runs on Gloo, not MPI (horovodrun --gloo)"
-    try:
-        from mpi4py import MPI
-    except ImportError:
-        return "mpi4py is not installed"
-    if MPI.Query_thread() != MPI.THREAD_MULTIPLE:
-        return "MPI was started without MPI_THREAD_MULTIPLE (Horovod's thread uses MPI too)"
-    world = MPI.COMM_WORLD
-    if (world.Get_rank(), world.Get_size()) != (int(hvd.rank()), int(hvd.size())):
-        return "Horovod's ranks are not MPI_COMM_WORLD's (hvd.init(comm=...))"
-    if int(world.Get_attr(MPI.TAG_UB) or 0) < largest_tag(chunks):
-        return f"MPI's largest tag is below {largest_tag(chunks)} (chunks: {chunks})"
-    return None
-
-
-def point_to_point(device: torch.device, chunks: int, name: str) -> Optional[TorchMPI]:
-    """MPI point-to-point for a pipeline when every rank has it (``DUALFRAME_PIPELINE_TRANSPORT``); else None.
-
-    A collective over every rank (one small allreduce, then MPI_Comm_dup): call it on all of them.
+    A collective over every rank: call it on all of them.
 
     Raises:
         StrategyError: a bad or uneven ``DUALFRAME_PIPELINE_TRANSPORT``, or "mpi" where MPI cannot carry it.
     """
-    choice = transport_choice()
-    missing = None if choice == "horovod" else _mpi_missing(device, chunks)
-    votes = torch.tensor(transport_votes(choice, missing), dtype=torch.int64)
-    sums = hvd.allreduce(votes, op=hvd.Sum, name=f"{name}.transport").tolist()
-    if not agree_transport(sums, int(hvd.size()), choice, missing):
-        return None
-    from mpi4py import MPI
+    def vote(votes: List[int]) -> List[int]:
+        return hvd.allreduce(torch.tensor(votes, dtype=torch.int64), op=hvd.Sum, name=f"{name}.transport").tolist()
 
-    return TorchMPI(MPI.COMM_WORLD.Dup())
+    return open_direct("" if device.type == "cpu" else str(device), bool(hvd.mpi_enabled()), int(hvd.rank()),
+                       int(hvd.size()), chunks, vote, _byte_view, lambda buffer: (_byte_view(buffer), lambda: buffer))
