@@ -20,7 +20,7 @@ from dualframe.stage_process import PipelineStage, StageView
 from dualframe.stage_runner import StepRecord
 from dualframe.stage_setup import layout_pipeline
 from dualframe.tensorflow.collectives import hvd
-from dualframe.tensorflow.pipeline_transport import TFWire, process_sets
+from dualframe.tensorflow.pipeline_transport import TFWire, point_to_point, process_sets
 from dualframe.tensorflow.pipeline_work import StageFunctions, TFStageWork, fusable
 from dualframe.topology import detect
 
@@ -91,10 +91,12 @@ class DistributedPipeline(StageView):
         self.loss_fn, self.timeout = loss_fn, timeout
         # From here on, Horovod: every argument above is checked on every rank.
         sets = process_sets(pipeline_process_sets(layout.grid.replicas * layout.grid.stages, layout.grid.stages))
-        # Names without step numbers: each is a traced tf.function (see pipeline_transport).
-        self.role = PipelineStage(layout, TFWire(), int(hvd.rank()), sets, f"dpipe{next(_IDS)}", step_names=False)
-        j = self.role.index
+        prefix = f"dpipe{next(_IDS)}"
+        j = layout.grid.position(int(hvd.rank()))[1]
         self.device = layout.devices[j] if layout.devices else None
+        self.direct = point_to_point(self.device, chunks, prefix)  # None: messages go as Horovod broadcasts
+        # Names without step numbers: each is a traced tf.function (see pipeline_transport).
+        self.role = PipelineStage(layout, TFWire(), int(hvd.rank()), sets, prefix, step_names=False, direct=self.direct)
         self.layer_indices = layout.ranges[j]
         self.layers = [all_layers[index] for index in layout.ranges[j]]
         self._all_layers = all_layers

@@ -1,4 +1,5 @@
-"""The TensorFlow calls a pipeline link needs (the core's ``Wire``): tensors and Horovod broadcasts and allreduces on threads.
+"""The TensorFlow calls a pipeline link needs: tensors, Horovod broadcasts and allreduces on threads (the core's ``Wire``),
+and MPI point-to-point through mpi4py when the job runs on MPI (the core's ``PointToPoint``, ``point_to_point``).
 
 What moves, when, under which name, and how long a wait may last is the core's
 (``dualframe.stage_link``), the same as torch's. Two TensorFlow facts are worked around here:
@@ -20,8 +21,10 @@ import queue
 import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import tensorflow as tf
 
+from dualframe.mpi_direct import MPIDirect, open_direct
 from dualframe.stage_link import Shape
 from dualframe.stage_setup import DTYPE_NAMES, dtype_code, resolve_process_sets
 from dualframe.tensorflow.collectives import hvd
@@ -181,3 +184,31 @@ class TFWire:
         if not isinstance(error, tf.errors.OpError):
             return None
         return (error.message.strip().splitlines() or [""])[0]
+
+
+def _byte_view(tensor: tf.Tensor) -> Any:
+    # A flat byte view of the host copy: MPI moves any dtype (bfloat16 included) as bytes.
+    return np.ascontiguousarray(tensor.numpy()).reshape(-1).view(np.uint8)
+
+
+def _receive_into(buffer: tf.Tensor) -> Tuple[Any, Callable[[], tf.Tensor]]:
+    # A fresh host array of the buffer's shape and dtype for MPI to write (a TF tensor's memory is not ours to write).
+    array = np.empty(tuple(buffer.shape), buffer.dtype.as_numpy_dtype)
+    return array.reshape(-1).view(np.uint8), lambda: tf.convert_to_tensor(array)
+
+
+def point_to_point(device: Optional[str], chunks: int, name: str) -> Optional[MPIDirect[tf.Tensor]]:
+    """MPI point-to-point for a pipeline when every rank has it (``dualframe.mpi_direct.open_direct``); else None.
+
+    A collective over every rank: call it on all of them.
+
+    Raises:
+        StrategyError: a bad or uneven ``DUALFRAME_PIPELINE_TRANSPORT``, or "mpi" where MPI cannot carry it.
+    """
+    def vote(votes: List[int]) -> List[int]:
+        total = hvd.allreduce(tf.constant(votes, tf.int64), op=hvd.Sum, name=f"{name}.transport")
+        return [int(v) for v in total.numpy()]
+
+    on_cpu = "" if device is None or (tf.DeviceSpec.from_string(device).device_type or "CPU").upper() == "CPU" else device
+    return open_direct(on_cpu, bool(hvd.mpi_enabled()), int(hvd.rank()), int(hvd.size()), chunks, vote,
+                       _byte_view, _receive_into)

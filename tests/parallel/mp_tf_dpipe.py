@@ -1,6 +1,9 @@
 """TensorFlow DistributedPipeline on 2 processes (one stage each), GPipe and 1F1B, against one process training the whole model.
 # timeout: 400
 """
+import os
+
+import horovod.tensorflow as horovod
 import keras
 import numpy as np
 import pytest
@@ -110,3 +113,22 @@ def test_bad_batches_are_refused_on_every_rank():
         pipe.train_step(rng.randn(8, 6).astype("float32"), rng.randn(6, 3).astype("float32"))
     # After refusing, the pipeline still trains.
     assert pipe.train_step(rng.randn(8, 6).astype("float32"), rng.randn(8, 3).astype("float32")) > 0
+
+
+def test_messages_go_over_mpi_point_to_point_exactly_when_the_job_runs_on_mpi(monkeypatch):
+    # mpirun: Horovod on MPI, so activations and gradients go rank to rank over mpi4py (the training
+    # tests above ran that way); horovodrun --gloo: no MPI world, Horovod broadcasts.
+    gloo = "HOROVOD_GLOO_RENDEZVOUS_ADDR" in os.environ
+    assert horovod.mpi_enabled() is not gloo
+    assert (DistributedPipeline(make_model(), [3, 2], chunks=2, loss_fn="mse").direct is not None) is not gloo
+    monkeypatch.setenv("DUALFRAME_PIPELINE_TRANSPORT", "mpi")
+    if gloo:
+        with pytest.raises(StrategyError, match=r"=mpi needs MPI point-to-point on every rank \(2 of 2 lack it; "
+                                                r"here: Horovod runs on Gloo"):
+            DistributedPipeline(make_model(), [3, 2], chunks=2, loss_fn="mse")
+    monkeypatch.setenv("DUALFRAME_PIPELINE_TRANSPORT", "horovod")
+    pipe = DistributedPipeline(make_model(), [3, 2], chunks=2, schedule="1f1b", loss_fn="mse")
+    assert pipe.direct is None
+    # Horovod broadcasts under mpirun too: one step still equals one process.
+    x, y = batches()[0]
+    assert pipe.train_step(x, y) == pytest.approx(reference([(x, y)])[0][0], abs=1e-5)
