@@ -10,9 +10,10 @@ median of the per-round ratios):
   1. throughput of DistributedPipeline chunks=8 over chunks=1 (naive model parallelism), GPipe and 1F1B;
   2. the measured bubble (idle share per stage, mean of both) against (n-1)/(m+n-1) for m = 1..16,
      with the step and computing seconds per stage (what micro-batching costs vs what waiting costs);
-  3. per rank, the most micro-batch tapes alive at once, gpipe vs 1f1b (chunks=8), and the layer
-     outputs they hold (computed: tapes x rows x width x 4 bytes x layers of the stage; Keras on a
-     CPU has no allocator statistics to read).
+  3. per rank, the most micro-batches held at once (tapes; on the last stage, a micro-batch run in
+     one compiled call holds only its input's gradient), gpipe vs 1f1b (chunks=8), and at most the
+     layer outputs they hold (computed: held x rows x width x 4 bytes x layers of the stage; Keras
+     on a CPU has no allocator statistics to read).
 """
 import argparse
 import functools
@@ -69,8 +70,8 @@ def memory_line(model, schedule, x, y, chunks, width):
     rows = -(-len(x) // chunks)
     mib = pipe.peak_live * rows * width * 4 * len(pipe.layers) / 2**20
     peaks = hvd.allgather_object((pipe.peak_live, mib))
-    return (f"peak tapes alive per rank, {schedule}, chunks={chunks}: "
-            + ", ".join(f"rank {r} {tapes} ({m:.1f} MiB of layer outputs)" for r, (tapes, m) in enumerate(peaks)))
+    return (f"peak micro-batches held per rank, {schedule}, chunks={chunks}: "
+            + ", ".join(f"rank {r} {held} (at most {m:.1f} MiB of layer outputs)" for r, (held, m) in enumerate(peaks)))
 
 
 def main() -> None:
@@ -88,7 +89,9 @@ def main() -> None:
     x = rng.randn(args.batch, args.width).astype("float32")
     y = rng.randn(args.batch, args.width).astype("float32")
     model = build_model(args.width, args.blocks)
-    configs = {"chunks=1": ours(model, 1)[1], "chunks=8": ours(model, 8)[1], "chunks=8 1f1b": ours(model, 8, "1f1b")[1]}
+    naive, naive_step = ours(model, 1)
+    transport = "MPI point-to-point" if naive.direct is not None else "Horovod broadcasts"
+    configs = {"chunks=1": naive_step, "chunks=8": ours(model, 8)[1], "chunks=8 1f1b": ours(model, 8, "1f1b")[1]}
     for step in configs.values():  # warm-up: tracing of the message functions, shape headers
         step(x, y)
     times = interleaved({name: functools.partial(timed, step, x, y, args.steps) for name, step in configs.items()},
@@ -106,7 +109,7 @@ def main() -> None:
     report += [memory_line(model, schedule, x, y, 8, args.width) for schedule in ("gpipe", "1f1b")]
     if hvd.rank() == 0:
         print(f"Keras {keras.__version__}: {args.blocks} x (Dense({args.width}), ReLU), batch {args.batch}, 2 stages, "
-              f"1 thread per process, {args.rounds} rounds of {args.steps} steps")
+              f"1 thread per process, {args.rounds} rounds of {args.steps} steps, messages as {transport}")
         print("\n".join(report), flush=True)
 
 
