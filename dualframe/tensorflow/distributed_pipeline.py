@@ -16,7 +16,7 @@ import tensorflow as tf
 
 from dualframe.errors import StrategyError
 from dualframe.rank_schedule import Action, pipeline_process_sets
-from dualframe.stage_process import PipelineStage, StageView
+from dualframe.stage_process import PipelineStage, StageView, timing_report
 from dualframe.stage_runner import StepRecord
 from dualframe.stage_setup import layout_pipeline
 from dualframe.tensorflow.collectives import hvd
@@ -185,5 +185,8 @@ class DistributedPipeline(StageView):
         return tf.concat(work.outputs, axis=0) if self.is_last else None
 
     def timings(self) -> List[str]:
-        """Every rank's ``timing()`` line, in rank order, on every rank (a collective: call it on all)."""
-        return list(hvd.allgather_object(self.timing(), name=f"{self.role.link.prefix}.timings"))
+        """Every rank's ``timing()`` line in rank order, then each replica's pipeline bubble, on every rank.
+
+        A collective: call it on every rank.
+        """
+        return timing_report(hvd.allgather_object(self.timing_facts(), name=f"{self.role.link.prefix}.timings"))
