@@ -8,7 +8,8 @@ The same model family (blocks x (Dense(width), ReLU)), batch and method as the P
 rounds and report lines from ``dualframe.bench_rounds``. Prints, from interleaved rounds (A B A B ...,
 median of the per-round ratios):
   1. throughput of DistributedPipeline chunks=8 over chunks=1 (naive model parallelism), GPipe and 1F1B;
-  2. the measured bubble (idle share per stage, mean of both) against (n-1)/(m+n-1) for m = 1..16,
+  2. the measured bubble (the pipeline's: 1 - mean stage busy / longest stage step,
+     ``dualframe.stage_runner.pipeline_bubble``) against (n-1)/(m+n-1) for m = 1..16,
      with the step and computing seconds per stage (what micro-batching costs vs what waiting costs);
   3. per rank, the most micro-batches held at once (tapes; on the last stage, a micro-batch run in
      one compiled call holds only its input's gradient), gpipe vs 1f1b (chunks=8), and at most the
@@ -32,6 +33,7 @@ import numpy as np  # noqa: E402
 
 import dualframe.tensorflow as hvd  # noqa: E402
 from dualframe.bench_rounds import bubble_line, interleaved, ratio_line, seconds_line  # noqa: E402
+from dualframe.stage_runner import pipeline_bubble  # noqa: E402
 from dualframe.tensorflow.distributed_pipeline import DistributedPipeline  # noqa: E402
 
 
@@ -103,9 +105,9 @@ def main() -> None:
         for _ in range(args.steps + 1):
             step(x, y)
         book = pipe.records
-        bubbles, walls, busy = zip(*hvd.allgather_object((book.mean_bubble(), book.mean_wall(), book.mean_busy())))
-        report.append(bubble_line(m, statistics.mean(bubbles))
-                      + f"; step {statistics.mean(walls):.3f} s, computing {statistics.mean(busy):.3f} s per stage")
+        walls, busy = zip(*hvd.allgather_object((book.mean_wall(), book.mean_busy())))
+        report.append(bubble_line(m, pipeline_bubble(busy, walls))
+                      + f"; step {max(walls):.3f} s, computing {statistics.mean(busy):.3f} s per stage")
     report += [memory_line(model, schedule, x, y, 8, args.width) for schedule in ("gpipe", "1f1b")]
     if hvd.rank() == 0:
         print(f"Keras {keras.__version__}: {args.blocks} x (Dense({args.width}), ReLU), batch {args.batch}, 2 stages, "
