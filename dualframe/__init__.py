@@ -15,10 +15,16 @@ from dualframe.errors import (
     StrategyError,
     TopologyError,
 )
-from dualframe.microbatch import micro_batch_offsets, micro_batch_sizes
-from dualframe.partition import balance_by_cost, partition_ranges, validate_balance
+from dualframe import _moved
+# strategies: what to spread and how
 from dualframe.strategy import DataParallel, Hybrid, ModelParallel, Pipeline, RankGrid, Strategy
-from dualframe.topology import Topology, detect as detect_topology
+# pipelines: partitions and micro-batches
+from dualframe.pipeline.microbatch import micro_batch_offsets, micro_batch_sizes
+from dualframe.pipeline.partition import balance_by_cost, partition_ranges, validate_balance
+# launching: where this process stands
+from dualframe.launch.topology import Topology, detect as detect_topology
+
+_moved.install()
 
 __version__ = "0.1.0"
 

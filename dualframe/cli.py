@@ -13,9 +13,9 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
     doctor.add_argument("--require", action="append", default=[], choices=("torch", "tensorflow"),
                         help="fail unless this framework works with Horovod (repeatable)")
-    from dualframe.charts import add_arguments as add_timeline_arguments
+    from dualframe.observe.charts import add_arguments as add_timeline_arguments
     from dualframe.plan.cli import add_arguments as add_plan_arguments
-    from dualframe.run import add_arguments as add_run_arguments
+    from dualframe.launch.run import add_arguments as add_run_arguments
 
     add_plan_arguments(sub.add_parser("plan", help="estimate memory per device and recommend a strategy for a model"))
     add_run_arguments(sub.add_parser("run", help="start a script on N processes with horovodrun, mpirun or srun"))
@@ -27,7 +27,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     """Entry point of the ``dualframe`` console script."""
     args = build_parser().parse_args(argv)
     if args.command == "doctor":
-        from dualframe import doctor
+        from dualframe.launch import doctor
 
         return doctor.main(as_json=args.json, required=args.require)
     if args.command == "plan":
@@ -35,11 +35,11 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         return plan_main(args)
     if args.command == "run":
-        from dualframe.run import main_from_args
+        from dualframe.launch.run import main_from_args
 
         return main_from_args(args)
     if args.command == "timeline":
-        from dualframe.charts import main as timeline_main
+        from dualframe.observe.charts import main as timeline_main
 
         return timeline_main(args)
     raise AssertionError(f"unhandled command {args.command}")

@@ -5,8 +5,8 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple, Union
 
 from dualframe.errors import DeviceError, ScheduleError, StrategyError
-from dualframe.microbatch import validate_chunks
-from dualframe.partition import validate_balance
+from dualframe.pipeline.microbatch import validate_chunks
+from dualframe.pipeline.partition import validate_balance
 
 #: Reduction ops, by the names Horovod uses (``hvd.Average`` ...), lower-cased.
 REDUCE_OPS = ("average", "sum", "adasum", "min", "max", "product")

@@ -9,7 +9,7 @@ Prints, from interleaved rounds (A B C A B C ..., median of the per-round ratios
      and the two pipelines head to head (ScheduleGPipe seconds / DistributedPipeline seconds); on MPI
      also chunks=8 with its messages as Horovod broadcasts against MPI point-to-point (the default);
   2. the measured bubble (the pipeline's idle share: 1 - mean stage busy / longest stage step,
-     ``dualframe.stage_runner.pipeline_bubble``) against (n-1)/(m+n-1) for m = 1..16;
+     ``dualframe.pipeline.walk.pipeline_bubble``) against (n-1)/(m+n-1) for m = 1..16;
   3. peak activation bytes per rank, gpipe vs 1f1b (chunks=8).
 """
 import argparse
@@ -22,8 +22,8 @@ from torch import nn
 
 import dualframe
 import dualframe.torch as hvd
-from dualframe.bench_rounds import bubble_line, interleaved, ratio_line, seconds_line
-from dualframe.stage_runner import pipeline_bubble
+from dualframe.observe.bench_rounds import bubble_line, interleaved, ratio_line, seconds_line
+from dualframe.pipeline.walk import pipeline_bubble
 from dualframe.torch.distributed_pipeline import DistributedPipeline
 
 

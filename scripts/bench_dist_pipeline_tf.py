@@ -5,11 +5,11 @@
         .venv/bin/python scripts/bench_dist_pipeline_tf.py
 
 The same model family (blocks x (Dense(width), ReLU)), batch and method as the PyTorch script, the
-rounds and report lines from ``dualframe.bench_rounds``. Prints, from interleaved rounds (A B A B ...,
+rounds and report lines from ``dualframe.observe.bench_rounds``. Prints, from interleaved rounds (A B A B ...,
 median of the per-round ratios):
   1. throughput of DistributedPipeline chunks=8 over chunks=1 (naive model parallelism), GPipe and 1F1B;
   2. the measured bubble (the pipeline's: 1 - mean stage busy / longest stage step,
-     ``dualframe.stage_runner.pipeline_bubble``) against (n-1)/(m+n-1) for m = 1..16,
+     ``dualframe.pipeline.walk.pipeline_bubble``) against (n-1)/(m+n-1) for m = 1..16,
      with the step and computing seconds per stage (what micro-batching costs vs what waiting costs);
   3. per rank, the most micro-batches held at once (tapes; on the last stage, a micro-batch run in
      one compiled call holds only its input's gradient), gpipe vs 1f1b (chunks=8), and at most the
@@ -32,8 +32,8 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import dualframe.tensorflow as hvd  # noqa: E402
-from dualframe.bench_rounds import bubble_line, interleaved, ratio_line, seconds_line  # noqa: E402
-from dualframe.stage_runner import pipeline_bubble  # noqa: E402
+from dualframe.observe.bench_rounds import bubble_line, interleaved, ratio_line, seconds_line  # noqa: E402
+from dualframe.pipeline.walk import pipeline_bubble  # noqa: E402
 from dualframe.tensorflow.distributed_pipeline import DistributedPipeline  # noqa: E402
 
 

@@ -24,7 +24,7 @@ from torch import nn  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import dualframe.torch as hvd  # noqa: E402
-from dualframe.timeline import bubble_fraction, theoretical_bubble  # noqa: E402
+from dualframe.observe.timeline import bubble_fraction, theoretical_bubble  # noqa: E402
 
 
 def mlp(width: int, depth: int) -> nn.Sequential:

@@ -26,7 +26,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from dualframe.launch import mpirun_command, thread_env  # noqa: E402
+from dualframe.launch.commands import mpirun_command, thread_env  # noqa: E402
 
 
 def overhead(rounds: int, steps: int) -> None:

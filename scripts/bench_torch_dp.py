@@ -28,8 +28,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "torch_examples"))
 
-from dualframe.launch import horovodrun_command, mpirun_command, thread_env  # noqa: E402
-from dualframe.topology import detect  # noqa: E402
+from dualframe.launch.commands import horovodrun_command, mpirun_command, thread_env  # noqa: E402
+from dualframe.launch.topology import detect  # noqa: E402
 
 MODEL = "mlp"  # 6.3M parameters, the model the Horovod figures were measured on
 

@@ -21,7 +21,7 @@ mkdir -p "$OUT"
 
 say() { echo; echo "################ $*"; "$@"; }
 
-MODEL=tests/core/plan_models/torch_models.py:transformer
+MODEL=tests/core/plan/plan_models/torch_models.py:transformer
 say dualframe plan "$MODEL" --input-shape 64 --input-dtype int64 --batch-size 32
 say dualframe plan "$MODEL" --input-shape 64 --input-dtype int64 --batch-size 8 \
   --memory-per-device 6MiB --devices-per-node 4 || true   # exit 1 would mean "nothing fits"

@@ -11,7 +11,7 @@ import numpy as np
 
 import dualframe
 import dualframe.tensorflow as hvd
-from dualframe.rank_schedule import bubble_fraction, clock_table, pipeline_process_sets, rank_schedule
+from dualframe.pipeline.schedule import bubble_fraction, clock_table, pipeline_process_sets, rank_schedule
 
 STAGES = 2
 

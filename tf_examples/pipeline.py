@@ -14,7 +14,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import dualframe.tensorflow as hvd  # noqa: E402
-from dualframe.timeline import report  # noqa: E402
+from dualframe.observe.timeline import report  # noqa: E402
 
 
 def devices_from(args: argparse.Namespace) -> list:

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import dualframe.torch as hvd
-from dualframe.timeline import report
+from dualframe.observe.timeline import report
 
 
 def build(width: int, depth: int) -> nn.Sequential:

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import dualframe.torch as hvd
-from dualframe.rank_schedule import bubble_fraction, clock_table, rank_schedule
+from dualframe.pipeline.schedule import bubble_fraction, clock_table, rank_schedule
 
 
 def build_model(width: int, blocks: int) -> nn.Sequential:

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
-from dualframe.partition import balance_by_cost, partition_ranges
+from dualframe.pipeline.partition import balance_by_cost, partition_ranges
 from dualframe.plan.hardware import Hardware, format_bytes
 from dualframe.plan.memory import Memory, Training, best_segments, group_memory, layer_costs
 from dualframe.plan.profile import ModelProfile

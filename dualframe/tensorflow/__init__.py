@@ -93,7 +93,7 @@ from dualframe.tensorflow.pipeline import Pipeline  # noqa: E402
 __all__ += ["ModelParallel", "Pipeline", "logical_cpus", "balance_by_size", "balance_by_time"]
 
 # Pipelines whose stages are processes (issue 6).
-from dualframe.stage_setup import PeerLostError  # noqa: E402
+from dualframe.pipeline.layout import PeerLostError  # noqa: E402
 from dualframe.tensorflow.distributed_pipeline import DistributedPipeline  # noqa: E402
 
 __all__ += ["DistributedPipeline", "PeerLostError"]

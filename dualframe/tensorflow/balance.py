@@ -8,7 +8,7 @@ from typing import List, Sequence
 import keras
 import tensorflow as tf
 
-from dualframe.partition import balance_by_cost
+from dualframe.pipeline.partition import balance_by_cost
 
 
 def balance_by_size(layers: Sequence[keras.layers.Layer], partitions: int) -> List[int]:

@@ -113,9 +113,9 @@ class TFCaster:
 collectives = TFCollectives()
 
 # Under a launcher, a rank that fails or stalls ends the whole job, naming itself and the cause.
-from dualframe import failure as _failure  # noqa: E402
-from dualframe import mpi_defaults as _mpi_defaults  # noqa: E402
+from dualframe.reliability import failure as _failure  # noqa: E402
+from dualframe.launch import mpi_defaults as _mpi_defaults  # noqa: E402
 
 _failure.install()
-# Before hvd.init() starts MPI: waits that give the core away (dualframe.mpi_defaults).
+# Before hvd.init() starts MPI: waits that give the core away (dualframe.launch.mpi_defaults).
 _mpi_defaults.apply()

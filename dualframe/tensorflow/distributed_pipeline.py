@@ -1,8 +1,8 @@
 """DistributedPipeline for TensorFlow/Keras 3: a list of layers split over processes, one stage per rank, GPipe or 1F1B.
 
 The TensorFlow twin of ``dualframe.torch.DistributedPipeline``, built on the same core: arguments
-checked by ``dualframe.stage_setup``, per-rank action lists from ``dualframe.rank_schedule``, the
-walk, timing and per-step agreement from ``dualframe.stage_runner``. The framework parts are the
+checked by ``dualframe.pipeline.layout``, per-rank action lists from ``dualframe.pipeline.schedule``, the
+walk, timing and per-step agreement from ``dualframe.pipeline.walk``. The framework parts are the
 stage's GradientTape work (``pipeline_work``) and the Horovod transport (``pipeline_transport``).
 """
 from __future__ import annotations
@@ -15,14 +15,14 @@ import numpy as np
 import tensorflow as tf
 
 from dualframe.errors import StrategyError
-from dualframe.rank_schedule import Action, pipeline_process_sets
-from dualframe.stage_process import PipelineStage, StageView, timing_report
-from dualframe.stage_runner import StepRecord
-from dualframe.stage_setup import layout_pipeline
+from dualframe.pipeline.schedule import Action, pipeline_process_sets
+from dualframe.pipeline.stage import PipelineStage, StageView, timing_report
+from dualframe.pipeline.walk import StepRecord
+from dualframe.pipeline.layout import layout_pipeline
 from dualframe.tensorflow.collectives import hvd
 from dualframe.tensorflow.pipeline_transport import TFWire, point_to_point, process_sets
 from dualframe.tensorflow.pipeline_work import StageFunctions, TFStageWork, fusable
-from dualframe.topology import detect
+from dualframe.launch.topology import detect
 
 _IDS = itertools.count()
 

@@ -2,7 +2,7 @@
 
 Horovod's TensorFlow collectives are graph ops: inside ``tf.function`` or Keras ``fit`` the wait on the
 other ranks happens in C++, where no Python wrapper can time it. What can be timed is the Python call
-that runs the graph, so dualframe bounds, by ``DUALFRAME_STALL_TIMEOUT`` seconds (``dualframe.failure``):
+that runs the graph, so dualframe bounds, by ``DUALFRAME_STALL_TIMEOUT`` seconds (``dualframe.reliability.failure``):
 
 * every eager dualframe.tensorflow collective (``allreduce`` ... ``barrier``, ``broadcast_variables``,
   ``DistributedGradientTape.gradient`` run eagerly, checkpoint saves and loads): :func:`eager_guard`;
@@ -19,8 +19,8 @@ from typing import Any, ContextManager, Dict, Optional
 import keras
 import tensorflow as tf
 
-from dualframe import failure
-from dualframe.failure import Watchdog
+from dualframe.reliability import failure
+from dualframe.reliability.failure import Watchdog
 
 
 def stall_guard(what: str = "a training step") -> ContextManager[None]:

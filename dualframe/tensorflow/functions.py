@@ -5,7 +5,7 @@ from typing import Any, List, Optional, Sequence
 
 import tensorflow as tf
 
-from dualframe.dp_checks import check_compression, check_root_rank, op_name
+from dualframe.dp.checks import check_compression, check_root_rank, op_name
 from dualframe.tensorflow.collectives import OPS, check_initialized, hvd
 from dualframe.tensorflow.failure import eager_guard
 from dualframe.tensorflow.gradients import Compression

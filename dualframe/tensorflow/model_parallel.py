@@ -9,10 +9,10 @@ import keras
 import tensorflow as tf
 
 from dualframe.errors import ChunksError, DeviceError
-from dualframe.microbatch import micro_batch_sizes
-from dualframe.schedule import RecordFn, cached_ticks, run_ticks
-from dualframe.split import SplitPlan, plan_split
-from dualframe.timeline import Recording
+from dualframe.pipeline.microbatch import micro_batch_sizes
+from dualframe.pipeline.clock import RecordFn, cached_ticks, run_ticks
+from dualframe.pipeline.split import SplitPlan, plan_split
+from dualframe.observe.timeline import Recording
 
 _NAME = re.compile(r"^/?(?:.*device:)?(cpu|gpu|tpu)(?::(\d+))?$", re.IGNORECASE)
 HINT = ("; more CPU devices for testing: dualframe.tensorflow.logical_cpus(n) before TensorFlow runs any op")

@@ -2,7 +2,7 @@
 and MPI point-to-point through mpi4py when the job runs on MPI (the core's ``PointToPoint``, ``point_to_point``).
 
 What moves, when, under which name, and how long a wait may last is the core's
-(``dualframe.stage_link``), the same as torch's. Two TensorFlow facts are worked around here:
+(``dualframe.pipeline.link``), the same as torch's. Two TensorFlow facts are worked around here:
 
 * Horovod's TF ops in eager mode block the caller and all carry their op type as Horovod's name,
   so two in flight at once collide ("a tensor with the same name ... is being processed"). Each
@@ -24,9 +24,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import tensorflow as tf
 
-from dualframe.mpi_direct import MPIDirect, open_direct
-from dualframe.stage_link import Shape
-from dualframe.stage_setup import DTYPE_NAMES, dtype_code, resolve_process_sets
+from dualframe.pipeline.mpi_direct import MPIDirect, open_direct
+from dualframe.pipeline.link import Shape
+from dualframe.pipeline.layout import DTYPE_NAMES, dtype_code, resolve_process_sets
 from dualframe.tensorflow.collectives import hvd
 
 #: dtypes a message may carry, by code (the header's last field); the same codes as torch's.
@@ -39,7 +39,7 @@ def tf_dtype_code(dtype: Any) -> int:
 
 
 def process_sets(needed: Sequence[Sequence[int]]) -> Dict[Tuple[int, ...], Any]:
-    """Horovod ProcessSets for the rank groups ``needed`` (see ``dualframe.stage_setup.resolve_process_sets``)."""
+    """Horovod ProcessSets for the rank groups ``needed`` (see ``dualframe.pipeline.layout.resolve_process_sets``)."""
     from horovod.common import process_sets as registry
 
     return resolve_process_sets(hvd, registry, needed)
@@ -198,7 +198,7 @@ def _receive_into(buffer: tf.Tensor) -> Tuple[Any, Callable[[], tf.Tensor]]:
 
 
 def point_to_point(device: Optional[str], chunks: int, name: str) -> Optional[MPIDirect[tf.Tensor]]:
-    """MPI point-to-point for a pipeline when every rank has it (``dualframe.mpi_direct.open_direct``); else None.
+    """MPI point-to-point for a pipeline when every rank has it (``dualframe.pipeline.mpi_direct.open_direct``); else None.
 
     A collective over every rank: call it on all of them.
 

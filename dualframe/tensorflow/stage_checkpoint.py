@@ -5,7 +5,7 @@ The TensorFlow twin of ``dualframe.torch.stage_checkpoint``. Stage j's file, in
 (``dualframe.tensorflow.keras.checkpoint``): the variables of the stage's layers (Dropout's seed
 generators included) in the full model's order, the stage optimizer's variables, a JSON header and
 the RNG states of the stage's ranks; written by the first rank of the stage's data-parallel group
-through the core's :class:`~dualframe.checkpoint.CheckpointDir`. ``merge_stage_checkpoints`` joins
+through the core's :class:`~dualframe.reliability.checkpoint.CheckpointDir`. ``merge_stage_checkpoints`` joins
 the parts into one file that ``dualframe.tensorflow.keras.load_checkpoint`` loads into the full model.
 """
 from __future__ import annotations
@@ -18,15 +18,15 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from dualframe.checkpoint import CheckpointDir, CheckpointError, TrainingState, atomic_write_bytes, check_json_values
-from dualframe.stage_checkpoint import (agreed_step, check_directory, check_part, read_common, read_step,
+from dualframe.reliability.checkpoint import CheckpointDir, CheckpointError, TrainingState, atomic_write_bytes, check_json_values
+from dualframe.reliability.stage_checkpoint import (agreed_step, check_directory, check_part, read_common, read_step,
                                         root_sees_file, stage_directory)
 from dualframe.tensorflow.collectives import hvd
 from dualframe.tensorflow.distributed_pipeline import DistributedPipeline
-from dualframe.checkpoint import read_newest
+from dualframe.reliability.checkpoint import read_newest
 from dualframe.tensorflow.keras.checkpoint import FORMAT, SUFFIX, _assign, _broadcast_bytes, rng_state, set_rng_state
 
-_NAME = "dualframe.stage_checkpoint"
+_NAME = "dualframe.reliability.stage_checkpoint"
 
 
 def _check(directory: Any, pipe: Any, optimizer: Any) -> str:

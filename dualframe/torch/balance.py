@@ -8,7 +8,7 @@ from typing import Iterable, List, Union
 import torch
 from torch import nn
 
-from dualframe.partition import balance_by_cost
+from dualframe.pipeline.partition import balance_by_cost
 
 
 def balance_by_size(module: Union[nn.Sequential, Iterable[nn.Module]], partitions: int) -> List[int]:

@@ -2,7 +2,7 @@
 
 Files are ``torch.save`` dictionaries of tensors and plain values, read back with
 ``torch.load(weights_only=True)``: loading never unpickles arbitrary objects. The folder, the atomic
-write and keep-last-k are the core's :class:`dualframe.checkpoint.CheckpointDir`.
+write and keep-last-k are the core's :class:`dualframe.reliability.checkpoint.CheckpointDir`.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
-from dualframe.checkpoint import (CheckpointDir, CheckpointError, TrainingState,
+from dualframe.reliability.checkpoint import (CheckpointDir, CheckpointError, TrainingState,
                                   check_json_values, own_rng_state, read_newest, split_gathered)
 from dualframe.torch.collectives import hvd
 
@@ -129,7 +129,7 @@ def save_checkpoint(directory: str, model: torch.nn.Module, optimizer: Optional[
     folder = CheckpointDir(os.fspath(directory), keep=keep, suffix=SUFFIX)
     folder.filename(step)  # validates step
     check_json_values(epoch=epoch, data_position=data_position, extra=extra)
-    rngs = _gather_bytes(_to_bytes(rng_state()), "dualframe.checkpoint.rng")
+    rngs = _gather_bytes(_to_bytes(rng_state()), "dualframe.reliability.checkpoint.rng")
     writes = (hvd.rank() if hvd.is_initialized() else 0) == root_rank if writer is None else writer
     path = None
     if writes:
@@ -141,7 +141,7 @@ def save_checkpoint(directory: str, model: torch.nn.Module, optimizer: Optional[
         }
         path = folder.save(step, _to_bytes(content), meta={"epoch": epoch})
     if _distributed():  # nobody runs ahead of a save in progress
-        hvd.broadcast(torch.zeros(1), root_rank, name="dualframe.checkpoint.saved")
+        hvd.broadcast(torch.zeros(1), root_rank, name="dualframe.reliability.checkpoint.saved")
     return path
 
 
@@ -168,7 +168,7 @@ def load_checkpoint(directory: str, model: torch.nn.Module, optimizer: Optional[
     _check_common(directory, model, optimizer, root_rank)
     rank = int(hvd.rank()) if hvd.is_initialized() else 0
     data = read_newest(os.fspath(directory), SUFFIX) if rank == root_rank else None
-    data = _broadcast_bytes(data, root_rank, "dualframe.checkpoint.load")
+    data = _broadcast_bytes(data, root_rank, "dualframe.reliability.checkpoint.load")
     if not data:
         return None
     try:

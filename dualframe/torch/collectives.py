@@ -105,8 +105,8 @@ collectives = TorchCollectives()
 
 # Under a launcher, a rank that fails or stalls ends the whole job, naming itself and the cause.
 from dualframe.torch.failure import install as _install_failure_hooks  # noqa: E402
-from dualframe import mpi_defaults as _mpi_defaults  # noqa: E402
+from dualframe.launch import mpi_defaults as _mpi_defaults  # noqa: E402
 
 _install_failure_hooks()
-# Before hvd.init() starts MPI: waits that give the core away (dualframe.mpi_defaults).
+# Before hvd.init() starts MPI: waits that give the core away (dualframe.launch.mpi_defaults).
 _mpi_defaults.apply()

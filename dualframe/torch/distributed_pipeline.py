@@ -2,7 +2,7 @@
 
 Rank j of a pipeline group keeps only stage j; micro-batches' activations flow forward and their
 gradients backward between neighbouring ranks (``dualframe.torch.pipeline_transport``), in the
-order the core's per-rank schedule (``dualframe.rank_schedule``) gives. With ``data_parallel``
+order the core's per-rank schedule (``dualframe.pipeline.schedule``) gives. With ``data_parallel``
 replicas of the whole pipeline, the ranks holding the same stage average its gradients through
 ``DistributedOptimizer`` on that stage's process set (``distributed_optimizer``).
 """
@@ -16,11 +16,11 @@ import torch
 from torch import nn
 
 from dualframe.errors import StrategyError
-from dualframe.rank_schedule import Action, pipeline_process_sets
-from dualframe.stage_process import PipelineStage, StageView, timing_report
-from dualframe.stage_runner import StepRecord
-from dualframe.stage_setup import StageLayout, layout_pipeline
-from dualframe.topology import detect
+from dualframe.pipeline.schedule import Action, pipeline_process_sets
+from dualframe.pipeline.stage import PipelineStage, StageView, timing_report
+from dualframe.pipeline.walk import StepRecord
+from dualframe.pipeline.layout import StageLayout, layout_pipeline
+from dualframe.launch.topology import detect
 from dualframe.torch.collectives import hvd
 from dualframe.torch.pipeline_transport import TorchWire, point_to_point, process_sets
 from dualframe.torch.pipeline_work import ActivationMeter, TorchStageWork

@@ -1,12 +1,12 @@
-"""Argument checks for PyTorch data parallelism (torch-specific; shared ones are dualframe.dp_checks)."""
+"""Argument checks for PyTorch data parallelism (torch-specific; shared ones are dualframe.dp.checks)."""
 from __future__ import annotations
 
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from dualframe import dp_checks as core_checks
-from dualframe.dp_checks import check_compression, check_root_rank
+from dualframe.dp import checks as core_checks
+from dualframe.dp.checks import check_compression, check_root_rank
 from dualframe.errors import StrategyError
 from dualframe.torch.collectives import OPS, hvd
 

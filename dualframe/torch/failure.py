@@ -7,8 +7,8 @@ from typing import Any, Callable
 import horovod.torch as _horovod_torch
 from horovod.torch import mpi_ops as _mpi_ops
 
-from dualframe import failure
-from dualframe.failure import Watchdog
+from dualframe.reliability import failure
+from dualframe.reliability.failure import Watchdog
 
 
 def _guarded(synchronize: Callable[[Any], Any], watchdog: Watchdog) -> Callable[[Any], Any]:
@@ -22,7 +22,7 @@ def _guarded(synchronize: Callable[[Any], Any], watchdog: Watchdog) -> Callable[
 
 
 def install() -> Watchdog:
-    """Install ``dualframe.failure``'s hooks and bound every wait on a Horovod collective (idempotent).
+    """Install ``dualframe.reliability.failure``'s hooks and bound every wait on a Horovod collective (idempotent).
 
     Horovod's torch collectives and the gradient reductions of DistributedOptimizer all end in
     ``horovod.torch.mpi_ops.synchronize``; wrapping it there makes a stalled collective end the job

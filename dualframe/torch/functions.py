@@ -9,7 +9,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 
 from dualframe.errors import StrategyError, TopologyError
-from dualframe.topology import detect
+from dualframe.launch.topology import detect
 from dualframe.torch import dp_checks
 from dualframe.torch.collectives import check_initialized, hvd
 from dualframe.torch.optimizer import DistributedOptimizer

@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 from dualframe.errors import DeviceError
-from dualframe.microbatch import micro_batch_sizes
-from dualframe.split import SplitPlan, plan_split
-from dualframe.timeline import Recording
+from dualframe.pipeline.microbatch import micro_batch_sizes
+from dualframe.pipeline.split import SplitPlan, plan_split
+from dualframe.observe.timeline import Recording
 from dualframe.torch.pipe_run import PipeFunction, StepRun, unique_params
 
 

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from dualframe.schedule import Cell, RecordFn, cached_ticks, run_ticks
-from dualframe.split import SplitPlan
+from dualframe.pipeline.clock import Cell, RecordFn, cached_ticks, run_ticks
+from dualframe.pipeline.split import SplitPlan
 
 
 def device_scope(device: torch.device) -> contextlib.AbstractContextManager:

@@ -2,7 +2,7 @@
 ``Wire``), and MPI point-to-point through mpi4py when the job runs on MPI (the core's ``PointToPoint``).
 
 What moves, when, under which name, and how long a wait may last is the core's
-(``dualframe.stage_link``); this module only makes torch tensors and starts, polls and finishes
+(``dualframe.pipeline.link``); this module only makes torch tensors and starts, polls and finishes
 ``horovod.torch`` operations and mpi4py requests.
 """
 from __future__ import annotations
@@ -12,14 +12,14 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from dualframe.errors import StrategyError
-from dualframe.mpi_direct import MPIDirect, open_direct, poll
-from dualframe.stage_link import Shape
-from dualframe.stage_setup import DTYPE_NAMES, PeerLostError, resolve_process_sets
+from dualframe.pipeline.mpi_direct import MPIDirect, open_direct, poll
+from dualframe.pipeline.link import Shape
+from dualframe.pipeline.layout import DTYPE_NAMES, PeerLostError, resolve_process_sets
 from dualframe.torch.collectives import hvd
 
 __all__ = ["DTYPES", "PeerLostError", "TorchWire", "dtype_code", "point_to_point", "process_sets"]
 
-#: dtypes a message may carry, by code (``dualframe.stage_setup.DTYPE_NAMES``).
+#: dtypes a message may carry, by code (``dualframe.pipeline.layout.DTYPE_NAMES``).
 DTYPES = tuple(getattr(torch, name) for name in DTYPE_NAMES)
 
 
@@ -31,7 +31,7 @@ def dtype_code(dtype: torch.dtype) -> int:
 
 
 def process_sets(needed: Sequence[Sequence[int]]) -> Dict[Tuple[int, ...], Any]:
-    """Horovod ProcessSets for the rank groups ``needed`` (see ``dualframe.stage_setup.resolve_process_sets``)."""
+    """Horovod ProcessSets for the rank groups ``needed`` (see ``dualframe.pipeline.layout.resolve_process_sets``)."""
     from horovod.common import process_sets as registry
 
     return resolve_process_sets(hvd, registry, needed)
@@ -86,7 +86,7 @@ def _byte_view(tensor: torch.Tensor) -> Any:
 
 
 def point_to_point(device: torch.device, chunks: int, name: str) -> Optional[MPIDirect[torch.Tensor]]:
-    """MPI point-to-point for a pipeline when every rank has it (``dualframe.mpi_direct.open_direct``); else None.
+    """MPI point-to-point for a pipeline when every rank has it (``dualframe.pipeline.mpi_direct.open_direct``); else None.
 
     A collective over every rank: call it on all of them.
 

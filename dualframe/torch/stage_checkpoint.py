@@ -3,8 +3,8 @@
 ``save_stage_checkpoint`` writes, on the first rank of each stage's data-parallel group, that
 stage's ``state_dict`` (the full model's keys), its optimizer's state, the progress and the RNG
 states of the stage's ranks into ``{directory}/stage-{j}``, atomically through the core's
-:class:`~dualframe.checkpoint.CheckpointDir`. ``load_stage_checkpoint`` takes every stage back at
-the newest step all stages hold (``dualframe.stage_checkpoint``). ``merge_stage_checkpoints`` joins
+:class:`~dualframe.reliability.checkpoint.CheckpointDir`. ``load_stage_checkpoint`` takes every stage back at
+the newest step all stages hold (``dualframe.reliability.stage_checkpoint``). ``merge_stage_checkpoints`` joins
 the parts into one file ``load_checkpoint`` loads into the unsplit ``nn.Sequential`` or a pipeline.
 """
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 
-from dualframe.checkpoint import CheckpointDir, CheckpointError, TrainingState, atomic_write_bytes, check_json_values
-from dualframe.stage_checkpoint import (agreed_step, check_directory, check_part, read_common, read_step,
+from dualframe.reliability.checkpoint import CheckpointDir, CheckpointError, TrainingState, atomic_write_bytes, check_json_values
+from dualframe.reliability.stage_checkpoint import (agreed_step, check_directory, check_part, read_common, read_step,
                                         root_sees_file, stage_directory)
 from dualframe.torch.checkpoint import (FORMAT, SUFFIX, _broadcast_bytes, _from_bytes, _gather_bytes, _to_bytes,
                                         load_checkpoint, rng_state, set_rng_state)
@@ -61,7 +61,7 @@ def save_stage_checkpoint(directory: str, pipe: DistributedPipeline, optimizer: 
                            suffix=SUFFIX)
     folder.filename(step)  # validates step
     check_json_values(epoch=epoch, data_position=data_position, extra=extra)
-    rngs = _gather_bytes(_to_bytes(rng_state()), "dualframe.stage_checkpoint.rng", pipe.stage_process_set) \
+    rngs = _gather_bytes(_to_bytes(rng_state()), "dualframe.reliability.stage_checkpoint.rng", pipe.stage_process_set) \
         if pipe.stage_process_set is not None else [_to_bytes(rng_state())]
     path = None
     if _writes(pipe):
@@ -73,14 +73,14 @@ def save_stage_checkpoint(directory: str, pipe: DistributedPipeline, optimizer: 
         }
         path = folder.save(step, _to_bytes(content), meta={"epoch": epoch, "stage": pipe.stage_index})
     if int(hvd.size()) > 1:  # nobody runs ahead while a stage is still writing
-        hvd.broadcast(torch.zeros(1), 0, name="dualframe.stage_checkpoint.saved")
+        hvd.broadcast(torch.zeros(1), 0, name="dualframe.reliability.stage_checkpoint.saved")
     return path
 
 
 def _agreed_step(pipe: DistributedPipeline, folder: CheckpointDir) -> Optional[int]:
     """The newest step every stage's folder holds, the same on every rank (one allgather of step lists)."""
     def gather(mine: Any) -> List[Any]:
-        return list(hvd.allgather_object(mine, name="dualframe.stage_checkpoint.steps")) if int(hvd.size()) > 1 else [mine]
+        return list(hvd.allgather_object(mine, name="dualframe.reliability.stage_checkpoint.steps")) if int(hvd.size()) > 1 else [mine]
 
     return agreed_step(folder, pipe.stage_index, pipe.stages, _writes(pipe), gather)
 
@@ -108,7 +108,7 @@ def load_stage_checkpoint(directory: str, pipe: DistributedPipeline, optimizer: 
             or a part of a pipeline with another number of stages.
     """
     path = _check(directory, pipe, optimizer)
-    if root_sees_file(path, int(hvd.rank()), lambda data: _broadcast_bytes(data, 0, "dualframe.stage_checkpoint.kind")):
+    if root_sees_file(path, int(hvd.rank()), lambda data: _broadcast_bytes(data, 0, "dualframe.reliability.stage_checkpoint.kind")):
         return load_checkpoint(path, pipe, optimizer, restore_rng=False, map_location=map_location)
     folder = CheckpointDir(stage_directory(path, pipe.stage_index), suffix=SUFFIX)
     step = _agreed_step(pipe, folder)
@@ -116,7 +116,7 @@ def load_stage_checkpoint(directory: str, pipe: DistributedPipeline, optimizer: 
         return None
     data = read_step(folder, step) if _writes(pipe) else None
     if pipe.stage_process_set is not None:
-        data = _broadcast_bytes(data, pipe.stage_ranks[0], "dualframe.stage_checkpoint.load", pipe.stage_process_set)
+        data = _broadcast_bytes(data, pipe.stage_ranks[0], "dualframe.reliability.stage_checkpoint.load", pipe.stage_process_set)
     content = _from_bytes(data or b"", map_location)
     check_part((content.get("stage"), content.get("stages")), (pipe.stage_index, pipe.stages), folder.directory)
     pipe.load_state_dict(content["model"])

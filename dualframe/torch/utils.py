@@ -10,8 +10,8 @@ from torch.utils.data import Dataset
 from torch.utils.data.distributed import DistributedSampler
 
 from dualframe.errors import StrategyError
-from dualframe.microbatch import micro_batch_offsets
-from dualframe.scaling import warmup_factor
+from dualframe.pipeline.microbatch import micro_batch_offsets
+from dualframe.dp.scaling import warmup_factor
 from dualframe.torch.collectives import check_initialized, hvd
 
 T = TypeVar("T")

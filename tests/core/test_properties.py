@@ -11,9 +11,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import dualframe
-from dualframe import rank_schedule, schedule
-from dualframe.failure import Watchdog, stall_timeout
-from dualframe.topology import detect
+from dualframe.pipeline import clock as schedule
+from dualframe.pipeline import schedule as rank_schedule
+from dualframe.reliability.failure import Watchdog, stall_timeout
+from dualframe.launch.topology import detect
 
 SMALL = st.integers(min_value=-3, max_value=12)
 ANY = st.one_of(SMALL, st.integers(max_value=0), st.floats(allow_nan=True), st.text(max_size=4), st.booleans(), st.none(),
@@ -129,6 +130,6 @@ def test_failure_settings(timeout, variable):
 
 @pytest.mark.parametrize("keep", [0, -1, 1.5, "3", None, True])
 def test_checkpoint_folder_refuses_bad_keep(tmp_path, keep):
-    from dualframe.checkpoint import CheckpointDir, CheckpointError
+    from dualframe.reliability.checkpoint import CheckpointDir, CheckpointError
     with pytest.raises(CheckpointError, match="keep must be an int >= 1"):
         CheckpointDir(str(tmp_path), keep=keep)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from dualframe.topology import detect
+from dualframe.launch.topology import detect
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,7 @@ import numpy as np
 import tensorflow as tf
 
 import dualframe.tensorflow as hvd
-from dualframe.topology import detect
+from dualframe.launch.topology import detect
 
 
 def test_topology_matches_horovod():

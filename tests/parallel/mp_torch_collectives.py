@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import dualframe.torch as hvd
-from dualframe.topology import detect
+from dualframe.launch.topology import detect
 
 
 def test_topology_matches_horovod():

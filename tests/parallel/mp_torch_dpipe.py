@@ -135,7 +135,7 @@ def test_bad_batches_are_refused_on_every_rank():
 
 
 def test_mpi_waits_yield_the_core_unless_the_launch_said_otherwise():
-    # dualframe.mpi_defaults, applied when dualframe.torch was imported, before hvd.init() started MPI.
+    # dualframe.launch.mpi_defaults, applied when dualframe.torch was imported, before hvd.init() started MPI.
     assert os.environ.get("OMPI_MCA_mpi_yield_when_idle") == "1"
 
 

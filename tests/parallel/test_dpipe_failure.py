@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from dualframe.launch import horovodrun_command, mpirun_command, thread_env
+from dualframe.launch.commands import horovodrun_command, mpirun_command, thread_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 WORKERS = {"torch": ROOT / "tests" / "parallel" / "dpipe_workers" / "neighbour_dies.py",

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from dualframe.run import plan_launch
+from dualframe.launch.run import plan_launch
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent.parent

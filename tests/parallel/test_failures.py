@@ -18,7 +18,7 @@ from typing import Dict, List, Optional
 
 import pytest
 
-from dualframe.launch import horovodrun_command, mpirun_command, thread_env
+from dualframe.launch.commands import horovodrun_command, mpirun_command, thread_env
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent.parent

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from dualframe.launch import find_executable, horovodrun_command, mpirun_command, thread_env
+from dualframe.launch.commands import find_executable, horovodrun_command, mpirun_command, thread_env
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent.parent

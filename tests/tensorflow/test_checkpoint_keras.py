@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 import dualframe.tensorflow.keras as hvd
-from dualframe.checkpoint import CheckpointError
+from dualframe.reliability.checkpoint import CheckpointError
 from dualframe.tensorflow.keras import checkpoint as keras_checkpoint
 
 hvd.init()

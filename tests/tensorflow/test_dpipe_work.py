@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from dualframe.rank_schedule import rank_schedule
+from dualframe.pipeline.schedule import rank_schedule
 from dualframe.tensorflow.pipeline_work import StageFunctions, TFStageWork, fusable
 
 SIZES = [3, 3, 2, 2]  # 10 rows in 4 micro-batches

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import dualframe.tensorflow as hvd
-from dualframe.checkpoint import CheckpointError
+from dualframe.reliability.checkpoint import CheckpointError
 from dualframe.tensorflow.keras import load_checkpoint
 
 

@@ -5,8 +5,8 @@ import pytest
 import tensorflow as tf
 
 import dualframe.tensorflow.keras as hvd
-from dualframe import failure
-from dualframe.failure import Watchdog
+from dualframe.reliability import failure
+from dualframe.reliability.failure import Watchdog
 from dualframe.tensorflow.failure import GuardedStep, eager_guard, guard_train_function
 
 hvd.init()

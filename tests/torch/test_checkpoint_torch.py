@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from dualframe.checkpoint import CheckpointError
+from dualframe.reliability.checkpoint import CheckpointError
 from dualframe.torch import load_checkpoint, merge_stage_checkpoints, save_checkpoint
 
 

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 import dualframe
 import dualframe.torch as hvd
 from dualframe.errors import StrategyError
-from dualframe.scaling import warmup_factor
+from dualframe.dp.scaling import warmup_factor
 from dualframe.torch.sync_batch_norm import _SyncBatchNormFunction
 
 

@@ -9,8 +9,8 @@ from torch import nn
 
 import dualframe.torch as hvd
 from dualframe.errors import StageError
-from dualframe.schedule import GPipeSchedule
-from dualframe.timeline import render_png
+from dualframe.pipeline.clock import GPipeSchedule
+from dualframe.observe.timeline import render_png
 
 
 def mlp(seed=0, dtype=torch.float64, dropout=0.0):

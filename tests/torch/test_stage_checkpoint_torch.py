@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import dualframe.torch as hvd
-from dualframe.checkpoint import CheckpointError
+from dualframe.reliability.checkpoint import CheckpointError
 
 
 @pytest.fixture(scope="module")

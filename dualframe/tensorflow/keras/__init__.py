@@ -12,7 +12,7 @@ __all__ = list(_tf_all) + [
 ]
 
 # Checkpoints: rank 0 writes atomically, loads are broadcast (reliability, issue 8).
-from dualframe.checkpoint import TrainingState  # noqa: E402
+from dualframe.reliability.checkpoint import TrainingState  # noqa: E402
 from dualframe.tensorflow.keras.checkpoint import CheckpointCallback, load_checkpoint, save_checkpoint  # noqa: E402
 
 from dualframe.tensorflow.keras import elastic  # noqa: E402

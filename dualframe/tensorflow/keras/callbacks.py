@@ -6,7 +6,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 import keras
 import tensorflow as tf
 
-from dualframe.dp_checks import check_root_rank
+from dualframe.dp.checks import check_root_rank
 from dualframe.errors import StrategyError
 from dualframe.tensorflow.collectives import check_initialized, hvd
 from dualframe.tensorflow.failure import StallGuardCallback, guard_train_function  # noqa: F401 (hvd.callbacks.StallGuardCallback)

@@ -3,7 +3,7 @@
 A checkpoint is an ``.npz`` of arrays (every model variable, Dropout's seed generators included,
 every optimizer variable, a JSON header, every rank's numpy, Python and TensorFlow global-generator
 RNG states) read back with ``np.load(allow_pickle=False)``: loading never unpickles arbitrary objects.
-The folder, the atomic write and keep-last-k are the core's :class:`dualframe.checkpoint.CheckpointDir`.
+The folder, the atomic write and keep-last-k are the core's :class:`dualframe.reliability.checkpoint.CheckpointDir`.
 
 Not saved, for want of a public API: the state behind TensorFlow's stateful op-level random ops
 (``tf.random.uniform`` without a ``Generator``, ``Dataset.shuffle``) and Keras's global
@@ -22,7 +22,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from dualframe.checkpoint import (CheckpointDir, CheckpointError, TrainingState, check_json_values, own_rng_state,
+from dualframe.reliability.checkpoint import (CheckpointDir, CheckpointError, TrainingState, check_json_values, own_rng_state,
                                   read_newest, split_gathered)
 from dualframe.tensorflow.collectives import hvd
 from dualframe.tensorflow.failure import eager_guard, guard_train_function

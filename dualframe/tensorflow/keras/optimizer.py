@@ -7,7 +7,7 @@ import keras
 import tensorflow as tf
 from keras import ops
 
-from dualframe.dp_checks import check_bool, compression_name
+from dualframe.dp.checks import check_bool, compression_name
 from dualframe.errors import StrategyError
 from dualframe.tensorflow.collectives import hvd
 from dualframe.tensorflow.gradients import Compression, ReduceSettings, reduce_gradients

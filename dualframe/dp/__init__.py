@@ -1,0 +1,1 @@
+"""Data parallelism, framework-neutral: gradient compression, argument checks, learning-rate scaling."""

@@ -1,0 +1,147 @@
+"""What both adapters' process pipelines share before any communication: checks, process sets, message dtypes.
+
+``dualframe.torch.DistributedPipeline`` and ``dualframe.tensorflow.DistributedPipeline`` take the
+same arguments and refuse the same bad ones with the same messages (``check_pipeline``); they find
+or declare the same Horovod process sets (``resolve_process_sets``, handed the framework's Horovod
+module, so this module imports none); their messages carry dtypes by the same codes
+(``DTYPE_NAMES``); a silent neighbour raises the same ``PeerLostError``.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from dualframe.errors import DualframeError, StrategyError
+from dualframe.pipeline.partition import partition_ranges
+from dualframe.pipeline.schedule import Action, rank_schedule
+from dualframe.strategy import RankGrid, positive_int, validate_devices
+
+#: dtypes a pipeline message may carry, by code: index in this tuple (both frameworks' spelling).
+DTYPE_NAMES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "uint8", "bool")
+
+
+class PeerLostError(DualframeError, TimeoutError):
+    """A neighbouring stage stopped answering (it died, hangs or Horovod shut down)."""
+
+
+def check_pipeline(layers: int, balance: Sequence[int], loss_fn: Any, data_parallel: Optional[int],
+                   timeout: float, world: int) -> Tuple[List[range], RankGrid]:
+    """Check a process pipeline's arguments against its model and world; return the stage ranges and the grid.
+
+    Args:
+        layers: how many layers the model has.
+        balance: layers per stage.
+        loss_fn: None or a callable.
+        data_parallel: None or the replicas expected (must equal world // stages).
+        timeout: seconds a stage waits for a neighbour (> 0).
+        world: the number of processes.
+
+    Raises:
+        BalanceError, StrategyError: a rule broken; the message names it and the values.
+
+    Example:
+        >>> ranges, grid = check_pipeline(5, [3, 2], None, None, 45.0, world=4)
+        >>> ranges, grid.replicas
+        ([range(0, 3), range(3, 5)], 2)
+    """
+    ranges = partition_ranges(balance, layers)
+    if loss_fn is not None and not callable(loss_fn):
+        raise StrategyError(f"loss_fn must be callable, e.g. a mean-squared-error loss (loss_fn: {loss_fn!r})")
+    grid = RankGrid.build(world, len(ranges))
+    if len(ranges) == 1 and grid.replicas > 1:
+        # Replicas of a one-stage pipeline share no 2-rank link set; that is plain data parallelism.
+        raise StrategyError(
+            f"a one-stage pipeline over several processes is data parallelism (balance: {list(balance)}, "
+            f"processes: {world}); use DistributedOptimizer, or split the model into >= 2 stages"
+        )
+    if data_parallel is not None and positive_int("data_parallel", data_parallel) != grid.replicas:
+        raise StrategyError(
+            f"data_parallel x stages must equal the number of processes (data_parallel: {data_parallel}, "
+            f"stages: {len(ranges)}, processes: {world}); launch with -np {data_parallel * len(ranges)}"
+        )
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise StrategyError(f"timeout must be a number of seconds > 0 (timeout: {timeout!r})")
+    return ranges, grid
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """A process pipeline's checked arguments: stage ranges, rank grid, each stage's actions and device.
+
+    Example:
+        >>> layout = layout_pipeline(5, [3, 2], chunks=2, schedule="GPipe", world=2)
+        >>> layout.ranges, layout.schedule, [str(a) for a in layout.plans[1]]
+        ([range(0, 3), range(3, 5)], 'gpipe', ['F0', 'F1', 'B1', 'B0'])
+    """
+
+    ranges: List[range]
+    grid: RankGrid
+    plans: List[List[Action]]
+    devices: Optional[Tuple[str, ...]]
+    chunks: int
+    schedule: str
+    loss_fn: Any
+    timeout: float
+
+
+def layout_pipeline(layers: int, balance: Sequence[int], chunks: int, schedule: str = "gpipe", loss_fn: Any = None,
+                    devices: Optional[Sequence[str]] = None, data_parallel: Optional[int] = None,
+                    timeout: float = 45.0, world: int = 1) -> StageLayout:
+    """Check every argument of a DistributedPipeline (``check_pipeline``, schedule, chunks, devices); no communication.
+
+    Raises:
+        BalanceError, ChunksError, DeviceError, ScheduleError, StrategyError: a rule broken.
+    """
+    ranges, grid = check_pipeline(layers, balance, loss_fn, data_parallel, timeout, world)
+    plans = rank_schedule(schedule, len(ranges), chunks)
+    return StageLayout(ranges, grid, plans, validate_devices(devices, len(ranges)), chunks, schedule.lower(),
+                       loss_fn, timeout)
+
+
+def dtype_code(name: str) -> int:
+    """Code of the dtype called ``name`` (``"float32"`` -> 0); StrategyError for others."""
+    if name not in DTYPE_NAMES:
+        raise StrategyError(f"pipeline messages must have one of the dtypes {list(DTYPE_NAMES)} (dtype: {name})")
+    return DTYPE_NAMES.index(name)
+
+
+def dynamic_process_sets(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether HOROVOD_DYNAMIC_PROCESS_SETS lets process sets be added after ``init``."""
+    return (os.environ if environ is None else environ).get("HOROVOD_DYNAMIC_PROCESS_SETS", "0") not in ("", "0")
+
+
+def resolve_process_sets(hvd: Any, registry: Any, needed: Sequence[Sequence[int]]) -> Dict[Tuple[int, ...], Any]:
+    """Horovod ProcessSets for the rank groups ``needed`` (plus the global set), starting Horovod if needed.
+
+    Before ``init`` they are declared at start-up; afterwards they must exist already, or be
+    addable (HOROVOD_DYNAMIC_PROCESS_SETS=1). Every rank calls this with the same groups in the
+    same order, so adding is a matched collective.
+
+    Args:
+        hvd: the framework's Horovod module (``horovod.torch`` or ``horovod.tensorflow``).
+        registry: ``horovod.common.process_sets``.
+        needed: the groups, e.g. ``dualframe.pipeline.schedule.pipeline_process_sets(world, stages)``.
+
+    Raises:
+        StrategyError: Horovod runs without a needed set and cannot add it.
+    """
+    if not hvd.is_initialized():
+        hvd.init(process_sets=[hvd.ProcessSet(list(ranks)) for ranks in needed])
+    table = {tuple(ranks): set_id for set_id, ranks in registry._basics._get_process_set_ids_and_ranks().items()}
+    missing = [list(ranks) for ranks in needed if tuple(ranks) not in table]
+    if missing and not dynamic_process_sets():
+        raise StrategyError(
+            f"Horovod was started without the process sets this pipeline needs (missing: {missing}); "
+            f"start it with hvd.init(process_sets=dualframe.pipeline_process_sets(hvd.size(), stages)) "
+            f"or run with HOROVOD_DYNAMIC_PROCESS_SETS=1"
+        )
+    for group in missing:
+        table[tuple(group)] = hvd.add_process_set(group).process_set_id
+    sets: Dict[Tuple[int, ...], Any] = {}
+    for key, set_id in table.items():
+        ps = hvd.global_process_set if set_id == 0 else registry._temp_process_set_object(set_id)
+        if set_id:
+            ps.ranks = list(key)
+        sets[key] = ps
+    return sets

@@ -1,0 +1,302 @@
+"""The wire between neighbouring pipeline stages, framework-neutral: message names, order, shape headers, bounded waits.
+
+Both adapters move a stage's activations and gradients the same way: a Horovod broadcast from the
+sender inside the process set {sender, receiver}, or, when the adapter hands in a ``PointToPoint``
+(the job runs on MPI: mpirun, srun, horovodrun without --gloo), MPI's own send and receive. A
+Horovod broadcast works under every launcher, but each one waits for Horovod's background thread
+to agree on it with the peer's, a few milliseconds on a busy node; an MPI message goes straight
+from the sender's to the receiver's main thread. Under ``horovodrun --gloo`` there is no MPI world
+(mpi4py's COMM_WORLD is a single process), so there the broadcast stays. Sends return at once; receives
+whose shape is known are posted ahead, so transfers overlap the stage's compute. A receiver learns
+a forward message's shape from a small header the first time a step with that input shape runs;
+afterwards both sides know it. Every wait is bounded: a neighbour that died or hangs becomes a
+``PeerLostError`` naming it, instead of a silent hang.
+
+This module owns that bookkeeping (``StageLink``) and the bounded wait (``wait_for``); the
+framework hands in the few tensor and Horovod calls it needs (a ``Wire``).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, Generic, List, Mapping, Optional, Protocol, Sequence, Tuple, TypeVar
+
+from dualframe.errors import StrategyError
+from dualframe.pipeline.layout import DTYPE_NAMES, PeerLostError
+
+T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
+Shape = Tuple[Tuple[int, ...], int]  # dims and dtype code (an index in DTYPE_NAMES)
+
+#: Most dimensions a stage's output may have; the header is [ndim, dims x MAX_DIMS, dtype code].
+MAX_DIMS = 8
+HEADER_LENGTH = MAX_DIMS + 2
+INT64 = DTYPE_NAMES.index("int64")
+
+
+class Waiter(Protocol[T_co]):
+    """What ``wait_for`` needs of a transport: wait for an operation, read its result, explain a failure."""
+
+    def done(self, handle: Any, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the operation; whether it finished."""
+
+    def result(self, handle: Any) -> T_co:
+        """The finished operation's tensor (raises what the operation raised)."""
+
+    def stopped(self, error: BaseException) -> Optional[str]:
+        """A one-line reason when ``error`` means the transport stopped (a peer failed); None otherwise."""
+
+
+class Wire(Waiter[T], Protocol[T]):
+    """The framework's calls a link needs: tensors, Horovod's asynchronous broadcast and allreduce, and waiting."""
+
+    def tensor(self, values: Sequence[float], code: int) -> T:
+        """A 1-d tensor of ``values`` with the dtype of code ``code`` (on the host)."""
+
+    def empty(self, shape: Tuple[int, ...], code: int) -> T:
+        """A buffer of ``shape`` to receive into (on the stage's device)."""
+
+    def describe(self, tensor: T) -> Shape:
+        """The tensor's dims and dtype code; StrategyError for a dtype a message cannot carry."""
+
+    def values(self, tensor: T) -> List[Any]:
+        """The tensor's elements as Python numbers (flattened)."""
+
+    def broadcast(self, tensor: T, root_rank: int, name: str, process_set: Any) -> Any:
+        """Start Horovod's broadcast of ``tensor`` from ``root_rank`` in ``process_set``; return a handle."""
+
+    def allreduce(self, tensor: T, op: str, name: str, process_set: Any) -> Any:
+        """Start Horovod's allreduce (``op``: ``"sum"`` or ``"average"``) in ``process_set``; return a handle."""
+
+
+class PointToPoint(Waiter[T], Protocol[T]):
+    """Direct messages between two ranks (MPI's nonblocking send and receive), numbered by ``message_tag``."""
+
+    def send(self, tensor: T, dest: int, tag: int) -> Any:
+        """Start sending ``tensor`` to rank ``dest``; return a handle (the tensor must stay alive until done)."""
+
+    def receive(self, buffer: T, source: int, tag: int) -> Any:
+        """Start receiving into ``buffer`` from rank ``source``; return a handle whose result is the buffer."""
+
+
+#: Message numbers per micro-batch: its activation, its gradient, its activation's shape header.
+_KINDS = {"F": 0, "B": 1, "H": 2}
+
+
+def message_tag(tag: str, header: bool = False) -> int:
+    """The point-to-point number of message ``tag`` (``"F3"``, ``"B3"``), or of its shape header.
+
+    Numbers repeat every step: a step's messages are all received within that step.
+
+    Example:
+        >>> message_tag("F0"), message_tag("B0"), message_tag("F0", header=True), message_tag("F2")
+        (0, 1, 2, 6)
+    """
+    return len(_KINDS) * int(tag[1:]) + _KINDS["H" if header else tag[0]]
+
+
+def largest_tag(chunks: int) -> int:
+    """The highest number ``message_tag`` gives for ``chunks`` micro-batches (MPI's tag bound must reach it)."""
+    return len(_KINDS) * chunks - 1
+
+
+#: How pipeline messages travel: "auto" (MPI point-to-point when every rank has it, else Horovod
+#: broadcasts), "mpi" (MPI point-to-point or an error) or "horovod" (Horovod broadcasts).
+TRANSPORT_VARIABLE = "DUALFRAME_PIPELINE_TRANSPORT"
+TRANSPORTS = ("auto", "mpi", "horovod")
+
+
+def transport_choice(environ: Optional[Mapping[str, str]] = None) -> str:
+    """The transport ``DUALFRAME_PIPELINE_TRANSPORT`` asks for ("auto" when unset).
+
+    Raises:
+        StrategyError: a value other than auto, mpi or horovod.
+    """
+    value = (os.environ if environ is None else environ).get(TRANSPORT_VARIABLE, "auto").strip().lower() or "auto"
+    if value not in TRANSPORTS:
+        raise StrategyError(f"{TRANSPORT_VARIABLE} must be one of {', '.join(TRANSPORTS)} ({TRANSPORT_VARIABLE}: {value!r})")
+    return value
+
+
+def transport_votes(choice: str, missing: Optional[str]) -> List[int]:
+    """This rank's share of the transport agreement, summed over every rank: [has MPI point-to-point, choice].
+
+    Args:
+        choice: ``transport_choice()`` on this rank.
+        missing: why this rank cannot use MPI point-to-point (None when it can).
+    """
+    return [int(missing is None), TRANSPORTS.index(choice)]
+
+
+def agree_transport(sums: Sequence[int], ranks: int, choice: str, missing: Optional[str]) -> bool:
+    """Whether the pipeline's messages go over MPI point-to-point, from the summed ``transport_votes``.
+
+    Every rank gets the same sums, so every rank decides alike or raises alike.
+
+    Example:
+        >>> agree_transport([2, 0], 2, "auto", None), agree_transport([1, 0], 2, "auto", None)
+        (True, False)
+
+    Raises:
+        StrategyError: the ranks asked for different transports, or "mpi" where a rank lacks it.
+    """
+    available, choices = int(sums[0]), int(sums[1])
+    if choices != TRANSPORTS.index(choice) * ranks:
+        raise StrategyError(f"every rank must set the same {TRANSPORT_VARIABLE} (this rank: {choice!r}); "
+                            "pass it to all of them, e.g. mpirun -x " + TRANSPORT_VARIABLE)
+    if choice == "mpi" and available < ranks:
+        raise StrategyError(f"{TRANSPORT_VARIABLE}=mpi needs MPI point-to-point on every rank "
+                            f"({ranks - available} of {ranks} lack it; here: {missing or 'available'}); "
+                            "launch with mpirun or srun, or use auto")
+    return choice != "horovod" and available == ranks
+
+
+def wait_for(wire: "Waiter[T]", handle: Any, what: str, timeout: float) -> T:
+    """The result of ``handle``, waiting at most ``timeout`` s; PeerLostError on silence or when Horovod stopped.
+
+    Example:
+        >>> wait_for(wire, wire.broadcast(x, 0, "x", ps), "waiting for x", 45.0)   # doctest: +SKIP
+    """
+    try:
+        if wire.done(handle, timeout):
+            return wire.result(handle)
+    except Exception as error:
+        reason = wire.stopped(error)
+        if reason is None:
+            raise
+        raise PeerLostError(f"{what}: Horovod stopped ({reason}); a neighbouring stage failed or exited") from error
+    raise PeerLostError(
+        f"{what}: nothing arrived within {timeout:g} s; that stage died or hangs "
+        f"(raise timeout= if a step legitimately takes longer)"
+    )
+
+
+def encode_header(shape: Shape) -> List[int]:
+    """``[ndim, dims..., 0 ..., dtype code]`` of a forward message; StrategyError over MAX_DIMS dimensions."""
+    dims, code = shape
+    if len(dims) > MAX_DIMS:
+        raise StrategyError(f"a stage's output may have at most {MAX_DIMS} dimensions (output shape: {dims})")
+    return [len(dims), *dims] + [0] * (MAX_DIMS - len(dims)) + [code]
+
+
+def decode_header(header: Sequence[Any]) -> Shape:
+    """The (dims, dtype code) an ``encode_header`` list carries."""
+    ndim = int(header[0])
+    return tuple(int(d) for d in header[1:1 + ndim]), int(header[-1])
+
+
+class StageLink(Generic[T]):
+    """Stage j's links to stage j - 1 and j + 1 of its pipeline (the core's StageLinks).
+
+    Args:
+        wire: the framework's calls.
+        stage: j; ``ranks``: the pipeline's ranks in stage order; ``rank``: this process's.
+        sets: Horovod process sets by their sorted ranks (must hold every neighbouring pair).
+        prefix: the pipeline's name in its messages.
+        timeout: seconds a wait may last.
+        step_names: whether message names carry the step number (TensorFlow traces one function
+            per name, so its names repeat every step, which Horovod allows once the previous op of
+            that name finished; torch names every step's messages anew).
+        direct: MPI point-to-point between the pipeline's ranks; None moves messages as Horovod broadcasts.
+
+    Example:
+        >>> link = StageLink(wire, 0, [0, 1], 0, sets, "dpipe0", timeout=45.0)   # doctest: +SKIP
+        >>> link.begin(key=((64, 16), 0), backward=True, chunks=4)               # doctest: +SKIP
+        >>> link.send("F0", activation); grad = link.receive("B0")                # doctest: +SKIP
+    """
+
+    def __init__(self, wire: "Wire[T]", stage: int, ranks: Sequence[int], rank: int,
+                 sets: Dict[Tuple[int, ...], Any], prefix: str, timeout: float, step_names: bool = True,
+                 direct: "Optional[PointToPoint[T]]" = None) -> None:
+        self.wire, self.stage, self.ranks, self.rank, self.direct = wire, stage, list(ranks), rank, direct
+        self.prefix, self.timeout, self.step_names = prefix, timeout, step_names
+        j = stage
+        self.prev = (ranks[j - 1], sets[tuple(sorted((ranks[j - 1], ranks[j])))]) if j > 0 else None
+        self.next = (ranks[j + 1], sets[tuple(sorted((ranks[j], ranks[j + 1])))]) if j < len(ranks) - 1 else None
+        self._shapes: Dict[Tuple[Any, str], Shape] = {}
+        self._posted: Dict[str, Tuple[Any, str, Waiter[T]]] = {}  # tag -> (handle, name, what waits on it)
+        self._sends: List[Tuple[Any, str, Waiter[T]]] = []
+        self._step, self._key, self._backward = 0, None, False
+
+    @property
+    def step(self) -> int:
+        """How many steps this link finished (the current step's number)."""
+        return self._step
+
+    def name(self, tag: str) -> str:
+        """The Horovod name of ``tag`` (a message, ``"agree"``, ``"loss"``) in the current step."""
+        return f"{self.prefix}.{self._step}.{tag}" if self.step_names else f"{self.prefix}.{tag}"
+
+    def begin(self, key: Any, backward: bool, chunks: int) -> None:
+        """Start a step with input ``key`` (shape, dtype): post the forward receives earlier steps taught us."""
+        self._key, self._backward = key, backward
+        for i in range(chunks):
+            if self.prev is not None and (key, f"F{i}") in self._shapes:
+                self._post(f"F{i}", self._shapes[(key, f"F{i}")])
+
+    def _message(self, tag: str, sender: int, receiver: int) -> str:
+        return self.name(f"{tag}.{sender}_to_{receiver}")
+
+    def _peer(self, tag: str, sending: bool) -> Tuple[int, Any]:
+        forward = tag[0] == "F"
+        peer = self.next if forward == sending else self.prev
+        assert peer is not None, f"stage {self.stage} has no neighbour for {tag}"
+        return peer
+
+    def _post(self, tag: str, shape: Shape) -> None:
+        root, ps = self._peer(tag, sending=False)
+        name = self._message(tag, root, self.rank)
+        buffer = self.wire.empty(*shape)
+        if self.direct is not None:
+            self._posted[tag] = (self.direct.receive(buffer, root, message_tag(tag)), name, self.direct)
+        else:
+            self._posted[tag] = (self.wire.broadcast(buffer, root, name, ps), name, self.wire)
+
+    def receive(self, tag: str) -> T:
+        """Wait for ``tag`` from the neighbour (posting the receive now if it was not posted ahead)."""
+        if tag not in self._posted:
+            if (self._key, tag) not in self._shapes:
+                self._shapes[(self._key, tag)] = self._receive_header(tag)
+            self._post(tag, self._shapes[(self._key, tag)])
+        handle, name, waiter = self._posted.pop(tag)
+        root, _ = self._peer(tag, sending=False)
+        return self.wait(handle, f"waiting for {tag} from rank {root} ({name})", waiter)
+
+    def _receive_header(self, tag: str) -> Shape:
+        root, ps = self._peer(tag, sending=False)
+        buffer = self.wire.tensor([0] * HEADER_LENGTH, INT64)
+        what = f"waiting for the shape of {tag} from rank {root}"
+        if self.direct is not None:
+            header = self.wait(self.direct.receive(buffer, root, message_tag(tag, header=True)), what, self.direct)
+        else:
+            header = self.wait(self.wire.broadcast(buffer, root, self._message(tag, root, self.rank) + ".shape", ps), what)
+        return decode_header(self.wire.values(header))
+
+    def send(self, tag: str, tensor: T) -> None:
+        """Start sending ``tensor`` as ``tag``; a forward send also posts the matching gradient's receive."""
+        receiver, ps = self._peer(tag, sending=True)
+        shape = self.wire.describe(tensor)
+        if tag[0] == "F" and (self._key, tag) not in self._shapes:
+            header = self.wire.tensor(encode_header(shape), INT64)
+            self._start_send(header, receiver, ps, tag, header=True)
+            self._shapes[(self._key, tag)] = shape
+        self._start_send(tensor, receiver, ps, tag)
+        if tag[0] == "F" and self._backward:
+            self._post("B" + tag[1:], shape)  # the gradient has the activation's shape
+
+    def _start_send(self, tensor: T, receiver: int, ps: Any, tag: str, header: bool = False) -> None:
+        name = self._message(tag, self.rank, receiver) + (".shape" if header else "")
+        if self.direct is not None:
+            self._sends.append((self.direct.send(tensor, receiver, message_tag(tag, header)), name, self.direct))
+        else:
+            self._sends.append((self.wire.broadcast(tensor, self.rank, name, ps), name, self.wire))
+
+    def finish(self) -> None:
+        """Wait until every message this step sent has been delivered; later names belong to the next step."""
+        sends, self._sends = self._sends, []
+        for handle, name, waiter in sends:
+            self.wait(handle, f"delivering {name}", waiter)
+        self._step += 1
+
+    def wait(self, handle: Any, what: str, waiter: "Optional[Waiter[T]]" = None) -> T:
+        """``wait_for`` (on ``waiter``, the wire by default) with this stage and rank named in the error."""
+        return wait_for(waiter or self.wire, handle, f"stage {self.stage} (rank {self.rank}) {what}", self.timeout)

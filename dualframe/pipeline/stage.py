@@ -1,0 +1,208 @@
+"""One rank's stage of a process pipeline, framework-neutral: its role, its step (agreement, walk, loss) and timing.
+
+Both adapters' ``DistributedPipeline`` keep one ``PipelineStage``: it knows which replica and stage
+this rank holds, its actions, its neighbours and process sets, and runs a step the same way on
+every framework: agree on the batch (``stage_runner.step_agreement``), walk the actions over a
+``StageLink``, reduce the loss. The adapter supplies the ``Wire`` and the stage's work on tensors.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Generic, List, Optional, Sequence, Tuple, TypeVar
+
+from dualframe.pipeline.schedule import Action
+from dualframe.pipeline.link import PointToPoint, StageLink, Wire
+from dualframe.pipeline.walk import (RecordBook, StageWork, StepRecord, pipeline_bubble, read_agreement, step_agreement,
+                                    walk)
+from dualframe.pipeline.layout import DTYPE_NAMES, StageLayout
+
+T = TypeVar("T")
+_INT64, _FLOAT64 = DTYPE_NAMES.index("int64"), DTYPE_NAMES.index("float64")
+
+#: What one rank contributes to ``timing_report``: (replica, its timing line, mean busy s, mean step s).
+TimingFacts = Tuple[int, str, float, float]
+
+
+def timing_report(gathered: Sequence[TimingFacts]) -> List[str]:
+    """Every rank's timing line in rank order, then each replica's step and bubble over its whole pipeline.
+
+    A stage's own bubble ends when that stage finishes; the replica line uses
+    ``stage_runner.pipeline_bubble``, the share that GPipe's (n-1)/(m+n-1) counts.
+
+    Example:
+        >>> timing_report([(0, "stage 0 ...", 3.0, 6.0), (0, "stage 1 ...", 3.0, 4.0)])[-1]
+        'replica 0 pipeline: step 6000.0 ms, bubble 50.0%'
+    """
+    lines = [line for _, line, _, _ in gathered]
+    for replica in sorted({facts[0] for facts in gathered}):
+        busy = [b for r, _, b, _ in gathered if r == replica]
+        walls = [w for r, _, _, w in gathered if r == replica]
+        if max(walls) > 0:
+            lines.append(f"replica {replica} pipeline: step {max(walls) * 1e3:.1f} ms, "
+                         f"bubble {pipeline_bubble(busy, walls):.1%}")
+    return lines
+
+
+class PipelineStage(Generic[T]):
+    """Rank ``rank``'s place in a checked pipeline layout, and its step over a framework's wire.
+
+    Args:
+        layout: the checked arguments (``stage_setup.layout_pipeline``).
+        wire: the framework's tensor and Horovod calls.
+        rank: this process's Horovod rank.
+        sets: Horovod process sets by sorted ranks (``stage_setup.resolve_process_sets``).
+        prefix: the pipeline's name in its Horovod operations.
+        step_names: whether operation names carry the step number (see ``StageLink``).
+        direct: MPI point-to-point for the activations and gradients (see ``StageLink``); None: Horovod broadcasts.
+
+    Example:
+        >>> stage = PipelineStage(layout, wire, hvd.rank(), sets, "dpipe0")        # doctest: +SKIP
+        >>> sizes = stage.agree(x, y, train=True)                                   # doctest: +SKIP
+        >>> record = stage.step(stage.plan, micro_inputs, work, train=True)         # doctest: +SKIP
+        >>> loss = stage.mean_loss(work.loss_sum)                                   # doctest: +SKIP
+    """
+
+    def __init__(self, layout: StageLayout, wire: "Wire[T]", rank: int, sets: Dict[Tuple[int, ...], Any],
+                 prefix: str, step_names: bool = True, direct: "Optional[PointToPoint[T]]" = None) -> None:
+        grid = layout.grid
+        self.layout, self.wire, self.rank = layout, wire, rank
+        self.replica, self.index = grid.position(rank)
+        self.stages, self.plan = grid.stages, layout.plans[self.index]
+        self.pipeline_ranks = grid.pipeline_groups[self.replica]
+        self.stage_ranks = grid.stage_groups[self.index]
+        everyone = sets[tuple(range(grid.replicas * grid.stages))]  # Horovod's global set
+        self.pipeline_set = sets.get(tuple(self.pipeline_ranks), everyone)
+        self.stage_process_set = sets.get(tuple(self.stage_ranks)) if grid.replicas > 1 else None
+        self.link = StageLink(wire, self.index, self.pipeline_ranks, rank, sets, prefix, layout.timeout, step_names,
+                              direct)
+        self.records = RecordBook()
+        self._key: Any = None
+
+    @property
+    def is_first(self) -> bool:
+        """True on the rank holding stage 0 (it reads the inputs)."""
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        """True on the rank holding the last stage (it reads the targets and computes the loss)."""
+        return self.index == self.stages - 1
+
+    def agree(self, inputs: Optional[T], targets: Optional[T], train: bool) -> List[int]:
+        """Agree over the pipeline on the batch (one small allreduce); return the micro-batch sizes.
+
+        Raises:
+            ChunksError, StrategyError: a bad batch, on every stage of the pipeline alike.
+        """
+        shape: Optional[Tuple[int, ...]] = None
+        code, rows = 0, (None if train else 0)
+        if self.is_first and inputs is not None:
+            shape, code = self.wire.describe(inputs)
+        if train and self.is_last and targets is not None:
+            dims = self.wire.describe(targets)[0]
+            rows = dims[0] if dims else None
+        mine = self.wire.tensor(step_agreement(shape, code, rows, self.is_first, self.is_last), _INT64)
+        handle = self.wire.allreduce(mine, "sum", self.link.name("agree"), self.pipeline_set)
+        fields = self.link.wait(handle, f"starting step {self.link.step}")
+        shape, code, sizes = read_agreement(self.wire.values(fields), self.layout.chunks, need_targets=train)
+        self._key = (shape, code)
+        return sizes
+
+    def step(self, plan: Sequence[Action], micro_inputs: Sequence[T], work: "StageWork[T]", train: bool) -> StepRecord:
+        """Walk ``plan`` on the agreed batch, exchanging messages with the neighbours; keep its record."""
+        self.link.begin(self._key, backward=train, chunks=self.layout.chunks)
+        record = walk(plan, self.index, self.stages, micro_inputs, work, self.link)
+        self.link.finish()
+        self.records.add(record)
+        return record
+
+    def mean_loss(self, loss_sum: float) -> float:
+        """The step's mean loss (the last stage's ``loss_sum``, averaged over replicas) on every rank of the pipeline."""
+        loss = self.wire.tensor([loss_sum if self.is_last else 0.0], _FLOAT64)
+        name = self.link.name("loss")
+        if self.is_last and self.stage_process_set is not None:
+            handle = self.wire.allreduce(loss, "average", name + ".replicas", self.stage_process_set)
+            loss = self.link.wait(handle, "averaging the loss")
+        handle = self.wire.broadcast(loss, self.pipeline_ranks[-1], name, self.pipeline_set)
+        return float(self.wire.values(self.link.wait(handle, "waiting for the loss"))[0])
+
+    def timing(self) -> str:
+        """One line for this stage: mean step seconds, computing seconds and idle share (the bubble)."""
+        book = self.records
+        return (f"replica {self.replica} stage {self.index} (rank {self.rank}): step "
+                f"{book.mean_wall() * 1e3:.1f} ms, busy {book.mean_busy() * 1e3:.1f} ms, idle {book.mean_bubble():.1%}")
+
+
+class StageView:
+    """What both adapters' ``DistributedPipeline`` show of their ``PipelineStage`` (``self.role``): read-only facts.
+
+    Example:
+        >>> class DistributedPipeline(StageView):                       # doctest: +SKIP
+        ...     def __init__(self, ...): self.role = PipelineStage(...)
+        >>> pipe.stage_index, pipe.is_last, pipe.timing()                 # doctest: +SKIP
+    """
+
+    role: "PipelineStage[Any]"
+
+    @property
+    def replica(self) -> int:
+        """The pipeline replica this rank belongs to."""
+        return self.role.replica
+
+    @property
+    def stage_index(self) -> int:
+        """j: the stage this rank holds."""
+        return self.role.index
+
+    @property
+    def stages(self) -> int:
+        """n: stages per pipeline."""
+        return self.role.stages
+
+    @property
+    def plan(self) -> List[Action]:
+        """This stage's actions in one training step."""
+        return self.role.plan
+
+    @property
+    def is_first(self) -> bool:
+        """True on the rank holding stage 0 (it reads the inputs)."""
+        return self.role.is_first
+
+    @property
+    def is_last(self) -> bool:
+        """True on the rank holding the last stage (it reads the targets and computes the loss)."""
+        return self.role.is_last
+
+    @property
+    def records(self) -> RecordBook:
+        """The last steps' records on this stage (timing, measured bubble)."""
+        return self.role.records
+
+    @property
+    def pipeline_ranks(self) -> List[int]:
+        """This pipeline's ranks, in stage order."""
+        return self.role.pipeline_ranks
+
+    @property
+    def stage_ranks(self) -> List[int]:
+        """The ranks holding this stage (one per replica)."""
+        return self.role.stage_ranks
+
+    @property
+    def pipeline_set(self) -> Any:
+        """The Horovod process set of this pipeline."""
+        return self.role.pipeline_set
+
+    @property
+    def stage_process_set(self) -> Any:
+        """The Horovod process set of this stage's replicas (None with a single replica)."""
+        return self.role.stage_process_set
+
+    def timing(self) -> str:
+        """One line for this stage: mean step seconds, computing seconds and idle share (the bubble)."""
+        return self.role.timing()
+
+    def timing_facts(self) -> TimingFacts:
+        """What ``timing_report`` needs from this rank: (replica, ``timing()``, mean busy s, mean step s)."""
+        book = self.records
+        return self.replica, self.timing(), book.mean_busy(), book.mean_wall()

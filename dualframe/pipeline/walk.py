@@ -1,0 +1,233 @@
+"""Walking one pipeline stage's action list: the executor both adapters share, framework-neutral.
+
+A stage process runs its list from ``dualframe.pipeline.schedule`` in order. ``F i`` takes micro-batch i
+(from the inputs on the first stage, from the previous stage otherwise), runs the stage and sends
+the output on; ``B i`` takes the output's gradient (from the next stage; the last stage starts from
+its loss), runs backward and sends the input's gradient back. The framework supplies the work
+(``StageWork``) and the transport (``StageLinks``); this module only walks and times.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Protocol, Sequence, Tuple, TypeVar
+
+from dualframe.errors import ChunksError, StrategyError
+from dualframe.pipeline.microbatch import micro_batch_sizes
+from dualframe.pipeline.schedule import FORWARD, Action
+
+T = TypeVar("T")
+
+
+class StageWork(Protocol[T]):
+    """The stage's computation on one micro-batch (the framework's part)."""
+
+    def forward(self, i: int, x: T) -> Optional[T]:
+        """Run the stage on micro-batch i's input; return what goes to the next stage (None on the last)."""
+
+    def backward(self, i: int, grad: Optional[T]) -> Optional[T]:
+        """Backward of micro-batch i from its output's gradient (None on the last stage: from the loss).
+
+        Returns the gradient of the stage's input (None on the first stage)."""
+
+
+class StageLinks(Protocol[T]):
+    """Messages to and from the neighbouring stages, tagged ``"F3"`` (activation) or ``"B3"`` (gradient)."""
+
+    def receive(self, tag: str) -> T:
+        """Wait for the message ``tag`` from the neighbour that sends it."""
+
+    def send(self, tag: str, tensor: T) -> None:
+        """Send ``tensor`` as ``tag`` to the neighbour that receives it (may return before delivery)."""
+
+
+@dataclass
+class StepRecord:
+    """What one stage did in one step: each action with its start and end (seconds), and the wall time.
+
+    Example:
+        >>> record = StepRecord(start=0.0, end=4.0, actions=[("F0", 0.0, 1.0), ("B0", 2.0, 3.0)])
+        >>> record.busy, record.bubble
+        (2.0, 0.5)
+    """
+
+    start: float = 0.0
+    end: float = 0.0
+    actions: List[Tuple[str, float, float]] = field(default_factory=list)
+
+    @property
+    def wall(self) -> float:
+        """Seconds from the step's start to its end on this stage."""
+        return self.end - self.start
+
+    @property
+    def busy(self) -> float:
+        """Seconds spent computing (forward and backward), not waiting for neighbours."""
+        return sum(end - start for _, start, end in self.actions)
+
+    @property
+    def bubble(self) -> float:
+        """Share of the step this stage was idle (waiting): ``1 - busy / wall``."""
+        return 1.0 - self.busy / self.wall if self.wall > 0 else 0.0
+
+
+def walk(
+    plan: Sequence[Action],
+    stage: int,
+    stages: int,
+    inputs: Sequence[T],
+    work: "StageWork[T]",
+    links: "StageLinks[T]",
+    clock: Callable[[], float] = time.perf_counter,
+) -> StepRecord:
+    """Run stage ``stage``'s actions in order, exchanging messages with its neighbours.
+
+    Args:
+        plan: this stage's actions, e.g. ``rank_schedule("1f1b", n, m)[j]``.
+        stage: j, this stage's index; ``stages``: n.
+        inputs: the micro-batches (read on the first stage only).
+        work: the framework's forward/backward of this stage.
+        links: the transport to the neighbours.
+        clock: the time source for the record.
+
+    Returns:
+        The StepRecord of this step on this stage.
+    """
+    j, n = stage, stages
+    record = StepRecord(start=clock())
+    for action in plan:
+        i, tag = action.micro, str(action)
+        if action.kind == FORWARD:
+            x = inputs[i] if j == 0 else links.receive(tag)
+            begin = clock()
+            y = work.forward(i, x)
+            record.actions.append((tag, begin, clock()))
+            if j < n - 1 and y is not None:
+                links.send(tag, y)
+        else:
+            grad = links.receive(tag) if j < n - 1 else None
+            begin = clock()
+            grad_input = work.backward(i, grad)
+            record.actions.append((tag, begin, clock()))
+            if j > 0 and grad_input is not None:
+                links.send(tag, grad_input)
+    record.end = clock()
+    return record
+
+
+class RecordBook:
+    """The last steps' StepRecords of one stage, for per-stage timing and the measured bubble.
+
+    Example:
+        >>> book = RecordBook(keep=2)
+        >>> for k in range(3): book.add(StepRecord(0.0, 2.0, [("F0", 0.0, 1.0)]))
+        >>> len(book.records), book.mean_bubble()
+        (2, 0.5)
+    """
+
+    def __init__(self, keep: int = 100) -> None:
+        self.keep = keep
+        self.records: List[StepRecord] = []
+
+    def add(self, record: StepRecord) -> None:
+        """Keep ``record``, dropping the oldest beyond ``keep``."""
+        self.records = (self.records + [record])[-self.keep:]
+
+    def _measured(self) -> List[StepRecord]:
+        # The first step pays one-off costs (allocator, autograd start-up, shape headers): left out.
+        return self.records[1:] if len(self.records) > 1 else self.records
+
+    def mean_bubble(self) -> float:
+        """Mean idle share over the kept steps (the first left out when there are more)."""
+        kept = self._measured()
+        return sum(r.bubble for r in kept) / len(kept) if kept else 0.0
+
+    def mean_wall(self) -> float:
+        """Mean step seconds over the kept steps (the first left out when there are more)."""
+        kept = self._measured()
+        return sum(r.wall for r in kept) / len(kept) if kept else 0.0
+
+    def mean_busy(self) -> float:
+        """Mean computing seconds per step over the kept steps (the first left out when there are more)."""
+        kept = self._measured()
+        return sum(r.busy for r in kept) / len(kept) if kept else 0.0
+
+
+def pipeline_bubble(busy: Sequence[float], walls: Sequence[float]) -> float:
+    """Idle share of the whole pipeline's step, from every stage's mean computing and step seconds.
+
+    ``1 - mean(busy) / max(walls)``: the definition GPipe's (n-1)/(m+n-1) counts (the same as
+    ``dualframe.observe.timeline.bubble_fraction`` in one process). A stage's own ``bubble`` ends when that
+    stage finishes; under GPipe the last stage finishes its backward passes while the first still
+    runs its own, so its own figure leaves out the idle tail. The stages start a step together
+    (after the step agreement), so the longest stage step is the pipeline's.
+
+    Example:
+        >>> pipeline_bubble([3.0, 3.0], [6.0, 4.0])   # m = 1, n = 2, a backward costing two forwards
+        0.5
+
+    Raises:
+        StrategyError: no stages, different numbers of busy and step figures, or a step of 0 s.
+    """
+    if not busy or len(busy) != len(walls):
+        raise StrategyError(f"pipeline_bubble needs one busy and one step figure per stage "
+                            f"(busy: {len(busy)}, walls: {len(walls)})")
+    span = max(walls)
+    if span <= 0:
+        raise StrategyError(f"pipeline_bubble needs a step longer than 0 s (walls: {list(walls)})")
+    return 1.0 - sum(busy) / len(busy) / span
+
+
+#: Most input dimensions the step agreement can carry.
+MAX_DIMS = 8
+_MISSING, _TOO_MANY_DIMS = 1, 2
+AGREEMENT_LENGTH = MAX_DIMS + 5
+
+
+def step_agreement(shape: Optional[Sequence[int]], dtype_code: int, target_rows: Optional[int],
+                   first: bool, last: bool) -> List[int]:
+    """This rank's share of the step agreement, summed over the pipeline before any micro-batch moves.
+
+    The first stage writes the input's shape and dtype, the last stage its targets' rows; the sum
+    gives every stage the same facts, so every stage refuses bad input with the same error and
+    none is left waiting. Fields: [input status, ndim, dims x MAX_DIMS, dtype, target status, rows].
+    """
+    fields = [0] * AGREEMENT_LENGTH
+    if first:
+        if shape is None:
+            fields[0] = _MISSING
+        elif len(shape) > MAX_DIMS or len(shape) == 0:
+            fields[0], fields[1] = _TOO_MANY_DIMS, len(shape)
+        else:
+            fields[1] = len(shape)
+            fields[2:2 + len(shape)] = list(shape)
+            fields[2 + MAX_DIMS] = dtype_code
+    if last:
+        fields[3 + MAX_DIMS] = _MISSING if target_rows is None else 0
+        fields[4 + MAX_DIMS] = target_rows or 0
+    return fields
+
+
+def read_agreement(fields: Sequence[int], chunks: int, need_targets: bool) -> Tuple[Tuple[int, ...], int, List[int]]:
+    """Check the summed agreement and return (input shape, dtype code, micro-batch sizes).
+
+    Raises:
+        StrategyError: no inputs on the first stage, a 0-d or over-8-d input, missing or mismatched targets.
+        ChunksError: a batch smaller than ``chunks``.
+    """
+    status, ndim = int(fields[0]), int(fields[1])
+    if status == _MISSING:
+        raise StrategyError("the first stage of the pipeline got inputs=None; pass the mini-batch there")
+    if status == _TOO_MANY_DIMS:
+        raise StrategyError(f"inputs must have 1 to {MAX_DIMS} dimensions, batch first (inputs.ndim: {ndim})")
+    shape = tuple(int(d) for d in fields[2:2 + ndim])
+    sizes = micro_batch_sizes(shape[0], chunks)
+    if need_targets:
+        if int(fields[3 + MAX_DIMS]) == _MISSING:
+            raise StrategyError("the last stage of the pipeline got targets=None; pass the targets there")
+        if int(fields[4 + MAX_DIMS]) != shape[0]:
+            raise ChunksError(
+                f"targets must have one row per input row (inputs: {shape[0]} rows, "
+                f"targets: {int(fields[4 + MAX_DIMS])} rows)"
+            )
+    return shape, int(fields[2 + MAX_DIMS]), sizes

@@ -1,0 +1,1 @@
+"""Reliability, framework-neutral: failing and stalled ranks, atomic checkpoints, pipeline stage checkpoints."""
