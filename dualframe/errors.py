@@ -43,3 +43,11 @@ class StageError(DualframeError, RuntimeError):
     def __init__(self, message: str, micro_batch: int = -1, stage: int = -1, tick: int = -1) -> None:
         super().__init__(message)
         self.micro_batch, self.stage, self.tick = micro_batch, stage, tick
+
+
+class SplitPointError(BalanceError):
+    """A ``split_points`` entry does not name a place where a new stage can begin."""
+
+
+class TraceError(DualframeError, TypeError):
+    """A model cannot be captured as a graph; the message says why and what to do."""
