@@ -141,3 +141,14 @@ def test_cycle_finder_sees_a_package_init_run_by_a_submodule_import(tmp_path):
                       "pkg/tf/keras/__init__.py": "from pkg.tf import *\n", "pkg/tf/keras/state.py": "run = 1\n"})
     assert find_cycle(import_graph(tmp_path, "pkg")) == [
         "pkg.tf", "pkg.tf.elastic", "pkg.tf.keras", "pkg.tf"]
+
+
+def test_keras_package_only_re_exports_the_tensorflow_adapter():
+    # As Horovod's _keras: the code lives in dualframe/tensorflow/, the keras package names it.
+    package = ROOT / "dualframe" / "tensorflow" / "keras"
+    assert sorted(p.name for p in package.glob("*.py")) == ["__init__.py"], "keras/ holds re-exports only"
+    for node in ast.parse((package / "__init__.py").read_text()).body[1:]:
+        assert isinstance(node, (ast.Import, ast.ImportFrom)) or (
+            isinstance(node, ast.Assign) and [ast.unparse(t) for t in node.targets] == ["__all__"]), (
+            f"dualframe/tensorflow/keras/__init__.py line {node.lineno} is not a re-export: move it into "
+            f"dualframe/tensorflow/")
