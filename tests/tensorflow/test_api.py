@@ -23,3 +23,20 @@ def test_tensorflow_imports_without_keras_and_keras_re_exports_every_name():
     """)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
+def test_an_optimizer_saved_from_the_old_module_path_still_loads():
+    # .keras files written before the move name the module dualframe.tensorflow.keras.optimizer; Keras finds
+    # the class by its registered name (dualframe>DistributedOptimizer), so they load as they are.
+    import keras
+
+    import dualframe.tensorflow.keras as hvd
+
+    hvd.init()
+    config = keras.saving.serialize_keras_object(
+        hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), compression=hvd.Compression.fp16, backward_passes_per_step=2))
+    assert config["registered_name"] == "dualframe>DistributedOptimizer"
+    config["module"] = "dualframe.tensorflow.keras.optimizer"
+    loaded = keras.saving.deserialize_keras_object(config)
+    assert isinstance(loaded, hvd.DistributedOptimizer) and loaded.reduction.compression is hvd.Compression.fp16
+    assert loaded.accumulation.steps == 2 and abs(float(loaded.learning_rate) - 0.1) < 1e-7
