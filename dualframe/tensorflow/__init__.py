@@ -2,7 +2,8 @@
 
 Sections, in the same order as ``dualframe.torch``: collectives and basics, data parallelism, model
 split and pipelines in one process, process pipelines, reliability, observing. The Keras API
-(``dualframe.tensorflow.keras``) re-exports all of this and adds its Keras parts, written here too.
+(``dualframe.tensorflow.keras``) re-exports all of this plus the Keras parts, whose code lives in this
+package too (``optimizer``, ``callbacks``, ``saving``, ``checkpoint``, ``elastic``), as Horovod's ``_keras``.
 """
 # --- Collectives and basics: start Horovod, who am I, reduce / gather / broadcast ----------------------------
 from dualframe.tensorflow.collectives import (
