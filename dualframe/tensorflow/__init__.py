@@ -1,4 +1,11 @@
-"""TensorFlow adapter: Horovod's TF API on Keras 3 plus dualframe's strategies (``import dualframe.tensorflow as hvd``)."""
+"""TensorFlow adapter: Horovod's TF API on Keras 3 plus dualframe's strategies (``import dualframe.tensorflow as hvd``).
+
+Sections, in the same order as ``dualframe.torch``: collectives and basics, data parallelism, model
+split and pipelines in one process, process pipelines, reliability, observing. The Keras API
+(``dualframe.tensorflow.keras``) re-exports all of this plus the Keras parts, whose code lives in this
+package too (``optimizer``, ``callbacks``, ``saving``, ``checkpoint``, ``elastic``), as Horovod's ``_keras``.
+"""
+# --- Collectives and basics: start Horovod, who am I, reduce / gather / broadcast ----------------------------
 from dualframe.tensorflow.collectives import (
     OPS,
     TFBatchOps,
@@ -7,7 +14,6 @@ from dualframe.tensorflow.collectives import (
     collectives,
     hvd as _hvd,
 )
-from dualframe.tensorflow.data import shard
 from dualframe.tensorflow.functions import (
     allgather,
     allgather_object,
@@ -21,10 +27,6 @@ from dualframe.tensorflow.functions import (
     local_rank,
     local_size,
 )
-from dualframe.tensorflow.gradient_tape import DistributedGradientTape, PartialDistributedGradientTape
-from dualframe.tensorflow.gradients import Compression
-from dualframe.tensorflow.strategy import distribute
-from dualframe.tensorflow.sync_batch_norm import SyncBatchNormalization
 
 Average = _hvd.Average
 Sum = _hvd.Sum
@@ -49,8 +51,6 @@ alltoall = _hvd.alltoall
 reducescatter = _hvd.reducescatter
 join = _hvd.join
 is_homogeneous = _hvd.is_homogeneous
-start_timeline = _hvd.start_timeline
-stop_timeline = _hvd.stop_timeline
 mpi_enabled = _hvd.mpi_enabled
 mpi_built = _hvd.mpi_built
 gloo_enabled = _hvd.gloo_enabled
@@ -76,43 +76,51 @@ __all__ = [
     "init", "is_initialized", "rank", "size", "shutdown", "local_rank", "local_size", "cross_rank",
     "cross_size", "allreduce", "allgather", "broadcast", "broadcast_variables", "broadcast_object",
     "allgather_object", "barrier", "grouped_allreduce", "alltoall", "reducescatter", "join",
-    "DistributedGradientTape", "PartialDistributedGradientTape", "SyncBatchNormalization", "Compression",
-    "shard", "distribute",
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "is_homogeneous",
-    "start_timeline", "stop_timeline", "mpi_enabled", "mpi_built", "gloo_enabled", "gloo_built",
-    "nccl_built", "cuda_built", "mpi_threads_supported",
+    "mpi_enabled", "mpi_built", "gloo_enabled", "gloo_built", "nccl_built", "cuda_built", "mpi_threads_supported",
     "ccl_built", "grouped_allgather", "grouped_reducescatter", "broadcast_", "broadcast_object_fn",
     "broadcast_global_variables", "rank_op", "local_rank_op", "size_op", "local_size_op", "process_set_included_op",
 ]
 
-# Model split and GPipe pipeline in one process (issue 5).
+# --- Data parallelism: gradients averaged across ranks (Keras: DistributedOptimizer, callbacks) --------------
+from dualframe.tensorflow.compression import Compression  # noqa: E402
+from dualframe.tensorflow.data import shard  # noqa: E402
+from dualframe.tensorflow.gradient_tape import DistributedGradientTape, PartialDistributedGradientTape  # noqa: E402
+from dualframe.tensorflow.strategy import distribute  # noqa: E402
+from dualframe.tensorflow.sync_batch_norm import SyncBatchNormalization  # noqa: E402
+
+__all__ += ["DistributedGradientTape", "PartialDistributedGradientTape", "SyncBatchNormalization", "Compression",
+            "shard", "distribute"]
+
+# --- Model split and pipelines in one process ------------------------------------------------------------------
 from dualframe.tensorflow.balance import balance_by_size, balance_by_time  # noqa: E402
 from dualframe.tensorflow.model_parallel import ModelParallel, logical_cpus  # noqa: E402
 from dualframe.tensorflow.pipeline import Pipeline  # noqa: E402
 
 __all__ += ["ModelParallel", "Pipeline", "logical_cpus", "balance_by_size", "balance_by_time"]
 
-# Pipelines whose stages are processes (issue 6).
+# --- Process pipelines: each stage a process, and data x pipeline ---------------------------------------------
 from dualframe.pipeline.layout import PeerLostError  # noqa: E402
 from dualframe.tensorflow.distributed_pipeline import DistributedPipeline  # noqa: E402
 
 __all__ += ["DistributedPipeline", "PeerLostError"]
 
-# A custom tf.function step bounded by the stall watchdog (issue 8; Keras fit: hvd.callbacks.StallGuardCallback).
+# --- Reliability: failure, checkpoints, elastic -----------------------------------------------------------------
+# A custom tf.function step bounded by the stall watchdog (Keras fit: hvd.callbacks.StallGuardCallback).
 from dualframe.tensorflow.failure import stall_guard  # noqa: E402
-
-__all__ += ["stall_guard"]
-
-# Process pipelines' checkpoints: each stage saves its part, resumes, a merge gives the full model's (issue 8).
+# Process pipelines' checkpoints: each stage saves its part, resumes, a merge gives the full model's.
 from dualframe.tensorflow.stage_checkpoint import (  # noqa: E402
     load_stage_checkpoint,
     merge_stage_checkpoints,
     save_stage_checkpoint,
 )
-
-__all__ += ["save_stage_checkpoint", "load_stage_checkpoint", "merge_stage_checkpoints"]
-
-# Horovod's hvd.elastic for GradientTape scripts (run, TensorFlowKerasState on Keras 3, TensorFlowState): a
-# submodule as in Horovod, not in __all__ (dualframe.tensorflow.keras has its own). Last: it imports
-# dualframe.tensorflow.keras, which re-exports everything above.
+# hvd.elastic (run, TensorFlowKerasState, TensorFlowState): a submodule as in Horovod, not in __all__.
 from dualframe.tensorflow import elastic  # noqa: E402,F401
+
+__all__ += ["stall_guard", "save_stage_checkpoint", "load_stage_checkpoint", "merge_stage_checkpoints"]
+
+# --- Observing ---------------------------------------------------------------------------------------------------
+start_timeline = _hvd.start_timeline
+stop_timeline = _hvd.stop_timeline
+
+__all__ += ["start_timeline", "stop_timeline"]

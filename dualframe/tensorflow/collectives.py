@@ -84,7 +84,8 @@ class TFCollectives:
         return hvd.allgather(tensor, name=name)
 
     def barrier(self) -> None:
-        # horovod.tensorflow 0.28 has no barrier; functions.barrier is the one-number allreduce.
+        # horovod.tensorflow 0.28 has no barrier; functions.barrier is the one-number allreduce (imported
+        # here because functions imports this module).
         from dualframe.tensorflow.functions import barrier
 
         barrier()

@@ -20,6 +20,7 @@ from dualframe.pipeline.stage import PipelineStage, StageView, timing_report
 from dualframe.pipeline.walk import StepRecord
 from dualframe.pipeline.layout import layout_pipeline
 from dualframe.tensorflow.collectives import hvd
+from dualframe.tensorflow.optimizer import DistributedOptimizer
 from dualframe.tensorflow.pipeline_transport import TFWire, point_to_point, process_sets
 from dualframe.tensorflow.pipeline_work import StageFunctions, TFStageWork, fusable
 from dualframe.launch.topology import detect
@@ -146,8 +147,6 @@ class DistributedPipeline(StageView):
         """
         if self.stage_process_set is None:
             return optimizer
-        from dualframe.tensorflow.keras import DistributedOptimizer
-
         return DistributedOptimizer(optimizer, process_set=self.stage_process_set, **kwargs)
 
     def apply_gradients(self, optimizer: Any) -> None:

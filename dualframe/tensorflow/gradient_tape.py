@@ -9,7 +9,8 @@ import tensorflow as tf
 from dualframe.errors import StrategyError
 from dualframe.tensorflow.collectives import hvd
 from dualframe.tensorflow.failure import eager_guard
-from dualframe.tensorflow.gradients import Compression, ReduceSettings, reduce_gradients
+from dualframe.tensorflow.compression import Compression
+from dualframe.tensorflow.gradients import ReduceSettings, reduce_gradients
 
 
 class DistributedGradientTape:

@@ -6,13 +6,10 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 import tensorflow as tf
 
-from dualframe.dp.compression import CompressionSet
 from dualframe.errors import StrategyError
 from dualframe.dp.checks import check_bool, check_compression, check_data_parallel, op_name
-from dualframe.tensorflow.collectives import OPS, TFCaster, check_initialized, hvd
-
-#: Horovod's ``Compression`` namespace (``.none``, ``.fp16``) built from the core's shared compressors.
-Compression = CompressionSet(TFCaster())
+from dualframe.tensorflow.collectives import OPS, check_initialized, hvd
+from dualframe.tensorflow.compression import Compression
 
 Gradient = Union[tf.Tensor, tf.IndexedSlices]
 

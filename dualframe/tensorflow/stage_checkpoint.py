@@ -2,7 +2,7 @@
 
 The TensorFlow twin of ``dualframe.torch.stage_checkpoint``. Stage j's file, in
 ``{directory}/stage-{j}``, is an ``.npz`` in the Keras checkpoint format
-(``dualframe.tensorflow.keras.checkpoint``): the variables of the stage's layers (Dropout's seed
+(``dualframe.tensorflow.checkpoint``): the variables of the stage's layers (Dropout's seed
 generators included) in the full model's order, the stage optimizer's variables, a JSON header and
 the RNG states of the stage's ranks; written by the first rank of the stage's data-parallel group
 through the core's :class:`~dualframe.reliability.checkpoint.CheckpointDir`. ``merge_stage_checkpoints`` joins
@@ -24,7 +24,7 @@ from dualframe.reliability.stage_checkpoint import (agreed_step, check_directory
 from dualframe.tensorflow.collectives import hvd
 from dualframe.tensorflow.distributed_pipeline import DistributedPipeline
 from dualframe.reliability.checkpoint import read_newest
-from dualframe.tensorflow.keras.checkpoint import FORMAT, SUFFIX, _assign, _broadcast_bytes, rng_state, set_rng_state
+from dualframe.tensorflow.checkpoint import FORMAT, SUFFIX, _assign, _broadcast_bytes, rng_state, set_rng_state
 
 _NAME = "dualframe.reliability.stage_checkpoint"
 

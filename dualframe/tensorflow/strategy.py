@@ -7,7 +7,9 @@ import keras
 
 from dualframe.errors import StrategyError
 from dualframe.strategy import DataParallel, Strategy
+from dualframe.tensorflow.callbacks import broadcast_model
 from dualframe.tensorflow.collectives import check_initialized
+from dualframe.tensorflow.optimizer import DistributedOptimizer, check_wrappable
 
 
 def distribute(model: keras.Model, strategy: Optional[Strategy] = None, root_rank: int = 0) -> keras.Model:
@@ -32,9 +34,6 @@ def distribute(model: keras.Model, strategy: Optional[Strategy] = None, root_ran
 
 
 def _data_parallel(model: Any, strategy: DataParallel, root_rank: int) -> keras.Model:
-    from dualframe.tensorflow.keras.callbacks import broadcast_model
-    from dualframe.tensorflow.keras.optimizer import DistributedOptimizer, check_wrappable
-
     check_initialized("distribute")
     if not isinstance(model, keras.Model):
         raise TypeError(f"distribute needs a keras.Model (got {type(model).__name__})")

@@ -1,4 +1,9 @@
-"""PyTorch adapter: Horovod's torch API plus dualframe's strategies (``import dualframe.torch as hvd``)."""
+"""PyTorch adapter: Horovod's torch API plus dualframe's strategies (``import dualframe.torch as hvd``).
+
+Sections, in the same order as ``dualframe.tensorflow``: collectives and basics, data parallelism, model
+split and pipelines in one process, process pipelines, reliability, observing.
+"""
+# --- Collectives and basics: start Horovod, who am I, reduce / gather / broadcast ----------------------------
 from dualframe.torch.collectives import (
     OPS,
     TorchBatchOps,
@@ -7,26 +12,11 @@ from dualframe.torch.collectives import (
     collectives,
     hvd as _hvd,
 )
-from dualframe.torch.compression import Compression
-from dualframe.torch.distribute import distribute
 from dualframe.torch.functions import (
     allgather_object,
     broadcast_object,
-    broadcast_optimizer_state,
-    broadcast_parameters,
     init,
     wrapped as _wrapped,
-)
-from dualframe.torch.optimizer import DistributedOptimizer
-from dualframe.torch.sync_batch_norm import SyncBatchNorm
-from dualframe.torch.utils import (
-    distributed_sampler,
-    is_root,
-    log,
-    metric_average,
-    progress,
-    shard_batch,
-    warmup_lr_scheduler,
 )
 
 # Horovod's constants and classes, unchanged.
@@ -43,7 +33,7 @@ ddl_built, ccl_built, cuda_built, rocm_built = _hvd.ddl_built, _hvd.ccl_built, _
 # tensors, ops and root ranks checked before any communication.
 _CHECKED = _wrapped([
     "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size",
-    "mpi_threads_supported", "mpi_enabled", "gloo_enabled", "start_timeline", "stop_timeline",
+    "mpi_threads_supported", "mpi_enabled", "gloo_enabled",
     "add_process_set", "remove_process_set",
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
     "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
@@ -61,8 +51,6 @@ cross_size = _CHECKED["cross_size"]
 mpi_threads_supported = _CHECKED["mpi_threads_supported"]
 mpi_enabled = _CHECKED["mpi_enabled"]
 gloo_enabled = _CHECKED["gloo_enabled"]
-start_timeline = _CHECKED["start_timeline"]
-stop_timeline = _CHECKED["stop_timeline"]
 add_process_set = _CHECKED["add_process_set"]
 remove_process_set = _CHECKED["remove_process_set"]
 allreduce = _CHECKED["allreduce"]
@@ -95,16 +83,31 @@ synchronize = _CHECKED["synchronize"]
 
 __all__ = [
     "OPS", "TorchBatchOps", "TorchCaster", "TorchCollectives", "collectives",
-    "Compression", "DistributedOptimizer", "SyncBatchNorm", "distribute",
     "Average", "Sum", "Adasum", "Min", "Max", "Product", "ProcessSet", "global_process_set",
     "HorovodInternalError", "init", "shutdown", "is_initialized",
     "mpi_built", "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built",
-    "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object",
-    "distributed_sampler", "shard_batch", "metric_average", "warmup_lr_scheduler", "is_root", "log", "progress",
+    "broadcast_object", "allgather_object",
     *_CHECKED,
 ]
 
-# Model split and GPipe pipeline in one process (issue 5).
+# --- Data parallelism: gradients averaged across ranks, data shards, LR warm-up ---------------------------------
+from dualframe.torch.compression import Compression  # noqa: E402
+from dualframe.torch.distribute import distribute  # noqa: E402
+from dualframe.torch.functions import broadcast_optimizer_state, broadcast_parameters  # noqa: E402
+from dualframe.torch.optimizer import DistributedOptimizer  # noqa: E402
+from dualframe.torch.sync_batch_norm import SyncBatchNorm  # noqa: E402
+from dualframe.torch.utils import (  # noqa: E402
+    distributed_sampler,
+    metric_average,
+    shard_batch,
+    warmup_lr_scheduler,
+)
+
+__all__ += ["Compression", "DistributedOptimizer", "SyncBatchNorm", "distribute",
+            "broadcast_parameters", "broadcast_optimizer_state",
+            "distributed_sampler", "shard_batch", "metric_average", "warmup_lr_scheduler"]
+
+# --- Model split and pipelines in one process ------------------------------------------------------------------
 from dualframe.torch.balance import balance_by_size, balance_by_time  # noqa: E402
 from dualframe.torch.deferred_batch_norm import DeferredBatchNorm  # noqa: E402
 from dualframe.torch.model_parallel import ModelParallel  # noqa: E402
@@ -112,24 +115,31 @@ from dualframe.torch.pipeline import Pipeline  # noqa: E402
 
 __all__ += ["ModelParallel", "Pipeline", "DeferredBatchNorm", "balance_by_size", "balance_by_time"]
 
-# Pipelines whose stages are processes, and hybrid data x pipeline (issue 6).
+# --- Process pipelines: each stage a process, and data x pipeline ---------------------------------------------
 from dualframe.torch.distributed_pipeline import DistributedPipeline  # noqa: E402
 from dualframe.torch.pipeline_transport import PeerLostError  # noqa: E402
 
 __all__ += ["DistributedPipeline", "PeerLostError"]
 
-# Checkpoints with exact resume, and pipeline stages' parts merged (issue 8).
+# --- Reliability: failure, checkpoints, elastic -----------------------------------------------------------------
+# Checkpoints with exact resume, and process pipelines' stage parts merged into the full model's.
 from dualframe.torch.checkpoint import TrainingState, load_checkpoint, save_checkpoint  # noqa: E402
 from dualframe.torch.stage_checkpoint import (  # noqa: E402
     load_stage_checkpoint,
     merge_stage_checkpoints,
     save_stage_checkpoint,
 )
-
-__all__ += ["TrainingState", "load_checkpoint", "merge_stage_checkpoints", "save_checkpoint",
-            "save_stage_checkpoint", "load_stage_checkpoint"]
-
-# Elastic data parallelism: hvd.elastic.run, hvd.elastic.TorchState (issue 8).
+# hvd.elastic (run, TorchState): a submodule as in Horovod.
 from dualframe.torch import elastic  # noqa: E402
 
-__all__ += ["elastic"]
+__all__ += ["TrainingState", "load_checkpoint", "merge_stage_checkpoints", "save_checkpoint",
+            "save_stage_checkpoint", "load_stage_checkpoint", "elastic"]
+
+# --- Observing: rank-0 output, Horovod's timeline ----------------------------------------------------------------
+from dualframe.torch.utils import is_root, log, progress  # noqa: E402
+
+_OBSERVING = _wrapped(["start_timeline", "stop_timeline"])
+start_timeline = _OBSERVING["start_timeline"]
+stop_timeline = _OBSERVING["stop_timeline"]
+
+__all__ += ["is_root", "log", "progress", *_OBSERVING]

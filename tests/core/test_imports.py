@@ -1,4 +1,5 @@
 """The core never imports a framework or Horovod: proven in a fresh interpreter."""
+import ast
 import pathlib
 import subprocess
 import sys
@@ -27,3 +28,127 @@ def test_every_core_module_has_a_docstring():
     for path in (ROOT / "dualframe").rglob("*.py"):
         text = path.read_text().lstrip()
         assert text.startswith('"""'), f"{path.relative_to(ROOT)} has no module docstring"
+
+
+# --- No import cycles: the module-level import graph of dualframe, from the source (no import runs) -----------
+
+def _module_name(path: pathlib.Path, root: pathlib.Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _module_level(body):
+    """Statements that run when the module is imported: not function bodies, not ``if TYPE_CHECKING:``."""
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            yield from _module_level(node.orelse)
+            continue
+        yield node
+        for field in ("body", "orelse", "finalbody", "handlers"):
+            yield from _module_level(getattr(node, field, None) or [])
+
+
+def _ancestors(name: str):
+    parts = name.split(".")
+    return {".".join(parts[:i]) for i in range(1, len(parts))}
+
+
+def import_graph(root: pathlib.Path, package: str):
+    """{module: modules of ``package`` its import runs at module level}.
+
+    ``import a.b.c`` runs ``a/__init__`` and ``a/b/__init__`` too: those count, except the importer's own
+    ancestors (already being imported when it runs). ``from a import b`` depends on ``a.b`` when that is
+    a module, and on ``a``'s ``__init__`` only for names that are not submodules.
+    """
+    paths = {_module_name(p, root): p for p in (root / package).rglob("*.py")}
+    graph = {}
+    for name, path in paths.items():
+        is_package = path.name == "__init__.py"
+        own = _ancestors(name)
+        targets = set()
+        for node in _module_level(ast.parse(path.read_text(), str(path)).body):
+            if isinstance(node, ast.Import):
+                found = {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = name.split(".")[: len(name.split(".")) - node.level + (1 if is_package else 0)]
+                    base = ".".join(anchor + ([base] if base else []))
+                subs = {f"{base}.{alias.name}" for alias in node.names if f"{base}.{alias.name}" in paths}
+                found = subs | ({base} if len(subs) < len(node.names) else set())
+            else:
+                continue
+            for target in found:
+                targets |= ({target} | (_ancestors(target) - own)) & paths.keys()
+        graph[name] = targets - {name}
+    return graph
+
+
+def find_cycle(graph):
+    """One import cycle as ``[a, b, ..., a]``, or None (a depth-first walk; ``stack`` is the current path)."""
+    done, stack = set(), []
+
+    def visit(name):
+        stack.append(name)
+        for target in sorted(graph.get(name, ())):
+            if target in stack:
+                return stack[stack.index(target):] + [target]
+            if target not in done:
+                cycle = visit(target)
+                if cycle:
+                    return cycle
+        stack.pop()
+        done.add(name)
+        return None
+
+    for name in sorted(graph):
+        if name not in done:
+            cycle = visit(name)
+            if cycle:
+                return cycle
+    return None
+
+
+def test_dualframe_has_no_import_cycle():
+    cycle = find_cycle(import_graph(ROOT, "dualframe"))
+    assert cycle is None, (
+        f"import cycle: {' -> '.join(cycle)}; move the shared part into a module both import, or (rarely) "
+        f"import inside the function that needs it, with a comment saying why")
+
+
+def _write(root: pathlib.Path, files):
+    for relative, text in files.items():
+        path = root / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def test_cycle_finder_names_a_direct_cycle_and_ignores_imports_inside_functions(tmp_path):
+    _write(tmp_path, {"pkg/__init__.py": "", "pkg/a.py": "from pkg.b import x\n", "pkg/b.py": "import pkg.a\nx = 1\n",
+                      "pkg/c.py": "def f():\n    from pkg import d\n", "pkg/d.py": "from . import c\n"})
+    graph = import_graph(tmp_path, "pkg")
+    assert graph["pkg.d"] == {"pkg.c"} and graph["pkg.c"] == set()
+    assert find_cycle(graph) == ["pkg.a", "pkg.b", "pkg.a"]
+
+
+def test_cycle_finder_sees_a_package_init_run_by_a_submodule_import(tmp_path):
+    # The layering fixed in dualframe.tensorflow: the adapter's __init__ imports a module that imports the
+    # keras subpackage, whose __init__ reads the adapter's (half-run) __init__.
+    _write(tmp_path, {"pkg/__init__.py": "", "pkg/tf/__init__.py": "from pkg.tf.elastic import run\n",
+                      "pkg/tf/elastic.py": "from pkg.tf.keras.state import run\n",
+                      "pkg/tf/keras/__init__.py": "from pkg.tf import *\n", "pkg/tf/keras/state.py": "run = 1\n"})
+    assert find_cycle(import_graph(tmp_path, "pkg")) == [
+        "pkg.tf", "pkg.tf.elastic", "pkg.tf.keras", "pkg.tf"]
+
+
+def test_keras_package_only_re_exports_the_tensorflow_adapter():
+    # As Horovod's _keras: the code lives in dualframe/tensorflow/, the keras package names it.
+    package = ROOT / "dualframe" / "tensorflow" / "keras"
+    assert sorted(p.name for p in package.glob("*.py")) == ["__init__.py"], "keras/ holds re-exports only"
+    for node in ast.parse((package / "__init__.py").read_text()).body[1:]:
+        assert isinstance(node, (ast.Import, ast.ImportFrom)) or (
+            isinstance(node, ast.Assign) and [ast.unparse(t) for t in node.targets] == ["__all__"]), (
+            f"dualframe/tensorflow/keras/__init__.py line {node.lineno} is not a re-export: move it into "
+            f"dualframe/tensorflow/")

@@ -1,4 +1,4 @@
-"""dualframe.tensorflow.keras.elastic in one process: argument checks, KerasState commit/restore, progress callbacks."""
+"""hvd.elastic for Keras fit (dualframe.tensorflow.elastic), one process: checks, KerasState commit/restore, callbacks."""
 import keras
 import numpy as np
 import pytest

@@ -1,20 +1,28 @@
-"""Keras 3 adapter (``import dualframe.tensorflow.keras as hvd``): Horovod's Keras API rebuilt on Keras 3."""
-from dualframe.tensorflow import *  # noqa: F401,F403  (Horovod's keras module re-exports the TF API too)
+"""Keras 3 adapter (``import dualframe.tensorflow.keras as hvd``): Horovod's Keras API rebuilt on Keras 3.
+
+Only re-exports: the code lives in ``dualframe.tensorflow`` (as Horovod's ``_keras``), whose API this
+module carries whole (Horovod's keras module re-exports the TF API too), plus the Keras parts below, in
+the sections of ``dualframe.tensorflow``. ``dualframe.keras`` is this same module.
+"""
+from dualframe.tensorflow import *  # noqa: F401,F403  (every section of the TF API)
 from dualframe.tensorflow import __all__ as _tf_all
-from dualframe.tensorflow.keras import callbacks
-from dualframe.tensorflow.keras.callbacks import broadcast_model, verbose
-from dualframe.tensorflow.keras.optimizer import DistributedLossScaleOptimizer, DistributedOptimizer
-from dualframe.tensorflow.keras.saving import load_model
+
+# --- Data parallelism: the optimizer wrapper, Horovod's callbacks, a saved model loaded distributed ------------
+from dualframe.tensorflow import callbacks
+from dualframe.tensorflow.callbacks import broadcast_model
+from dualframe.tensorflow.optimizer import DistributedLossScaleOptimizer, DistributedOptimizer
+from dualframe.tensorflow.saving import load_model
+
+# --- Reliability: checkpoints (rank 0 writes atomically, loads are broadcast), elastic ------------------------
+from dualframe.reliability.checkpoint import TrainingState
+from dualframe.tensorflow import elastic
+from dualframe.tensorflow.checkpoint import CheckpointCallback, load_checkpoint, save_checkpoint
+
+# --- Observing ---------------------------------------------------------------------------------------------------
+from dualframe.tensorflow.callbacks import verbose
 
 __all__ = list(_tf_all) + [
-    "callbacks", "broadcast_model", "verbose", "DistributedOptimizer", "DistributedLossScaleOptimizer",
-    "load_model",
+    "callbacks", "broadcast_model", "DistributedOptimizer", "DistributedLossScaleOptimizer", "load_model",
+    "CheckpointCallback", "TrainingState", "load_checkpoint", "save_checkpoint", "elastic",
+    "verbose",
 ]
-
-# Checkpoints: rank 0 writes atomically, loads are broadcast (reliability, issue 8).
-from dualframe.reliability.checkpoint import TrainingState  # noqa: E402
-from dualframe.tensorflow.keras.checkpoint import CheckpointCallback, load_checkpoint, save_checkpoint  # noqa: E402
-
-from dualframe.tensorflow.keras import elastic  # noqa: E402
-
-__all__ += ["CheckpointCallback", "TrainingState", "load_checkpoint", "save_checkpoint", "elastic"]

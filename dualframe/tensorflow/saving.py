@@ -5,8 +5,8 @@ from typing import Any, Dict, Optional, Sequence
 
 import keras
 
-from dualframe.tensorflow.gradients import Compression
-from dualframe.tensorflow.keras.optimizer import DistributedLossScaleOptimizer, DistributedOptimizer
+from dualframe.tensorflow.compression import Compression
+from dualframe.tensorflow.optimizer import DistributedLossScaleOptimizer, DistributedOptimizer
 
 
 def load_model(filepath: Any, custom_optimizers: Optional[Sequence[type]] = None,

@@ -10,7 +10,8 @@ from keras import ops
 from dualframe.dp.checks import check_bool, compression_name
 from dualframe.errors import StrategyError
 from dualframe.tensorflow.collectives import hvd
-from dualframe.tensorflow.gradients import Compression, ReduceSettings, reduce_gradients
+from dualframe.tensorflow.compression import Compression
+from dualframe.tensorflow.gradients import ReduceSettings, reduce_gradients
 
 _WRAPPERS: tuple = ()  # filled below: both wrapper classes, for the "wrapped twice" check
 
