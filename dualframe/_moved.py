@@ -23,7 +23,7 @@ MOVED = {
     "microbatch": "dualframe.pipeline.microbatch",
     "split": "dualframe.pipeline.split",
     "rank_schedule": "dualframe.pipeline.schedule",
-    "schedule": "dualframe.pipeline.clock",
+    "schedule": "dualframe.pipeline.executor",
     "stage_runner": "dualframe.pipeline.walk",
     "stage_link": "dualframe.pipeline.link",
     "stage_process": "dualframe.pipeline.stage",

@@ -4,9 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple, Union
 
-from dualframe.errors import DeviceError, ScheduleError, StrategyError
+from dualframe.errors import DeviceError, StrategyError
 from dualframe.pipeline.microbatch import validate_chunks
 from dualframe.pipeline.partition import validate_balance
+from dualframe.pipeline.schedule import registered
 
 #: Reduction ops, by the names Horovod uses (``hvd.Average`` ...), lower-cased.
 REDUCE_OPS = ("average", "sum", "adasum", "min", "max", "product")
@@ -14,8 +15,6 @@ REDUCE_OPS = ("average", "sum", "adasum", "min", "max", "product")
 COMPRESSIONS = ("none", "fp16")
 #: Activation checkpointing modes, as in torchgpipe.
 CHECKPOINT_MODES = ("always", "except_last", "never")
-#: Pipeline schedules the core can plan.
-SCHEDULES = ("gpipe", "1f1b")
 
 
 def positive_int(name: str, value: object) -> int:
@@ -80,7 +79,10 @@ class DataParallel:
 
 @dataclass(frozen=True)
 class ModelParallel:
-    """The model's layers split into consecutive groups, group j on ``devices[j]``.
+    """The strategy (a plain description): the layers split into consecutive groups, group j on ``devices[j]``.
+
+    Framework-neutral data, validated here; the modules that run it are the adapters' classes of
+    the same name, ``dualframe.torch.ModelParallel`` and ``dualframe.tensorflow.ModelParallel``.
 
     Example:
         >>> import dualframe
@@ -104,7 +106,12 @@ class ModelParallel:
 
 @dataclass(frozen=True)
 class Pipeline(ModelParallel):
-    """A model split plus GPipe micro-batching: each mini-batch cut into ``chunks`` micro-batches.
+    """The strategy (a plain description): a model split plus micro-batching, run by a named schedule.
+
+    Each mini-batch is cut into ``chunks`` micro-batches; ``schedule`` is any name in the schedule
+    registry (``dualframe.pipeline.schedule``: ``"gpipe"``, ``"1f1b"``). The modules that run it are the
+    adapters' classes: ``dualframe.torch.Pipeline`` / ``dualframe.tensorflow.Pipeline`` (one process, its
+    devices) and ``DistributedPipeline`` (one stage per process).
 
     Example:
         >>> import dualframe
@@ -121,9 +128,8 @@ class Pipeline(ModelParallel):
         super().__post_init__()
         validate_chunks(self.chunks)
         object.__setattr__(self, "checkpoint", _choice("checkpoint", self.checkpoint, CHECKPOINT_MODES))
-        if not isinstance(self.schedule, str) or self.schedule.lower() not in SCHEDULES:
-            raise ScheduleError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
-        object.__setattr__(self, "schedule", self.schedule.lower())
+        # The names come from the schedule registry (dualframe.pipeline.schedule.register).
+        object.__setattr__(self, "schedule", registered(self.schedule).name)
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,8 @@ from torch import nn  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import dualframe.torch as hvd  # noqa: E402
-from dualframe.observe.timeline import bubble_fraction, theoretical_bubble  # noqa: E402
+from dualframe.observe.timeline import measured_bubble  # noqa: E402
+from dualframe.pipeline.schedule import gpipe_bubble  # noqa: E402
 
 
 def mlp(width: int, depth: int) -> nn.Sequential:
@@ -140,8 +141,8 @@ def bubble(args: argparse.Namespace) -> None:
         for _ in range(args.rounds):
             with pipe.record() as timeline:
                 pipe(torch.ones(m, 2)).sum().backward()
-            measured.append(bubble_fraction(timeline.events))
-        value, theory = statistics.median(measured), theoretical_bubble(m, n)
+            measured.append(measured_bubble(timeline.events))
+        value, theory = statistics.median(measured), gpipe_bubble(stages=n, chunks=m)
         print(f"  m={m:2d} n={n}: measured {value:.3f}, theoretical {theory:.3f}, "
               f"difference {100 * (value - theory):+.1f} points")
 

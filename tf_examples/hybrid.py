@@ -11,7 +11,7 @@ import numpy as np
 
 import dualframe
 import dualframe.tensorflow as hvd
-from dualframe.pipeline.schedule import bubble_fraction, clock_table, pipeline_process_sets, rank_schedule
+from dualframe.pipeline.schedule import table_bubble, clock_table, pipeline_process_sets, rank_schedule
 
 STAGES = 2
 
@@ -55,7 +55,7 @@ def main() -> None:
               f"{args.steps * args.global_batch / elapsed:.0f} samples/s, final loss {loss:.5f}")
         for line in timings:
             print("  " + line)
-        theory = bubble_fraction(clock_table(rank_schedule(args.schedule, STAGES, args.chunks)))
+        theory = table_bubble(clock_table(rank_schedule(args.schedule, STAGES, args.chunks)))
         print(f"  bubble in theory (n-1)/(m+n-1) = {theory:.1%}")
 
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import dualframe.torch as hvd
-from dualframe.pipeline.schedule import bubble_fraction, clock_table, rank_schedule
+from dualframe.pipeline.schedule import table_bubble, clock_table, rank_schedule
 
 
 def build_model(width: int, blocks: int) -> nn.Sequential:
@@ -55,7 +55,7 @@ def main() -> None:
 
     timings = pipe.timings()  # dualframe: every stage's line (a collective), printed on rank 0
     if hvd.rank() == 0:
-        theory = bubble_fraction(clock_table(rank_schedule(args.schedule, stages, args.chunks)))
+        theory = table_bubble(clock_table(rank_schedule(args.schedule, stages, args.chunks)))
         print(f"{args.schedule}, {stages} stages {balance}, chunks {args.chunks}: "
               f"{args.steps * args.batch / elapsed:.0f} samples/s, final loss {loss:.5f}")
         for line in timings:

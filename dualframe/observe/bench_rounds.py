@@ -5,7 +5,7 @@ import statistics
 from typing import Callable, Dict, List, Mapping, Sequence
 
 from dualframe.errors import StrategyError
-from dualframe.observe.timeline import theoretical_bubble
+from dualframe.pipeline.schedule import gpipe_bubble
 
 
 def interleaved(configs: Mapping[str, Callable[[], float]], rounds: int) -> Dict[str, List[float]]:
@@ -69,4 +69,4 @@ def bubble_line(chunks: int, measured: float, stages: int = 2) -> str:
         >>> bubble_line(4, 0.25)
         'bubble m= 4: measured 25.0%, theory (n-1)/(m+n-1) 20.0%'
     """
-    return f"bubble m={chunks:2d}: measured {measured:.1%}, theory (n-1)/(m+n-1) {theoretical_bubble(chunks, stages):.1%}"
+    return f"bubble m={chunks:2d}: measured {measured:.1%}, theory (n-1)/(m+n-1) {gpipe_bubble(stages, chunks):.1%}"

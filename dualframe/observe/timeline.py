@@ -17,9 +17,10 @@ Chrome trace-event JSON that ``chrome://tracing`` and https://ui.perfetto.dev op
 
 One row (``tid``) per stage. Only ``"ph": "X"`` events with ``args.kind`` are read back.
 
-Bubble fraction: with ``span`` the time from the first start to the last end and ``busy_j`` the
+Measured bubble: with ``span`` the time from the first start to the last end and ``busy_j`` the
 summed event time of stage ``j``, ``bubble = 1 - sum(busy_j) / (n * span)``; for GPipe with equal
-cells the theory is ``(n - 1) / (m + n - 1)``.
+cells the theory is ``dualframe.pipeline.schedule.gpipe_bubble`` (the idle share of a clock table is
+``table_bubble`` there).
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
 
 from dualframe.errors import StrategyError
+from dualframe.pipeline.schedule import gpipe_bubble
 
 KIND_NAMES = {"F": "forward", "B": "backward"}
 
@@ -59,7 +61,7 @@ class Timeline:
         >>> timeline = Timeline()
         >>> timeline.record("F", 0, 0, "cpu", 0.0, 1.0)
         >>> timeline.record("F", 0, 1, "cpu", 1.0, 2.0)
-        >>> bubble_fraction(timeline.events)
+        >>> measured_bubble(timeline.events)
         0.5
     """
 
@@ -129,7 +131,7 @@ def shape(events: Sequence[Event]) -> "tuple[int, int]":
     return max(e.micro_batch for e in events) + 1, max(e.stage for e in events) + 1
 
 
-def bubble_fraction(events: Sequence[Event]) -> float:
+def measured_bubble(events: Sequence[Event]) -> float:
     """Measured idle fraction of the stages over the events' span (0 = always busy)."""
     _check(events)
     _, n = shape(events)
@@ -138,11 +140,6 @@ def bubble_fraction(events: Sequence[Event]) -> float:
         return 0.0
     busy = sum(e.duration for e in events)
     return max(0.0, 1.0 - busy / (n * span))
-
-
-def theoretical_bubble(chunks: int, stages: int) -> float:
-    """GPipe's idle fraction (n - 1) / (m + n - 1) for equal cells."""
-    return (stages - 1) / (chunks + stages - 1)
 
 
 def summary(events: Sequence[Event]) -> str:
@@ -158,8 +155,8 @@ def summary(events: Sequence[Event]) -> str:
         forward = sum(e.duration for e in mine if e.kind == "F")
         backward = sum(e.duration for e in mine if e.kind == "B")
         lines.append(f"  stage {j} on {device}: forward {forward * 1e3:.2f} ms, backward {backward * 1e3:.2f} ms")
-    lines.append(f"  bubble: measured {bubble_fraction(events):.3f}, theoretical (n-1)/(m+n-1) = "
-                 f"{theoretical_bubble(m, n):.3f}")
+    lines.append(f"  bubble: measured {measured_bubble(events):.3f}, theoretical (n-1)/(m+n-1) = "
+                 f"{gpipe_bubble(stages=n, chunks=m):.3f}")
     return "\n".join(lines)
 
 
@@ -268,8 +265,8 @@ def render_png(trace_path_or_events: Union[str, "os.PathLike[str]", Sequence[Eve
     bars = [Bar(e.stage, (e.start - origin) * 1e3, e.duration * 1e3, colors.get(e.kind, "grey"),
                 f"{e.kind}{e.micro_batch}") for e in events]
     devices = {e.stage: e.device for e in events}
-    title = (f"{m} micro-batches x {n} stages: bubble measured {bubble_fraction(events):.3f}, "
-             f"theoretical {theoretical_bubble(m, n):.3f}")
+    title = (f"{m} micro-batches x {n} stages: bubble measured {measured_bubble(events):.3f}, "
+             f"theoretical {gpipe_bubble(stages=n, chunks=m):.3f}")
     return draw_gantt(bars, [f"stage {j}\n{devices.get(j, '?')}" for j in range(n)], title, out_path)
 
 

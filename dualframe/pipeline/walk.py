@@ -157,7 +157,7 @@ def pipeline_bubble(busy: Sequence[float], walls: Sequence[float]) -> float:
     """Idle share of the whole pipeline's step, from every stage's mean computing and step seconds.
 
     ``1 - mean(busy) / max(walls)``: the definition GPipe's (n-1)/(m+n-1) counts (the same as
-    ``dualframe.observe.timeline.bubble_fraction`` in one process). A stage's own ``bubble`` ends when that
+    ``dualframe.observe.timeline.measured_bubble`` in one process). A stage's own ``bubble`` ends when that
     stage finishes; under GPipe the last stage finishes its backward passes while the first still
     runs its own, so its own figure leaves out the idle tail. The stages start a step together
     (after the step agreement), so the longest stage step is the pipeline's.

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
 from dualframe.pipeline.partition import balance_by_cost, partition_ranges
+from dualframe.pipeline.schedule import gpipe_bubble
 from dualframe.plan.hardware import Hardware, format_bytes
 from dualframe.plan.memory import Memory, Training, best_segments, group_memory, layer_costs
 from dualframe.plan.profile import ModelProfile
@@ -20,14 +21,8 @@ from dualframe.plan.profile import ModelProfile
 # Index names: n stages, m micro-batches (chunks), j stage, r replicas.
 
 
-def bubble(stages: int, chunks: int) -> float:
-    """GPipe's idle share of a step: (n - 1) / (m + n - 1).
-
-    Example:
-        >>> bubble(4, 16)
-        0.15789473684210525
-    """
-    return (stages - 1) / (chunks + stages - 1)
+#: GPipe's idle share of a step, ``bubble(stages, chunks)``: the schedule module's one formula.
+bubble = gpipe_bubble
 
 
 def pipeline_chunks(stages: int, batch_size: int) -> int:
@@ -65,7 +60,7 @@ class Option:
     @property
     def bubble(self) -> float:
         """Pipeline idle share (0 without stages)."""
-        return bubble(self.stages, self.chunks) if self.stages > 1 else 0.0
+        return gpipe_bubble(self.stages, self.chunks) if self.stages > 1 else 0.0
 
 
 @dataclass(frozen=True)

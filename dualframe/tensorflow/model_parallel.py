@@ -10,7 +10,8 @@ import tensorflow as tf
 
 from dualframe.errors import ChunksError, DeviceError
 from dualframe.pipeline.microbatch import micro_batch_sizes
-from dualframe.pipeline.clock import RecordFn, cached_ticks, run_ticks
+from dualframe.pipeline.executor import RecordFn, run_ticks
+from dualframe.pipeline.schedule import one_process_ticks
 from dualframe.pipeline.split import SplitPlan, plan_split
 from dualframe.observe.timeline import Recording
 
@@ -60,7 +61,7 @@ def logical_cpus(count: int) -> List[str]:
 
 
 class ModelParallel(Recording, keras.Model):
-    """A list of Keras layers split into consecutive groups, group j's variables on ``devices[j]``.
+    """The Keras model running the strategy ``dualframe.ModelParallel``: layers in groups, group j's on ``devices[j]``.
 
     A ``keras.Model``: works with ``compile``/``fit`` and ``tf.GradientTape``; ``get_weights()`` is in
     layer order. Each layer takes and returns one tensor.
@@ -83,14 +84,15 @@ class ModelParallel(Recording, keras.Model):
 
     def __init__(self, layers: Sequence[keras.layers.Layer], balance: Sequence[int],
                  devices: Optional[Sequence[str]] = None, *, chunks: int = 1, checkpoint: str = "never",
-                 **kwargs: Any) -> None:
+                 schedule: str = "gpipe", **kwargs: Any) -> None:
         layers = list(layers)
         for index, layer in enumerate(layers):
             if not isinstance(layer, keras.layers.Layer):
                 raise TypeError(f"every layer must be a keras Layer (layers[{index}]: {type(layer).__name__})")
         available = available_devices()
         plan = plan_split(len(layers), balance, devices, chunks, checkpoint, available=available,
-                          canonical=canonical_device, accelerators=[d for d in available if "/GPU" in d], hint=HINT)
+                          canonical=canonical_device, accelerators=[d for d in available if "/GPU" in d], hint=HINT,
+                          schedule=schedule)
         super().__init__(**kwargs)
         self.plan: SplitPlan = plan
         self.split_layers = layers
@@ -126,7 +128,7 @@ class ModelParallel(Recording, keras.Model):
         return run
 
     def call(self, inputs: tf.Tensor, training: Any = None) -> tf.Tensor:
-        """Run the micro-batches through the groups in the core's clock-tick order."""
+        """Run the micro-batches through the groups in the clock-tick order of the core's schedule."""
         parts = self._split(inputs)
         m, n = len(parts), self.plan.stages
         outputs: Dict[Tuple[int, int], tf.Tensor] = {}
@@ -142,7 +144,7 @@ class ModelParallel(Recording, keras.Model):
             with tf.device(self.plan.devices[j]):
                 outputs[(i, j)] = fn(source)
 
-        run_ticks(cached_ticks(m, n, "F"), cell, n, "F", parallel=False, record=record)
+        run_ticks(one_process_ticks(self.plan.schedule, m, n, "F"), cell, n, "F", parallel=False, record=record)
         with tf.device(self.plan.devices[-1]):
             return outputs[(0, n - 1)] if m == 1 else tf.concat([outputs[(i, n - 1)] for i in range(m)], axis=0)
 

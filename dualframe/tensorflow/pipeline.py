@@ -1,4 +1,4 @@
-"""``Pipeline`` for Keras 3: a split model run with GPipe micro-batching and tf.recompute_grad checkpointing."""
+"""``Pipeline`` for Keras 3: a split model run in one process with micro-batching (GPipe) and tf.recompute_grad checkpointing."""
 from __future__ import annotations
 
 from typing import Any, Optional, Sequence
@@ -9,7 +9,8 @@ from dualframe.tensorflow.model_parallel import ModelParallel
 
 
 class Pipeline(ModelParallel):
-    """GPipe for Keras 3: each mini-batch cut into ``chunks`` micro-batches that flow through the groups.
+    """The Keras model that runs a pipeline in one process (the strategy it runs is ``dualframe.Pipeline``):
+    each mini-batch cut into ``chunks`` micro-batches that flow through the groups.
 
     The graph is built cell by cell in the core's clock-tick order, each cell under ``tf.device`` of its
     stage; inside ``fit`` (a ``tf.function``) TensorFlow's executor runs independent cells on different
@@ -31,15 +32,18 @@ class Pipeline(ModelParallel):
         checkpoint: ``"except_last"`` (default), ``"always"`` or ``"never"``. Recomputation reruns the
             layers: with Dropout (new random mask) or BatchNormalization (moving statistics updated
             twice) use ``"never"``.
+        schedule: a registered schedule one process can run (``"gpipe"``). ``"1f1b"`` is refused by
+            name: it interleaves backward with forward, which needs the loss inside the pipeline, and
+            here Keras computes the loss after ``call`` returns; use ``DistributedPipeline`` for it.
 
     Raises:
-        BalanceError, DeviceError, ChunksError, StrategyError: before any variable is made.
+        BalanceError, DeviceError, ChunksError, StrategyError, ScheduleError: before any variable is made.
     """
 
     def __init__(self, layers: Sequence[keras.layers.Layer], balance: Sequence[int],
                  devices: Optional[Sequence[str]] = None, chunks: int = 1, checkpoint: str = "except_last",
-                 **kwargs: Any) -> None:
-        super().__init__(layers, balance, devices, chunks=chunks, checkpoint=checkpoint, **kwargs)
+                 schedule: str = "gpipe", **kwargs: Any) -> None:
+        super().__init__(layers, balance, devices, chunks=chunks, checkpoint=checkpoint, schedule=schedule, **kwargs)
 
     @property
     def chunks(self) -> int:
@@ -50,3 +54,8 @@ class Pipeline(ModelParallel):
     def checkpoint(self) -> str:
         """The activation checkpointing mode."""
         return self.plan.checkpoint
+
+    @property
+    def schedule(self) -> str:
+        """The schedule's registered name (``"gpipe"``)."""
+        return self.plan.schedule

@@ -49,7 +49,7 @@ def _layers(module: Union[nn.Sequential, Iterable[nn.Module]]) -> List[nn.Module
 
 
 class ModelParallel(Recording, nn.Module):
-    """An ``nn.Sequential`` split into consecutive groups, group j on ``devices[j]``.
+    """The module running the strategy ``dualframe.ModelParallel``: an ``nn.Sequential`` in groups on ``devices[j]``.
 
     The input is moved to the first device, each group's output to the next group's device, and the
     output stays on the last device. Trains with any optimizer; ``parameters()`` are in layer order.
@@ -71,12 +71,13 @@ class ModelParallel(Recording, nn.Module):
     """
 
     def __init__(self, module: Union[nn.Sequential, Iterable[nn.Module]], balance: Sequence[int],
-                 devices: Optional[Sequence[str]] = None, *, chunks: int = 1, checkpoint: str = "never") -> None:
+                 devices: Optional[Sequence[str]] = None, *, chunks: int = 1, checkpoint: str = "never",
+                 schedule: str = "gpipe") -> None:
         super().__init__()
         layers = _layers(module)
         self.plan: SplitPlan = plan_split(len(layers), balance, devices, chunks, checkpoint,
                                           available=available_devices(), canonical=canonical_device,
-                                          accelerators=accelerators())
+                                          accelerators=accelerators(), schedule=schedule)
         self.devices = [torch.device(d) for d in self.plan.devices]
         self.partitions = nn.ModuleList(
             nn.Sequential(*[layers[index] for index in r]).to(device)

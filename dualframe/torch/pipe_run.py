@@ -1,4 +1,4 @@
-"""Runs one training step of a split torch model over the core's GPipe schedule, cell by cell.
+"""Runs one training step of a split torch model over the core's one-process schedule, cell by cell.
 
 Every cell (micro-batch i, stage j) is its own small autograd graph: its input is detached and moved to
 the stage's device, so the backward pass can also run cell by cell, in the mirrored clock-tick order,
@@ -16,7 +16,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from dualframe.pipeline.clock import Cell, RecordFn, cached_ticks, run_ticks
+from dualframe.pipeline.executor import RecordFn, run_ticks
+from dualframe.pipeline.schedule import Cell, one_process_ticks
 from dualframe.pipeline.split import SplitPlan
 
 
@@ -45,8 +46,8 @@ class StepRun:
     def forward(self, grad: bool) -> torch.Tensor:
         """Run every forward cell by clock tick; return the joined output on the last device."""
         self.grad = grad
-        run_ticks(cached_ticks(len(self.parts), self.plan.stages, "F"), self._forward_cell, self.plan.stages,
-                  "F", record=self.record, lanes=self.lanes)
+        ticks = one_process_ticks(self.plan.schedule, len(self.parts), self.plan.stages, "F")
+        run_ticks(ticks, self._forward_cell, self.plan.stages, "F", record=self.record, lanes=self.lanes)
         last = self.plan.stages - 1
         return torch.cat([self.outputs[(i, last)].detach() for i in range(len(self.parts))])
 
@@ -67,8 +68,8 @@ class StepRun:
         """Run every backward cell by mirrored clock tick; return (input gradient, parameter gradients)."""
         sizes = [part.shape[0] for part in self.parts]
         self.grad_outputs = list(torch.split(grad_output, sizes))
-        run_ticks(cached_ticks(len(self.parts), self.plan.stages, "B"), self._backward_cell, self.plan.stages,
-                  "B", record=self.record, lanes=self.lanes)
+        ticks = one_process_ticks(self.plan.schedule, len(self.parts), self.plan.stages, "B")
+        run_ticks(ticks, self._backward_cell, self.plan.stages, "B", record=self.record, lanes=self.lanes)
         firsts = [self.grad_inputs.get((i, 0)) for i in range(len(self.parts))]
         grad_input = None if any(g is None for g in firsts) else torch.cat(firsts)  # type: ignore[arg-type]
         # A parameter shared by two stages gets the sum of both stages' gradients.

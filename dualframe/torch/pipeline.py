@@ -1,4 +1,4 @@
-"""``Pipeline``: a split torch model run with GPipe micro-batching and per-micro-batch checkpointing."""
+"""``Pipeline``: a split torch model run in one process with micro-batching (GPipe) and per-micro-batch checkpointing."""
 from __future__ import annotations
 
 from typing import Iterable, List, Optional, Sequence, Union
@@ -10,8 +10,9 @@ from dualframe.torch.model_parallel import ModelParallel
 
 
 class Pipeline(ModelParallel):
-    """GPipe: the mini-batch cut into ``chunks`` micro-batches that flow through the groups so that
-    the devices work at the same time; outputs and gradients equal the unsplit module's.
+    """The module that runs a pipeline in one process (the strategy it runs is ``dualframe.Pipeline``):
+    the mini-batch cut into ``chunks`` micro-batches that flow through the groups so that the devices
+    work at the same time; outputs and gradients equal the unsplit module's.
 
     Each clock tick of the core's schedule runs its (micro-batch, stage) cells in threads, one per
     device; backward runs the mirrored schedule the same way. Cells that share a device run one after
@@ -39,18 +40,22 @@ class Pipeline(ModelParallel):
         overlap_cpu: run the cells of a tick whose stages are all on ``"cpu"`` in threads too, one per
             cell, so that they overlap on a multi-core CPU when each op uses fewer threads than there
             are cores (how the schedule is shown on a CPU-only machine); costs thread hand-offs.
+        schedule: a registered schedule one process can run (``"gpipe"``). ``"1f1b"`` is refused by
+            name: it interleaves backward with forward, which needs the loss inside the pipeline, and
+            here the caller computes the loss after forward returns; use ``DistributedPipeline`` for it.
 
     Raises:
-        BalanceError, DeviceError, ChunksError, StrategyError: before any compute, naming the values.
+        BalanceError, DeviceError, ChunksError, StrategyError, ScheduleError: before any compute,
+            naming the values.
         StageError: a stage failed; the message shows the schedule with the failing cell marked.
     """
 
     def __init__(self, module: Union[nn.Sequential, Iterable[nn.Module]], balance: Sequence[int],
                  devices: Optional[Sequence[str]] = None, chunks: int = 1, checkpoint: str = "except_last",
-                 deferred_batch_norm: bool = False, overlap_cpu: bool = False) -> None:
+                 deferred_batch_norm: bool = False, overlap_cpu: bool = False, schedule: str = "gpipe") -> None:
         if not isinstance(overlap_cpu, bool):
             raise TypeError(f"overlap_cpu must be True or False (overlap_cpu: {overlap_cpu!r})")
-        super().__init__(module, balance, devices, chunks=chunks, checkpoint=checkpoint)
+        super().__init__(module, balance, devices, chunks=chunks, checkpoint=checkpoint, schedule=schedule)
         self.overlap_cpu = overlap_cpu
         if deferred_batch_norm:
             for partition in self.partitions:
@@ -63,6 +68,11 @@ class Pipeline(ModelParallel):
     def checkpoint(self) -> str:
         """The activation checkpointing mode."""
         return self.plan.checkpoint
+
+    @property
+    def schedule(self) -> str:
+        """The schedule's registered name (``"gpipe"``)."""
+        return self.plan.schedule
 
     def _lanes(self) -> List[str]:
         if not self.overlap_cpu:

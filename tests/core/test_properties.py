@@ -11,8 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import dualframe
-from dualframe.pipeline import clock as schedule
-from dualframe.pipeline import schedule as rank_schedule
+from dualframe.pipeline import schedule
 from dualframe.reliability.failure import Watchdog, stall_timeout
 from dualframe.launch.topology import detect
 
@@ -86,23 +85,23 @@ def test_pipeline_and_hybrid(balance, chunks, checkpoint, sched, devices, world,
 @FAST
 @given(name=st.one_of(st.sampled_from(["gpipe", "1f1b", "GPipe", "other"]), ANY), stages=ANY, chunks=ANY)
 def test_rank_schedules(name, stages, chunks):
-    plans = planned(rank_schedule.rank_schedule, name, stages, chunks)
-    if plans is not None:
-        assert len(plans) == stages
-        table = rank_schedule.clock_table(plans)
-        assert 0 <= rank_schedule.bubble_fraction(table) < 1
-        rank_schedule.check_link_order(plans)
+    lists = planned(schedule.rank_schedule, name, stages, chunks)
+    if lists is not None:
+        assert len(lists) == stages
+        table = schedule.clock_table(lists)
+        assert 0 <= schedule.table_bubble(table) < 1
+        schedule.check_link_order(lists)
 
 
 @FAST
 @given(stages=ANY, chunks=ANY)
 def test_clock_tick_schedules(stages, chunks):
-    forward = planned(schedule.forward_ticks, chunks, stages)
+    forward = planned(schedule.one_process_ticks, "gpipe", chunks, stages, "F")
     if forward is not None:
         cells = [cell for tick in forward for cell in tick]
         assert len(cells) == len(set(cells)) == chunks * stages
         assert len(forward) == chunks + stages - 1
-        assert len(planned(schedule.backward_ticks, chunks, stages)) == len(forward)
+        assert len(planned(schedule.one_process_ticks, "gpipe", chunks, stages, "B")) == len(forward)
 
 
 @FAST

@@ -4,10 +4,9 @@ import json
 import pytest
 
 from dualframe.errors import StrategyError
-from dualframe.pipeline.clock import GPipeSchedule
+from dualframe.pipeline.schedule import gpipe_bubble, one_process_ticks
 from dualframe.observe.timeline import (
-    Event, Timeline, bubble_fraction, read_chrome_trace, render_png, summary, theoretical_bubble,
-    to_chrome_trace, write_chrome_trace,
+    Event, Timeline, measured_bubble, read_chrome_trace, render_png, summary, to_chrome_trace, write_chrome_trace,
 )
 
 
@@ -15,7 +14,7 @@ def ideal_events(m, n, forward=1.0, backward=2.0):
     """Events of a perfect GPipe step with equal cells: forward ticks, then backward ticks."""
     events, t = [], 0.0
     for kind, length in (("F", forward), ("B", backward)):
-        for tick in GPipeSchedule(m, n).ticks(kind):
+        for tick in one_process_ticks("gpipe", m, n, kind):
             events += [Event(kind, i, j, f"cpu:{j}", t, t + length) for i, j in tick]
             t += length
     return events
@@ -23,14 +22,14 @@ def ideal_events(m, n, forward=1.0, backward=2.0):
 
 @pytest.mark.parametrize("m, n", [(4, 2), (8, 4), (1, 3), (5, 1)])
 def test_ideal_gpipe_bubble_equals_the_formula(m, n):
-    assert bubble_fraction(ideal_events(m, n)) == pytest.approx(theoretical_bubble(m, n))
-    assert theoretical_bubble(m, n) == pytest.approx((n - 1) / (m + n - 1))
+    assert measured_bubble(ideal_events(m, n)) == pytest.approx(gpipe_bubble(stages=n, chunks=m))
+    assert gpipe_bubble(stages=n, chunks=m) == pytest.approx((n - 1) / (m + n - 1))
 
 
 def test_sequential_cells_leave_the_other_stages_idle():
     events = [Event("F", 0, 0, "a", 0, 1), Event("F", 0, 1, "b", 1, 2), Event("B", 0, 1, "b", 2, 3),
               Event("B", 0, 0, "a", 3, 4)]
-    assert bubble_fraction(events) == pytest.approx(0.5)
+    assert measured_bubble(events) == pytest.approx(0.5)
 
 
 def test_chrome_trace_round_trip(tmp_path):
@@ -46,7 +45,7 @@ def test_chrome_trace_round_trip(tmp_path):
     back = read_chrome_trace(path)
     assert sorted((e.kind, e.micro_batch, e.stage, e.device, e.duration) for e in back) == \
         sorted((e.kind, e.micro_batch, e.stage, e.device, pytest.approx(e.duration)) for e in events)
-    assert bubble_fraction(back) == pytest.approx(bubble_fraction(events))
+    assert measured_bubble(back) == pytest.approx(measured_bubble(events))
 
 
 def test_png_gantt_from_trace_file_and_from_events(tmp_path):

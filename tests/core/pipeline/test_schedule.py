@@ -1,23 +1,43 @@
-"""Per-rank GPipe and 1F1B schedules against literal tables written out by hand."""
+"""Schedules against literal staircases written out by hand: per-rank action lists (GPipe, 1F1B), their
+clock tables, the one-process passes cut from them, and the registry a new schedule joins."""
 import pytest
 
+import dualframe
 from dualframe.errors import ChunksError, ScheduleError
 from dualframe.pipeline.schedule import (
     Action,
-    bubble_fraction,
     check_link_order,
+    check_rows,
     clock_table,
+    format_grid,
     format_table,
     gpipe,
+    gpipe_bubble,
+    grid_rows,
     link_messages,
     one_f_one_b,
+    one_process,
+    one_process_ticks,
+    pass_ticks,
     peak_live_activations,
     rank_schedule,
+    register,
+    registered,
+    schedule_names,
+    table_bubble,
+    unregister,
 )
 
+_ = "."
 
-def lists(plans):
-    return [" ".join(map(str, actions)) for actions in plans]
+
+def lists(action_lists):
+    return [" ".join(map(str, actions)) for actions in action_lists]
+
+
+def rows(m, n, kind):
+    """The one-process GPipe pass ``kind`` as a tick x stage grid of labels."""
+    return grid_rows(one_process_ticks("gpipe", m, n, kind), n, kind)
 
 
 def grid(text):
@@ -81,7 +101,8 @@ def test_one_f_one_b_clock():
 @pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
 def test_bubble_is_n_minus_1_over_m_plus_n_minus_1(name, m):
     for n in (2, 3, 4):
-        assert bubble_fraction(clock_table(rank_schedule(name, n, m))) == pytest.approx((n - 1) / (m + n - 1))
+        assert table_bubble(clock_table(rank_schedule(name, n, m))) == pytest.approx((n - 1) / (m + n - 1))
+        assert gpipe_bubble(n, m) == pytest.approx((n - 1) / (m + n - 1))
 
 
 def test_one_f_one_b_keeps_at_most_stages_activations_alive():
@@ -121,9 +142,9 @@ def test_link_messages_follow_the_stage_order():
 
 
 def test_link_order_mismatch_is_refused():
-    plans = [[Action.parse(a) for a in "F0 F1 B1 B0".split()], [Action.parse(a) for a in "F1 F0 B0 B1".split()]]
+    bad = [[Action.parse(a) for a in "F0 F1 B1 B0".split()], [Action.parse(a) for a in "F1 F0 B0 B1".split()]]
     with pytest.raises(ScheduleError, match=r"stages 0 and 1 would exchange F messages in different orders"):
-        check_link_order(plans)
+        check_link_order(bad)
 
 
 def test_bad_input_is_refused_with_the_rule():
@@ -139,3 +160,173 @@ def test_bad_input_is_refused_with_the_rule():
 
 def test_format_table_shows_idle_cells_as_dots():
     assert format_table(clock_table(gpipe(2, 1))) == "k\\j   0   1\n  0  F0   .\n  1   .  F0\n  2   .  B0\n  3  B0   ."
+
+
+# The one-process passes: GPipe's forward and backward ticks, cut from its clock table.
+
+
+def test_forward_staircase_4_chunks_3_stages():
+    check_rows(rows(4, 3, "F"), [
+        ["F0", _, _],
+        ["F1", "F0", _],
+        ["F2", "F1", "F0"],
+        ["F3", "F2", "F1"],
+        [_, "F3", "F2"],
+        [_, _, "F3"],
+    ])
+
+
+def test_backward_is_the_mirror_4_chunks_3_stages():
+    check_rows(rows(4, 3, "B"), [
+        [_, _, "B3"],
+        [_, "B3", "B2"],
+        ["B3", "B2", "B1"],
+        ["B2", "B1", "B0"],
+        ["B1", "B0", _],
+        ["B0", _, _],
+    ])
+
+
+def test_more_stages_than_chunks_2_chunks_4_stages():
+    check_rows(rows(2, 4, "F"), [
+        ["F0", _, _, _],
+        ["F1", "F0", _, _],
+        [_, "F1", "F0", _],
+        [_, _, "F1", "F0"],
+        [_, _, _, "F1"],
+    ])
+
+
+def test_single_stage_and_single_chunk():
+    check_rows(rows(3, 1, "F"), [["F0"], ["F1"], ["F2"]])
+    check_rows(rows(1, 3, "B"), [[_, _, "B0"], [_, "B0", _], ["B0", _, _]])
+
+
+def test_every_cell_exactly_once_and_dependencies_respected():
+    for m in range(1, 6):
+        for n in range(1, 5):
+            for kind in ("F", "B"):
+                seen = {}
+                for k, tick in enumerate(one_process_ticks("gpipe", m, n, kind)):
+                    for cell in tick:
+                        assert cell not in seen
+                        seen[cell] = k
+                assert sorted(seen) == [(i, j) for i in range(m) for j in range(n)]
+                step = 1 if kind == "F" else -1
+                for (i, j), k in seen.items():
+                    if 0 <= j - step < n:
+                        assert seen[(i, j - step)] < k  # the stage before it in this pass ran earlier
+
+
+def test_mismatch_prints_the_grid_with_the_failing_cell_marked():
+    wrong = [["F0", _], ["F1", "F1"], [_, "F1"]]
+    with pytest.raises(ScheduleError) as info:
+        check_rows(rows(2, 2, "F"), wrong)
+    message = str(info.value)
+    assert "tick 1, stage 1 (got F0, expected F1)" in message
+    assert "   1 | F1      | >F0<" in message
+
+
+def test_bubble_formula_and_bad_arguments():
+    assert gpipe_bubble(stages=4, chunks=4) == pytest.approx(3 / 7)
+    assert table_bubble(clock_table(gpipe(4, 4))) == pytest.approx(3 / 7)
+    with pytest.raises(ChunksError, match=r"chunks must be an int >= 1 \(chunks: 0\)"):
+        one_process_ticks("gpipe", 0, 2, "F")
+    with pytest.raises(ScheduleError, match=r"stages must be an int >= 1 \(stages: -1\)"):
+        one_process_ticks("gpipe", 2, -1, "F")
+    with pytest.raises(ScheduleError, match=r"kind must be one of F, B \(kind: 'X'\)"):
+        one_process_ticks("gpipe", 2, 2, "X")
+    with pytest.raises(ScheduleError, match="stage 0 has two cells at tick 0"):
+        grid_rows([[(0, 0), (1, 0)]], 2)
+
+
+def test_one_process_ticks_are_the_clock_tables_passes_made_once():
+    assert one_process_ticks("gpipe", 3, 2, "B") == pass_ticks(clock_table(gpipe(2, 3)), "B")
+    assert one_process_ticks("gpipe", 3, 2, "B") is one_process_ticks("GPipe", 3, 2, "B")
+
+
+def test_format_grid_without_mark():
+    assert format_grid([["F0", "."]]) == "tick | stage 0 | stage 1\n   0 | F0      | ."
+
+
+# The registry: a new schedule joins in one place, and every name check reads it.
+
+
+def fifo_gpipe(stages, chunks):
+    """GPipe with backwards in forward order (F0 F1 B0 B1): a toy schedule to register."""
+    return [sorted(actions, key=lambda a: (a.kind == "B", a.micro)) for actions in gpipe(stages, chunks)]
+
+
+def interleaved(stages, chunks):
+    """1F1B under another name, wrongly claimed runnable by one process."""
+    return one_f_one_b(stages, chunks)
+
+
+@pytest.fixture
+def toy():
+    register("fifo", fifo_gpipe, one_process=True)
+    yield "fifo"
+    unregister("fifo")
+
+
+def test_the_registry_holds_gpipe_and_1f1b_and_says_which_one_process_runs():
+    assert schedule_names() == ("gpipe", "1f1b")
+    assert schedule_names(one_process=True) == ("gpipe",)
+    assert registered("1F1B").build is one_f_one_b and registered("gpipe").build is gpipe
+
+
+def test_a_registered_schedule_is_accepted_everywhere_from_that_one_call(toy):
+    assert dualframe.Pipeline([1, 1], chunks=2, schedule="FIFO").schedule == "fifo"
+    assert lists(rank_schedule("fifo", 2, 2)) == ["F0 F1 B0 B1"] * 2
+    check_rows(grid_rows(one_process_ticks("fifo", 2, 2, "B"), 2, "B"), [
+        [_, "B0"],
+        ["B0", "B1"],
+        ["B1", _],
+    ])
+    with pytest.raises(ScheduleError, match=r"unknown schedule 'zigzag'; choose one of gpipe, 1f1b, fifo"):
+        dualframe.Pipeline([1, 1], schedule="zigzag")
+
+
+def test_registering_is_checked():
+    with pytest.raises(ScheduleError, match=r"schedule 'gpipe' is already registered; choose another name"):
+        register("gpipe", gpipe, one_process=True)
+    with pytest.raises(ScheduleError, match=r"a schedule name is a non-empty lower-case string \(name: 'ZB'\)"):
+        register("ZB", gpipe, one_process=True)
+    with pytest.raises(ScheduleError, match=r"schedule 'zb': say in why_not why the one-process Pipeline"):
+        register("zb", gpipe, one_process=False)
+
+
+def test_one_process_refuses_1f1b_by_name_with_the_reason_and_what_to_use():
+    with pytest.raises(ScheduleError) as error:
+        one_process("1f1b")
+    message = str(error.value)
+    assert message.startswith("the one-process Pipeline cannot run schedule '1f1b': 1f1b interleaves backward "
+                              "with forward (B0 runs before the last forward), which needs the loss inside the "
+                              "pipeline")
+    assert message.endswith("use schedule='gpipe' here, or DistributedPipeline(..., schedule='1f1b', loss_fn=...), "
+                            "which holds the loss")
+    with pytest.raises(ScheduleError, match="cannot run schedule '1f1b'"):
+        one_process_ticks("1f1b", 4, 2, "F")
+    assert one_process("GPipe").name == "gpipe"
+
+
+def test_a_table_that_mixes_the_passes_has_no_one_process_ticks():
+    register("mixed", interleaved, one_process=True)
+    try:
+        with pytest.raises(ScheduleError) as error:
+            one_process_ticks("mixed", 3, 2, "F")
+    finally:
+        unregister("mixed")
+    assert str(error.value) == (
+        "a forward runs at tick 3, after the first backward (tick 2), so the table has no separate forward and "
+        "backward pass (marked *):\n"
+        "k\\j   0   1\n"
+        "  0  F0   .\n"
+        "  1  F1  F0\n"
+        "  2   .  B0\n"
+        "  3  B0 F1*\n"
+        "  4  F2  B1\n"
+        "  5  B1  F2\n"
+        "  6   .  B2\n"
+        "  7  B2   ."
+    )

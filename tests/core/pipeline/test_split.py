@@ -1,8 +1,9 @@
-"""plan_split: every argument of a model split checked before anything runs; default devices."""
+"""validate_split: every argument of a one-process model split checked before anything runs; default devices."""
 import pytest
 
-from dualframe.errors import BalanceError, ChunksError, DeviceError, StrategyError
-from dualframe.pipeline.split import default_devices, plan_split
+from dualframe.errors import BalanceError, ChunksError, DeviceError, ScheduleError, StrategyError
+from dualframe.pipeline import split as split_module
+from dualframe.pipeline.split import default_devices, validate_split
 from dualframe.launch.topology import Topology
 
 
@@ -12,9 +13,9 @@ def canonical(name):
     return name
 
 
-def plan(balance, devices, chunks=1, checkpoint="never", layers=4):
-    return plan_split(layers, balance, devices, chunks, checkpoint, available=["cpu", "gpu:0", "gpu:1"],
-                      canonical=canonical, accelerators=["gpu:0", "gpu:1"])
+def plan(balance, devices, chunks=1, checkpoint="never", layers=4, schedule="gpipe"):
+    return validate_split(layers, balance, devices, chunks, checkpoint, available=["cpu", "gpu:0", "gpu:1"],
+                          canonical=canonical, accelerators=["gpu:0", "gpu:1"], schedule=schedule)
 
 
 def test_valid_plan():
@@ -23,6 +24,20 @@ def test_valid_plan():
     assert p.balance == [1, 3] and [p.checkpointed(i) for i in range(3)] == [True] * 3
     assert [plan([4], ["cpu"], 3, "except_last").checkpointed(i) for i in range(3)] == [True, True, False]
     assert not plan([4], ["cpu"], 3, "never").checkpointed(0)
+    assert p.schedule == "gpipe" and plan([4], ["cpu"], schedule="GPipe").schedule == "gpipe"
+
+
+def test_schedules_one_process_cannot_run_are_refused_by_name_before_anything_runs():
+    with pytest.raises(ScheduleError, match=r"the one-process Pipeline cannot run schedule '1f1b': 1f1b interleaves "
+                                            r"backward with forward .* use schedule='gpipe' here, or "
+                                            r"DistributedPipeline\(\.\.\., schedule='1f1b', loss_fn=\.\.\.\)"):
+        plan([2, 2], ["cpu", "cpu"], chunks=4, schedule="1f1b")
+    with pytest.raises(ScheduleError, match=r"unknown schedule 'zigzag'; choose one of gpipe, 1f1b"):
+        plan([2, 2], ["cpu", "cpu"], schedule="zigzag")
+
+
+def test_the_old_names_are_the_new_objects():
+    assert split_module.SplitPlan is split_module.Split and split_module.plan_split is validate_split
 
 
 @pytest.mark.parametrize("balance, devices, chunks, checkpoint, error, message", [
