@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple
 
 from dualframe.errors import DeviceError
-from dualframe.pipeline.schedule import one_process
+from dualframe.pipeline.schedule import one_process_ticks
 from dualframe.pipeline.partition import partition_ranges, validate_balance
 from dualframe.strategy import Pipeline as PipelineStrategy
 from dualframe.launch.topology import Topology, detect
@@ -115,7 +115,7 @@ def validate_split(
         devices = default_devices(len(balance), accelerators, available[0])
     strategy = PipelineStrategy(balance=balance, devices=devices, chunks=chunks, checkpoint=checkpoint,
                                 schedule=schedule)
-    one_process(strategy.schedule)
+    one_process_ticks(strategy.schedule, strategy.chunks, strategy.stages, "F")  # refuses, or proves it finishes
     assert strategy.devices is not None
     names = []
     for j, device in enumerate(strategy.devices):

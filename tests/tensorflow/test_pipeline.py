@@ -5,7 +5,8 @@ import keras
 import tensorflow as tf
 
 import dualframe.tensorflow as hvd
-from dualframe.errors import StageError
+from dualframe.errors import ScheduleError, StageError
+from dualframe.pipeline.schedule import gpipe, one_process_ticks, register, unregister
 
 from test_split import assert_same, grads, layers, reference_of
 
@@ -59,6 +60,47 @@ def test_eager_timeline_records_every_cell():
         (k, i, j) for k in "FB" for i in range(3) for j in range(2))
     assert {e.device for e in timeline.events} == {"/CPU:1", "/CPU:2"}
     assert "theoretical (n-1)/(m+n-1) = 0.250" in timeline.summary()
+
+
+def last_first(stages, chunks):
+    """GPipe with the micro-batches taken last first (F2 F1 F0 B0 B1 B2): registered for the test only."""
+    return [sorted(actions, key=lambda a: (a.kind == "B", -a.micro if a.kind == "F" else a.micro))
+            for actions in gpipe(stages, chunks)]
+
+
+@pytest.fixture
+def reversed_schedule():
+    register("last-first", last_first, one_process=True)
+    yield "last-first"
+    unregister("last-first")
+
+
+def test_a_registered_schedule_runs_in_its_order_and_equals_the_unsplit_model(reversed_schedule):
+    m, n = 3, 2
+    pipe = hvd.Pipeline(layers(), [2, 2], ["/CPU:1", "/CPU:2"], chunks=m, checkpoint="never",
+                        schedule=reversed_schedule)
+    x = tf.random.normal((7, 6), seed=4)
+    pipe(x)
+    with pipe.record() as timeline:
+        result = grads(pipe, x)
+    assert_same(result, grads(reference_of(pipe), x))
+    forward = sorted((e for e in timeline.events if e.kind == "F"), key=lambda e: e.start)
+    assert [(e.micro_batch, e.stage) for e in forward] == [
+        c for t in one_process_ticks(reversed_schedule, m, n, "F") for c in t]
+    assert [e.micro_batch for e in forward if e.stage == 0] == [2, 1, 0]
+    assert pipe.schedule == "last-first"
+
+
+def test_1f1b_is_refused_by_name_before_any_variable_with_the_reason_and_what_to_use():
+    model_layers = layers()
+    with pytest.raises(ScheduleError) as error:
+        hvd.Pipeline(model_layers, [2, 2], ["/CPU:1", "/CPU:2"], chunks=4, schedule="1f1b")
+    assert str(error.value).startswith(
+        "the one-process Pipeline cannot run schedule '1f1b': 1f1b interleaves backward with forward")
+    assert "use schedule='gpipe' here, or DistributedPipeline(..., schedule='1f1b', loss_fn=...)" in str(error.value)
+    assert not any(layer.built for layer in model_layers)
+    with pytest.raises(ScheduleError, match=r"unknown schedule 'zigzag'; choose one of gpipe, 1f1b"):
+        hvd.Pipeline(layers(), [2, 2], ["/CPU:1", "/CPU:2"], schedule="zigzag")
 
 
 class Boom(keras.layers.Layer):

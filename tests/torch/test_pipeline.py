@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 import dualframe.torch as hvd
-from dualframe.errors import StageError
-from dualframe.pipeline.clock import GPipeSchedule
+from dualframe.errors import ScheduleError, StageError
+from dualframe.pipeline.schedule import gpipe, one_process_ticks, register, unregister
 from dualframe.observe.timeline import render_png
 
 
@@ -45,6 +45,49 @@ def test_gpipe_equals_the_unsplit_module(balance, chunks, batch, checkpoint):
     pipe = hvd.Pipeline(copy.deepcopy(reference), balance, ["cpu"] * len(balance), chunks=chunks, checkpoint=checkpoint)
     x = torch.randn(batch, 6, dtype=torch.float64)
     assert_same(step(pipe, x), step(reference, x))
+
+
+def fifo_gpipe(stages, chunks):
+    """GPipe with backwards in forward order (F0 F1 B0 B1): a schedule registered for the test only."""
+    return [sorted(actions, key=lambda a: (a.kind == "B", a.micro)) for actions in gpipe(stages, chunks)]
+
+
+@pytest.fixture
+def fifo():
+    register("fifo", fifo_gpipe, one_process=True)
+    yield "fifo"
+    unregister("fifo")
+
+
+def test_a_registered_schedule_runs_in_its_order_and_equals_the_unsplit_module(fifo):
+    reference, m, n = mlp(), 3, 2
+    pipe = hvd.Pipeline(copy.deepcopy(reference), [4, 4], ["cpu", "cpu"], chunks=m, checkpoint="never",
+                        schedule=fifo)
+    x = torch.randn(7, 6, dtype=torch.float64)
+    with pipe.record() as timeline:
+        result = step(pipe, x)
+    assert_same(result, step(reference, x))
+    backward = sorted((e for e in timeline.events if e.kind == "B"), key=lambda e: e.start)
+    assert [(e.micro_batch, e.stage) for e in backward] == [c for t in one_process_ticks("fifo", m, n, "B") for c in t]
+    assert [e.micro_batch for e in backward if e.stage == 1] == [0, 1, 2]  # gpipe would run 2, 1, 0
+    assert pipe.schedule == "fifo"
+
+
+class Untouchable(nn.Module):
+    def forward(self, x):
+        raise AssertionError("no compute may run for a refused schedule")
+
+
+def test_1f1b_is_refused_by_name_before_any_compute_with_the_reason_and_what_to_use():
+    with pytest.raises(ScheduleError) as error:
+        hvd.Pipeline(nn.Sequential(Untouchable(), Untouchable()), [1, 1], ["cpu", "cpu"], chunks=4, schedule="1F1B")
+    assert str(error.value).startswith(
+        "the one-process Pipeline cannot run schedule '1f1b': 1f1b interleaves backward with forward")
+    assert "needs the loss inside the pipeline" in str(error.value)
+    assert "use schedule='gpipe' here, or DistributedPipeline(..., schedule='1f1b', loss_fn=...)" in str(error.value)
+    with pytest.raises(ScheduleError, match=r"unknown schedule 'zigzag'; choose one of gpipe, 1f1b"):
+        hvd.Pipeline(mlp(), [4, 4], ["cpu", "cpu"], schedule="zigzag")
+    assert hvd.Pipeline(mlp(), [4, 4], ["cpu", "cpu"]).schedule == "gpipe"
 
 
 def test_float32_within_1e6_and_grads_accumulate_over_steps():
@@ -141,7 +184,7 @@ def test_cells_of_a_tick_overlap_and_the_timeline_holds_every_cell(tmp_path):
     by_cell = {(e.kind, e.micro_batch, e.stage): e for e in events}
     overlapping = total = 0
     for kind in "FB":
-        for tick in GPipeSchedule(m, n).ticks(kind):
+        for tick in one_process_ticks("gpipe", m, n, kind):
             if len(tick) > 1:
                 cells = [by_cell[(kind, i, j)] for i, j in tick]
                 total += 1
