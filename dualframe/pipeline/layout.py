@@ -19,6 +19,8 @@ from dualframe.strategy import RankGrid, positive_int, validate_devices
 
 #: dtypes a pipeline message may carry, by code: index in this tuple (both frameworks' spelling).
 DTYPE_NAMES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "uint8", "bool")
+#: Most dimensions a tensor between stages may have: the step agreement's and a message header's room.
+MAX_DIMS = 8
 
 
 class PeerLostError(DualframeError, TimeoutError):
@@ -71,13 +73,13 @@ class StageLayout:
 
     Example:
         >>> layout = layout_pipeline(5, [3, 2], chunks=2, schedule="GPipe", world=2)
-        >>> layout.ranges, layout.schedule, [str(a) for a in layout.plans[1]]
+        >>> layout.ranges, layout.schedule, [str(a) for a in layout.actions[1]]
         ([range(0, 3), range(3, 5)], 'gpipe', ['F0', 'F1', 'B1', 'B0'])
     """
 
     ranges: List[range]
     grid: RankGrid
-    plans: List[List[Action]]
+    actions: List[List[Action]]
     devices: Optional[Tuple[str, ...]]
     chunks: int
     schedule: str
@@ -94,8 +96,8 @@ def layout_pipeline(layers: int, balance: Sequence[int], chunks: int, schedule: 
         BalanceError, ChunksError, DeviceError, ScheduleError, StrategyError: a rule broken.
     """
     ranges, grid = check_pipeline(layers, balance, loss_fn, data_parallel, timeout, world)
-    plans = rank_schedule(schedule, len(ranges), chunks)
-    return StageLayout(ranges, grid, plans, validate_devices(devices, len(ranges)), chunks, schedule.lower(),
+    actions = rank_schedule(schedule, len(ranges), chunks)
+    return StageLayout(ranges, grid, actions, validate_devices(devices, len(ranges)), chunks, schedule.lower(),
                        loss_fn, timeout)
 
 

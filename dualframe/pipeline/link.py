@@ -21,14 +21,13 @@ import os
 from typing import Any, Dict, Generic, List, Mapping, Optional, Protocol, Sequence, Tuple, TypeVar
 
 from dualframe.errors import StrategyError
-from dualframe.pipeline.layout import DTYPE_NAMES, PeerLostError
+from dualframe.pipeline.layout import DTYPE_NAMES, MAX_DIMS, PeerLostError
 
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
 Shape = Tuple[Tuple[int, ...], int]  # dims and dtype code (an index in DTYPE_NAMES)
 
-#: Most dimensions a stage's output may have; the header is [ndim, dims x MAX_DIMS, dtype code].
-MAX_DIMS = 8
+#: A forward message's header: [ndim, dims x MAX_DIMS, dtype code].
 HEADER_LENGTH = MAX_DIMS + 2
 INT64 = DTYPE_NAMES.index("int64")
 

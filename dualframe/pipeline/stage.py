@@ -26,7 +26,7 @@ def timing_report(gathered: Sequence[TimingFacts]) -> List[str]:
     """Every rank's timing line in rank order, then each replica's step and bubble over its whole pipeline.
 
     A stage's own bubble ends when that stage finishes; the replica line uses
-    ``stage_runner.pipeline_bubble``, the share that GPipe's (n-1)/(m+n-1) counts.
+    ``walk.pipeline_bubble``, the share that GPipe's (n-1)/(m+n-1) counts.
 
     Example:
         >>> timing_report([(0, "stage 0 ...", 3.0, 6.0), (0, "stage 1 ...", 3.0, 4.0)])[-1]
@@ -57,7 +57,7 @@ class PipelineStage(Generic[T]):
     Example:
         >>> stage = PipelineStage(layout, wire, hvd.rank(), sets, "dpipe0")        # doctest: +SKIP
         >>> sizes = stage.agree(x, y, train=True)                                   # doctest: +SKIP
-        >>> record = stage.step(stage.plan, micro_inputs, work, train=True)         # doctest: +SKIP
+        >>> record = stage.step(stage.actions, micro_inputs, work, train=True)      # doctest: +SKIP
         >>> loss = stage.mean_loss(work.loss_sum)                                   # doctest: +SKIP
     """
 
@@ -66,7 +66,7 @@ class PipelineStage(Generic[T]):
         grid = layout.grid
         self.layout, self.wire, self.rank = layout, wire, rank
         self.replica, self.index = grid.position(rank)
-        self.stages, self.plan = grid.stages, layout.plans[self.index]
+        self.stages, self.actions = grid.stages, layout.actions[self.index]
         self.pipeline_ranks = grid.pipeline_groups[self.replica]
         self.stage_ranks = grid.stage_groups[self.index]
         everyone = sets[tuple(range(grid.replicas * grid.stages))]  # Horovod's global set
@@ -107,10 +107,11 @@ class PipelineStage(Generic[T]):
         self._key = (shape, code)
         return sizes
 
-    def step(self, plan: Sequence[Action], micro_inputs: Sequence[T], work: "StageWork[T]", train: bool) -> StepRecord:
-        """Walk ``plan`` on the agreed batch, exchanging messages with the neighbours; keep its record."""
+    def step(self, actions: Sequence[Action], micro_inputs: Sequence[T], work: "StageWork[T]",
+             train: bool) -> StepRecord:
+        """Walk ``actions`` on the agreed batch, exchanging messages with the neighbours; keep its record."""
         self.link.begin(self._key, backward=train, chunks=self.layout.chunks)
-        record = walk(plan, self.index, self.stages, micro_inputs, work, self.link)
+        record = walk(actions, self.index, self.stages, micro_inputs, work, self.link)
         self.link.finish()
         self.records.add(record)
         return record
@@ -159,9 +160,9 @@ class StageView:
         return self.role.stages
 
     @property
-    def plan(self) -> List[Action]:
+    def actions(self) -> List[Action]:
         """This stage's actions in one training step."""
-        return self.role.plan
+        return self.role.actions
 
     @property
     def is_first(self) -> bool:

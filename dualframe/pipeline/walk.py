@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Protocol, Sequence, Tuple, TypeVar
 
 from dualframe.errors import ChunksError, StrategyError
+from dualframe.pipeline.layout import MAX_DIMS
 from dualframe.pipeline.microbatch import micro_batch_sizes
 from dualframe.pipeline.schedule import FORWARD, Action
 
@@ -72,7 +73,7 @@ class StepRecord:
 
 
 def walk(
-    plan: Sequence[Action],
+    actions: Sequence[Action],
     stage: int,
     stages: int,
     inputs: Sequence[T],
@@ -83,7 +84,7 @@ def walk(
     """Run stage ``stage``'s actions in order, exchanging messages with its neighbours.
 
     Args:
-        plan: this stage's actions, e.g. ``rank_schedule("1f1b", n, m)[j]``.
+        actions: this stage's actions, e.g. ``rank_schedule("1f1b", n, m)[j]``.
         stage: j, this stage's index; ``stages``: n.
         inputs: the micro-batches (read on the first stage only).
         work: the framework's forward/backward of this stage.
@@ -95,7 +96,7 @@ def walk(
     """
     j, n = stage, stages
     record = StepRecord(start=clock())
-    for action in plan:
+    for action in actions:
         i, tag = action.micro, str(action)
         if action.kind == FORWARD:
             x = inputs[i] if j == 0 else links.receive(tag)
@@ -178,8 +179,6 @@ def pipeline_bubble(busy: Sequence[float], walls: Sequence[float]) -> float:
     return 1.0 - sum(busy) / len(busy) / span
 
 
-#: Most input dimensions the step agreement can carry.
-MAX_DIMS = 8
 _MISSING, _TOO_MANY_DIMS = 1, 2
 AGREEMENT_LENGTH = MAX_DIMS + 5
 

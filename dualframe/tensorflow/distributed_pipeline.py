@@ -153,15 +153,15 @@ class DistributedPipeline(StageView):
         """``optimizer.apply_gradients`` on the last step's gradients and the stage's variables."""
         optimizer.apply_gradients([(g, v) for g, v in zip(self.gradients, self.trainable_variables) if g is not None])
 
-    def _run(self, plan: Sequence[Action], inputs: Any, targets: Any, train: bool) -> Tuple[TFStageWork, StepRecord]:
+    def _run(self, actions: Sequence[Action], inputs: Any, targets: Any, train: bool) -> Tuple[TFStageWork, StepRecord]:
         inputs = None if inputs is None or not self.is_first else tf.convert_to_tensor(inputs)
         targets = None if targets is None or not self.is_last else tf.convert_to_tensor(targets)
         sizes = self.role.agree(inputs, targets, train)
         micro_inputs = tf.split(inputs, sizes) if inputs is not None else []
         micro_targets = tf.split(targets, sizes) if train and targets is not None else []
         work = TFStageWork(self.layers, self.is_first, self.is_last, self.loss_fn if train else None,
-                           micro_targets, [s / sum(sizes) for s in sizes], self.device, self._functions, fusable(plan))
-        return work, self.role.step(plan, micro_inputs, work, train)
+                           micro_targets, [s / sum(sizes) for s in sizes], self.device, self._functions, fusable(actions))
+        return work, self.role.step(actions, micro_inputs, work, train)
 
     def train_step(self, inputs: Any, targets: Any) -> float:
         """Run one mini-batch forward and backward through the pipeline; the stage's gradients land in ``gradients``.
@@ -172,15 +172,15 @@ class DistributedPipeline(StageView):
         """
         if self.loss_fn is None:
             raise StrategyError("train_step needs a loss_fn; pass loss_fn= to DistributedPipeline")
-        work, _ = self._run(self.plan, inputs, targets, train=True)
+        work, _ = self._run(self.actions, inputs, targets, train=True)
         self.gradients = work.gradients
         self.peak_live = max(self.peak_live, work.peak_live)
         return self.role.mean_loss(work.loss_sum)
 
     def __call__(self, inputs: Any) -> Optional[tf.Tensor]:
         """Inference through the pipeline (no gradients): the output on the last stage, None elsewhere."""
-        plan = [Action("F", i) for i in range(self.chunks)]
-        work, _ = self._run(plan, inputs, None, train=False)
+        forwards = [Action("F", i) for i in range(self.chunks)]
+        work, _ = self._run(forwards, inputs, None, train=False)
         return tf.concat(work.outputs, axis=0) if self.is_last else None
 
     def timings(self) -> List[str]:

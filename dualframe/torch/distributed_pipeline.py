@@ -123,7 +123,7 @@ class DistributedPipeline(StageView, nn.Module):
         return wrapper(optimizer, named_parameters=self.named_parameters(),
                        backward_passes_per_step=passes, process_set=self.stage_process_set, **kwargs)
 
-    def _run(self, plan: Sequence[Action], inputs: Optional[torch.Tensor], targets: Optional[torch.Tensor],
+    def _run(self, actions: Sequence[Action], inputs: Optional[torch.Tensor], targets: Optional[torch.Tensor],
              train: bool) -> Tuple[TorchStageWork, StepRecord]:
         sizes = self.role.agree(inputs, targets, train)
         micro_inputs = list(torch.split(inputs.to(self.device), sizes)) if self.is_first and inputs is not None else []
@@ -131,7 +131,7 @@ class DistributedPipeline(StageView, nn.Module):
         work = TorchStageWork(self.stage, self.is_first, self.is_last, self.loss_fn if train else None,
                               micro_targets, [s / sum(sizes) for s in sizes], self.meter)
         with torch.set_grad_enabled(train), self.meter.counting():
-            record = self.role.step(plan, micro_inputs, work, train)
+            record = self.role.step(actions, micro_inputs, work, train)
         return work, record
 
     def train_step(self, inputs: Optional[torch.Tensor], targets: Optional[torch.Tensor]) -> float:
@@ -143,13 +143,13 @@ class DistributedPipeline(StageView, nn.Module):
         """
         if self.loss_fn is None:
             raise StrategyError("train_step needs a loss_fn; pass loss_fn= to DistributedPipeline")
-        work, _ = self._run(self.plan, inputs, targets, train=True)
+        work, _ = self._run(self.actions, inputs, targets, train=True)
         return self.role.mean_loss(work.loss_sum)
 
     def forward(self, inputs: Optional[torch.Tensor]) -> Optional[torch.Tensor]:  # type: ignore[override]
         """Inference through the pipeline (no gradients): the output on the last stage, None elsewhere."""
-        plan = [Action("F", i) for i in range(self.chunks)]
-        work, _ = self._run(plan, inputs, None, train=False)
+        forwards = [Action("F", i) for i in range(self.chunks)]
+        work, _ = self._run(forwards, inputs, None, train=False)
         return torch.cat(work.outputs) if self.is_last else None
 
     def timings(self) -> List[str]:

@@ -52,7 +52,7 @@ def test_layout_checks_every_argument_and_lays_out_the_stages():
     layout = layout_pipeline(5, [3, 2], chunks=3, schedule="1F1B", devices=["cpu", "cpu"], data_parallel=2,
                              world=4)
     assert (layout.schedule, layout.grid.replicas, layout.devices) == ("1f1b", 2, ("cpu", "cpu"))
-    assert [[str(a) for a in plan] for plan in layout.plans] == [["F0", "F1", "B0", "F2", "B1", "B2"],
+    assert [[str(a) for a in actions] for actions in layout.actions] == [["F0", "F1", "B0", "F2", "B1", "B2"],
                                                                  ["F0", "B0", "F1", "B1", "F2", "B2"]]
     with pytest.raises(DeviceError, match=r"one device per group \(len\(devices\) = 1, len\(balance\) = 2\)"):
         layout_pipeline(5, [3, 2], chunks=3, devices=["cpu"], world=2)
