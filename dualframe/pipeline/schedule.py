@@ -102,12 +102,12 @@ Builder = Callable[[int, int], ActionLists]
 
 
 @dataclass(frozen=True)
-class Registered:
+class ScheduleEntry:
     """A schedule in the registry: its name, its builder, and whether one process can run it.
 
     ``one_process``: the schedule finishes every forward before any backward, so the one-process
-    ``Pipeline`` can run it although its caller computes the loss after forward returns. When False,
-    ``why_not`` says why, for the refusal.
+    ``Pipeline`` can run it although its caller computes the loss after forward returns (``pass_ticks``
+    checks the claim on the clock table). When False, ``why_not`` says why, for the refusal.
     """
 
     name: str
@@ -116,16 +116,16 @@ class Registered:
     why_not: str = ""
 
 
-_REGISTRY: Dict[str, Registered] = {}
+_REGISTRY: Dict[str, ScheduleEntry] = {}
 
 
 def register(name: str, build: Builder, *, one_process: bool, why_not: str = "") -> Builder:
     """Add a schedule under ``name`` (lower case); every adapter and ``dualframe.Pipeline`` then accept it.
 
     Example:
-        >>> def reversed_gpipe(stages, chunks):  # a toy: backward in forward order
+        >>> def fifo_gpipe(stages, chunks):  # a toy: GPipe with the backwards in forward order
         ...     return [sorted(a, key=lambda x: (x.kind == "B", x.micro)) for a in gpipe(stages, chunks)]
-        >>> _ = register("toy", reversed_gpipe, one_process=True)
+        >>> _ = register("toy", fifo_gpipe, one_process=True)
         >>> "toy" in schedule_names(); unregister("toy")
         True
 
@@ -139,7 +139,7 @@ def register(name: str, build: Builder, *, one_process: bool, why_not: str = "")
         raise ScheduleError(f"schedule {name!r} is already registered; choose another name")
     if not one_process and not why_not:
         raise ScheduleError(f"schedule {name!r}: say in why_not why the one-process Pipeline cannot run it")
-    _REGISTRY[name] = Registered(name, build, bool(one_process), why_not)
+    _REGISTRY[name] = ScheduleEntry(name, build, bool(one_process), why_not)
     return build
 
 
@@ -154,7 +154,7 @@ def schedule_names(one_process: Optional[bool] = None) -> Tuple[str, ...]:
     return tuple(s.name for s in _REGISTRY.values() if one_process is None or s.one_process == one_process)
 
 
-def registered(schedule: str) -> Registered:
+def registered(schedule: str) -> ScheduleEntry:
     """The registry entry of ``schedule`` (any case); ScheduleError naming the choices otherwise.
 
     Example:
@@ -166,7 +166,7 @@ def registered(schedule: str) -> Registered:
     return _REGISTRY[schedule.lower()]
 
 
-def one_process(schedule: str) -> Registered:
+def one_process(schedule: str) -> ScheduleEntry:
     """The entry of ``schedule`` if the one-process ``Pipeline`` can run it; ScheduleError saying why not.
 
     Example:

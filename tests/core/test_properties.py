@@ -94,14 +94,15 @@ def test_rank_schedules(name, stages, chunks):
 
 
 @FAST
-@given(stages=ANY, chunks=ANY)
-def test_clock_tick_schedules(stages, chunks):
-    forward = planned(schedule.one_process_ticks, "gpipe", chunks, stages, "F")
+@given(name=st.one_of(st.sampled_from(["gpipe", "1f1b", "GPipe", "other"]), ANY), stages=ANY, chunks=ANY)
+def test_clock_tick_schedules(name, stages, chunks):
+    forward = planned(schedule.one_process_ticks, name, chunks, stages, "F")
     if forward is not None:
+        assert name.lower() == "gpipe"  # the only registered schedule one process can run
         cells = [cell for tick in forward for cell in tick]
         assert len(cells) == len(set(cells)) == chunks * stages
         assert len(forward) == chunks + stages - 1
-        assert len(planned(schedule.one_process_ticks, "gpipe", chunks, stages, "B")) == len(forward)
+        assert len(planned(schedule.one_process_ticks, name, chunks, stages, "B")) == len(forward)
 
 
 @FAST
