@@ -12,10 +12,11 @@ import math
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
-from dualframe.pipeline.partition import balance_by_cost, partition_ranges
+from dualframe.pipeline.partition import partition_ranges
 from dualframe.pipeline.schedule import gpipe_bubble
+from dualframe.plan.cuts import balance_of, checkpoint_starts, stage_starts
 from dualframe.plan.hardware import Hardware, format_bytes
-from dualframe.plan.memory import Memory, Training, best_segments, group_memory, layer_costs
+from dualframe.plan.memory import Memory, Training, best_segments, group_memory
 from dualframe.plan.profile import ModelProfile
 
 # Index names: n stages, m micro-batches (chunks), j stage, r replicas.
@@ -51,6 +52,8 @@ class Option:
     checkpoint: str = "never"
     backward_passes_per_step: int = 1
     segments: int = 1
+    cuts: Tuple[int, ...] = ()
+    split_points: Tuple[str, ...] = ()
 
     @property
     def devices(self) -> int:
@@ -83,24 +86,37 @@ class Plan:
 
 
 def _option(kind: str, profile: ModelProfile, training: Training, hardware: Hardware, balance: Sequence[int],
-            replicas: int, chunks: int = 1, checkpoint: str = "never", passes: int = 1, segments: int = 1) -> Option:
+            replicas: int, chunks: int = 1, checkpoint: str = "never", passes: int = 1, segments: int = 1,
+            cuts: Sequence[int] = ()) -> Option:
     step = Training(math.ceil(training.batch_size / passes), training.optimizer, training.dtype,
                     training.mixed_precision)
-    per_device = [group_memory(profile, layers, step, chunks, checkpoint, replicas, segments)
-                  for layers in partition_ranges(balance, profile.num_layers)]
+    ranges = partition_ranges(balance, profile.num_layers)
+    per_device = [group_memory(profile, layers, step, chunks, checkpoint, replicas, segments, cuts)
+                  for layers in ranges]
     worst = max(per_device, key=lambda memory: memory.total)
+    # A split's stages, or a graph's checkpointed segments, begin at these nodes.
+    points = profile.split_points(cuts or [layers.start for layers in ranges])
     return Option(kind, len(balance), replicas, chunks, tuple(balance), worst,
-                  worst.total <= hardware.usable_memory, checkpoint, passes, segments)
+                  worst.total <= hardware.usable_memory, checkpoint, passes, segments, tuple(cuts), tuple(points))
+
+
+def _checkpointing(profile: ModelProfile, training: Training, hardware: Hardware) -> Option:
+    """torch chains: ``checkpoint_sequential``; Keras chains: each layer (RematScope); graphs: chosen segments."""
+    everything, replicas = [profile.num_layers], hardware.devices
+    kind = "data parallel + checkpointing"
+    if profile.is_graph:
+        return _option(kind, profile, training, hardware, everything, replicas, checkpoint="segments",
+                       cuts=checkpoint_starts(profile, training))
+    if profile.framework == "torch":
+        return _option(kind, profile, training, hardware, everything, replicas, checkpoint="segments",
+                       segments=best_segments(profile, training))
+    return _option(kind, profile, training, hardware, everything, replicas, checkpoint="layers")
 
 
 def _data_parallel(profile: ModelProfile, training: Training, hardware: Hardware) -> List[Option]:
     everything, replicas = [profile.num_layers], hardware.devices
-    # torch checkpoints runs of layers (checkpoint_sequential); Keras 3 rematerializes each layer (RematScope).
-    torch = profile.framework == "torch"
     options = [_option("data parallel", profile, training, hardware, everything, replicas),
-               _option("data parallel + checkpointing", profile, training, hardware, everything, replicas,
-                       checkpoint="segments" if torch else "layers",
-                       segments=best_segments(profile, training) if torch else 1)]
+               _checkpointing(profile, training, hardware)]
     # Fewest backward passes per step whose smaller per-pass batch fits.
     passes = [k for k in range(2, training.batch_size + 1) if k == training.batch_size or training.batch_size % k == 0]
     accumulation = None
@@ -116,8 +132,9 @@ def _split(profile: ModelProfile, training: Training, hardware: Hardware, kind: 
            replicas: int) -> Option:
     chunks = 1 if kind == "model split" else pipeline_chunks(stages, training.batch_size)
     checkpoint = "never" if kind == "model split" else "except_last"
-    balance = balance_by_cost(layer_costs(profile, training, chunks, checkpoint), stages)
-    return _option(kind, profile, training, hardware, balance, replicas, chunks, checkpoint)
+    starts = stage_starts(profile, training, stages, chunks, checkpoint, replicas, hardware.usable_memory)
+    return _option(kind, profile, training, hardware, balance_of(starts, profile.num_layers), replicas, chunks,
+                   checkpoint)
 
 
 def _fewest_stages(profile: ModelProfile, training: Training, hardware: Hardware, kind: str,

@@ -19,8 +19,9 @@ OPTIMIZER_SLOTS = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
 #: Horovod's default tensor-fusion buffer (HOROVOD_FUSION_THRESHOLD), allocated once per process.
 FUSION_BUFFER_BYTES = 64 * 1024 * 1024
 #: How activations are kept for backward: all of them; every layer's input (each layer recomputed
-#: alone, as Keras' ``RematScope(mode="full")``); ``segments`` equal runs of layers with the last run
-#: kept (torch's ``checkpoint_sequential``); per stage and micro-batch as GPipe does
+#: alone, as Keras' ``RematScope(mode="full")``, for chains); ``segments``: runs of layers, equal
+#: (torch's ``checkpoint_sequential``) or beginning at chosen cuts (graphs), the last run kept, the
+#: others keeping only the values live across their starts; per stage and micro-batch as GPipe does
 #: (``"always"``/``"except_last"`` in dualframe.Pipeline).
 CHECKPOINTS = ("never", "layers", "segments", "always", "except_last")
 
@@ -96,22 +97,39 @@ def sequential_segments(layers: int, segments: int) -> List[range]:
     return [range(k * size, (k + 1) * size) for k in range(segments - 1)] + [range((segments - 1) * size, layers)]
 
 
+def segment_runs(starts: Sequence[int], stop: int) -> List[range]:
+    """The runs of nodes that segments beginning at ``starts`` make, up to ``stop``.
+
+    Example:
+        >>> segment_runs([0, 3, 5], 8)
+        [range(0, 3), range(3, 5), range(5, 8)]
+    """
+    return [range(a, b) for a, b in zip(starts, list(starts[1:]) + [stop])]
+
+
+def kept_at(profile: ModelProfile, cuts: Sequence[int]) -> float:
+    """Per-sample elements of every value live across any of ``cuts``, each value counted once."""
+    return sum(value.elements for value in profile.flow() if any(value.live_across(c) for c in cuts))
+
+
 def _activations(profile: ModelProfile, layers: range, batch: int, micro_batch: int, checkpoint: str,
-                 segments: int) -> float:
+                 segments: int, cuts: Sequence[int] = ()) -> float:
     """Saved activation elements of ``layers`` at the peak of the step (before the dtype's bytes)."""
     saved = [profile.layers[j].activations for j in layers]
     if checkpoint == "never":
         return sum(saved) * batch
-    inputs = profile.layer_inputs()
     if checkpoint == "layers":
+        inputs = profile.layer_inputs()
         return sum(inputs[j] for j in layers) * batch + max(saved) * batch
     if checkpoint == "segments":
-        runs = sequential_segments(len(saved), segments)
-        kept = [sum(saved[j] for j in run) for run in runs]
-        # Checkpointed runs keep their input; the last run keeps everything; one run is recomputed at a time.
-        return (sum(inputs[layers.start + run.start] for run in runs[:-1]) + kept[-1] + max(kept[:-1], default=0)) * batch
-    # GPipe: each micro-batch keeps only the stage's input; one micro-batch is recomputed at a time.
-    return inputs[layers.start] * batch + sum(saved) * micro_batch
+        starts = list(cuts) or [layers.start + run.start for run in sequential_segments(len(saved), segments)]
+        runs = segment_runs(starts, layers.stop)
+        kept = [sum(profile.layers[j].activations for j in run) for run in runs]
+        # Checkpointed runs keep the values live across their starts; the last run keeps everything;
+        # one run is recomputed at a time.
+        return (kept_at(profile, starts[:-1]) + kept[-1] + max(kept[:-1], default=0)) * batch
+    # GPipe: each micro-batch keeps only what enters the stage; one micro-batch is recomputed at a time.
+    return profile.live()[layers.start] * batch + sum(saved) * micro_batch
 
 
 def best_segments(profile: ModelProfile, training: Training) -> int:
@@ -122,7 +140,8 @@ def best_segments(profile: ModelProfile, training: Training) -> int:
 
 
 def group_memory(profile: ModelProfile, layers: range, training: Training, chunks: int = 1,
-                 checkpoint: str = "never", replicas: int = 1, segments: int = 1) -> Memory:
+                 checkpoint: str = "never", replicas: int = 1, segments: int = 1,
+                 cuts: Sequence[int] = ()) -> Memory:
     """Memory of the device holding ``layers`` of ``profile``.
 
     Args:
@@ -132,7 +151,9 @@ def group_memory(profile: ModelProfile, layers: range, training: Training, chunk
         chunks: micro-batches per mini-batch (1 without a pipeline).
         checkpoint: one of CHECKPOINTS.
         replicas: data-parallel copies of these layers; above one, Horovod's fusion buffer counts.
-        segments: runs of layers for ``checkpoint="segments"``.
+        segments: equal runs of layers for ``checkpoint="segments"`` (``checkpoint_sequential``).
+        cuts: for ``checkpoint="segments"`` on a graph: the nodes where segments begin (the first
+            is ``layers.start``); overrides ``segments``.
 
     Returns:
         The Memory breakdown.
@@ -144,7 +165,7 @@ def group_memory(profile: ModelProfile, layers: range, training: Training, chunk
     frozen = sum(layer.frozen for layer in group)
     size = training.parameter_bytes
     micro_batch = math.ceil(training.batch_size / chunks)
-    activations = _activations(profile, layers, training.batch_size, micro_batch, checkpoint, segments)
+    activations = _activations(profile, layers, training.batch_size, micro_batch, checkpoint, segments, cuts)
     # Backward holds the gradient of the largest tensor and of its input at once.
     flowing = 2 * max(layer.largest for layer in group) * micro_batch * training.activation_bytes
     half_weights = trainable * 2 if training.mixed_precision else 0
@@ -156,9 +177,3 @@ def group_memory(profile: ModelProfile, layers: range, training: Training, chunk
         activations=activations * training.activation_bytes,
         buffers=flowing + half_weights + fusion,
     )
-
-
-def layer_costs(profile: ModelProfile, training: Training, chunks: int = 1, checkpoint: str = "never") -> Sequence[float]:
-    """Each layer's own memory (as if alone on a device): the cost ``balance_by_cost`` evens out."""
-    return [group_memory(profile, range(j, j + 1), training, chunks, checkpoint).total
-            for j in range(profile.num_layers)]

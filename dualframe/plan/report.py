@@ -76,10 +76,17 @@ def adapter_line(option: Option, framework: str, hardware: Hardware) -> str:
     return f"pipe = hvd.DistributedPipeline(model, {balance}, chunks={chunks}, loss_fn=loss_fn{replicas})"
 
 
-def extra_lines(option: Option) -> List[str]:
-    """What the training script changes besides the strategy (checkpointing, batch per pass)."""
+def extra_lines(option: Option, framework: str = "torch") -> List[str]:
+    """What the training script changes besides the strategy (split points, checkpointing, batch per pass)."""
     lines = []
-    if option.checkpoint == "segments":
+    points = list(option.split_points)
+    if option.stages > 1:
+        lines.append(f"split_points={points}  # where stages 2.. begin (a split point starts a new stage)")
+    if option.cuts:
+        how = ("torch.utils.checkpoint.checkpoint(segment, ..., use_reentrant=False)" if framework == "torch"
+               else "keras.remat(segment)")
+        lines.append(f"# checkpoint each segment of the graph, segments beginning at split_points={points}: {how}")
+    elif option.checkpoint == "segments":
         lines.append(f"output = torch.utils.checkpoint.checkpoint_sequential(model, {option.segments}, batch, "
                      "use_reentrant=False)")
     if option.checkpoint == "layers":
@@ -139,7 +146,7 @@ def recommendation_lines(plan: Plan, script: str = "train.py") -> List[str]:
              + (f", bubble {option.bubble:.0%}" if option.stages > 1 else ""),
              f"  strategy = {strategy_call(option, framework, plan.hardware)}",
              f"  {adapter_line(option, framework, plan.hardware)}"]
-    lines += [f"  {line}" for line in extra_lines(option)]
+    lines += [f"  {line}" for line in extra_lines(option, framework)]
     if 1 < option.stages and option.chunks < 4 * option.stages:
         lines.append(f"  # chunks {option.chunks} < 4 x {option.stages} stages: the batch ({plan.training.batch_size}) "
                      f"caps the micro-batches; a larger batch shrinks the bubble")
@@ -152,10 +159,11 @@ def recommendation_lines(plan: Plan, script: str = "train.py") -> List[str]:
 def _option_json(option: Option, plan: Plan, script: str) -> Dict[str, Any]:
     data = {key: value for key, value in asdict(option).items() if key != "memory"}
     data.update(balance=list(option.balance), devices=option.devices, bubble=option.bubble,
+                cuts=list(option.cuts), split_points=list(option.split_points),
                 memory={**asdict(option.memory), "total": option.memory.total},
                 strategy=strategy_call(option, plan.profile.framework, plan.hardware),
                 adapter=adapter_line(option, plan.profile.framework, plan.hardware),
-                extra=extra_lines(option),
+                extra=extra_lines(option, plan.profile.framework),
                 launch=launch_line(option, plan.hardware, script))
     return data
 

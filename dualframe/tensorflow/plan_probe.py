@@ -3,7 +3,9 @@
 One training step (forward, loss, ``GradientTape`` gradients) is traced into a TensorFlow graph on a
 ``tf.TensorSpec`` batch; the tensors the gradient ops read are what the step keeps for backward.
 Each top-level layer's ``call`` is wrapped while tracing, so those tensors and the layer's output
-shape are attributed to the layer that made them. Weights are built (Keras has no meta device).
+shape are attributed to the layer that made them. The layers are the nodes, in the order they ran;
+for a functional (graph) model the forward ops' inputs say which values cross from one layer to a
+later one (skip connections, masks). Weights are built (Keras has no meta device).
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from dualframe.plan.hardware import nvidia_smi_memory  # noqa: E402
-from dualframe.plan.profile import LayerProfile, ModelProfile  # noqa: E402
+from dualframe.plan.profile import LayerProfile, ModelProfile, Value  # noqa: E402
 
 #: The trace uses a batch of this many rows and divides, so per-sample figures are exact.
 PROBE_BATCH = 2
@@ -78,13 +80,15 @@ def profile_model(model: Any, input_shape: Sequence[int], input_dtype: str = "fl
     """Profile a built (or buildable) Keras model with one traced training step.
 
     Args:
-        model: a ``keras.Model`` (Sequential or functional); its layers are what a ``balance`` counts.
+        model: a ``keras.Model`` (Sequential or functional); its layers are the nodes, each a place
+            where a stage may begin (a split point, named by the layer's name).
         input_shape: one sample's shape (without the batch dimension).
         input_dtype: ``"float32"``, or ``"int32"``/``"int64"`` for token ids.
         source: where the model came from, for the report.
 
     Returns:
-        The ModelProfile (per-sample activation elements, parameter counts per layer).
+        The ModelProfile (per-sample activation elements, parameter counts per layer, and for a
+        functional model the values between its layers).
     """
     layers = top_level_layers(model)
     marks: Dict[int, Tuple[int, int, float]] = {}
@@ -95,8 +99,10 @@ def profile_model(model: Any, input_shape: Sequence[int], input_dtype: str = "fl
         for layer, original in zip(layers, originals):
             layer.call = original
     saved, operations = _saved_by_gradients(graph), graph.get_operations()
+    order = sorted(range(len(layers)), key=lambda index: marks.get(index, (0, 0, 0.0))[0])  # as they ran
     profiles = []
-    for index, layer in enumerate(layers):
+    for index in order:
+        layer = layers[index]
         start, stop, output = marks.get(index, (0, 0, 0.0))
         kept = [_elements(t) / PROBE_BATCH for op in operations[start:stop] if op.type not in _NOT_ACTIVATIONS
                 for t in op.outputs if t.name in saved]
@@ -110,7 +116,35 @@ def profile_model(model: Any, input_shape: Sequence[int], input_dtype: str = "fl
         profiles[0] = LayerProfile(first.name, first.parameters, first.frozen, first.activations + elements,
                                    first.output, first.largest)
     dtype = str(layers[0].dtype_policy.variable_dtype) if hasattr(layers[0], "dtype_policy") else "float32"
-    return ModelProfile("keras", source, tuple(input_shape), profiles, elements, dtype)
+    values = _values(operations, [marks.get(index, (0, 0, 0.0))[:2] for index in order])
+    if isinstance(model, keras.Sequential) or len(layers) == 1:
+        values = []  # a chain: the core derives its values from the outputs
+    return ModelProfile("keras", source, tuple(input_shape), profiles, elements, dtype, values=values)
+
+
+def _values(operations: Sequence[Any], ranges: Sequence[Tuple[int, int]]) -> List[Value]:
+    """The forward values read by a later layer than the one that made them (-1: the model input).
+
+    Ops between layers (the functional model's glue) count with the layer before them.
+    """
+    starts = {start: j for j, (start, _) in enumerate(ranges)}
+    made: Dict[str, Tuple[int, float]] = {}
+    last: Dict[str, int] = {}
+    current = 0
+    for position, op in enumerate(operations):
+        current = starts.get(position, current)
+        if op.name.startswith("gradient_tape/"):
+            continue
+        for tensor in op.inputs:
+            if tensor.name in made:
+                last[tensor.name] = current
+        # Placeholders are the batch and the captured variables' handles (resources, not values).
+        producer = -1 if op.type == "Placeholder" else current
+        if op.type == "Placeholder" or op.type not in _NOT_ACTIVATIONS:
+            made.update({t.name: (producer, _elements(t) / PROBE_BATCH) for t in op.outputs
+                         if t.dtype not in (tf.resource, tf.variant)})
+    return [Value(producer, last[name], elements) for name, (producer, elements) in made.items()
+            if last.get(name, producer) > producer and elements > 0]
 
 
 def _count(weights: Sequence[Any]) -> int:
