@@ -17,11 +17,15 @@ from dualframe.plan import ModelSpec, Training, group_memory, measure
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 TOLERANCE = 0.25
-# model, input shape, input dtype, batch, optimizer: weights-bound, activations-bound, attention-bound.
+# model, input shape, input dtype, batch, optimizer: weights-bound, activations-bound, attention-bound,
+# then two graphs: a ResNet (skip connections in its blocks) and an encoder whose padding mask is read
+# by every block.
 CASES = [
     ("mlp_big", (1024,), "float32", 64, "adam"),
     ("cnn_big", (3, 32, 32), "float32", 128, "sgd"),
     ("transformer_big", (128,), "int64", 8, "momentum"),
+    ("resnet_big", (3, 32, 32), "float32", 64, "momentum"),
+    ("masked_encoder_big", (128,), "int64", 8, "adam"),
 ]
 
 
