@@ -132,7 +132,8 @@ def _split(profile: ModelProfile, training: Training, hardware: Hardware, kind: 
            replicas: int) -> Option:
     chunks = 1 if kind == "model split" else pipeline_chunks(stages, training.batch_size)
     checkpoint = "never" if kind == "model split" else "except_last"
-    starts = stage_starts(profile, training, stages, chunks, checkpoint, replicas, hardware.usable_memory)
+    starts = stage_starts(profile, training, stages, chunks, checkpoint, replicas, hardware.usable_memory,
+                          slack=1.0 if kind == "model split" else 1.5)
     return _option(kind, profile, training, hardware, balance_of(starts, profile.num_layers), replicas, chunks,
                    checkpoint)
 

@@ -9,7 +9,7 @@ a torch submodule in execution order), and name each with its split point.
 from __future__ import annotations
 
 import math
-from typing import List, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from dualframe.plan.memory import FUSION_BUFFER_BYTES, OPTIMIZER_SLOTS, Training, group_memory, segment_runs
 from dualframe.plan.profile import ModelProfile
@@ -54,7 +54,9 @@ class StageCosts:
         return self.trainable[b] - self.trainable[a]
 
     def total(self, a: int, b: int) -> float:
-        """Bytes of the device holding nodes a..b-1 (see ``group_memory``)."""
+        """Bytes of the device holding nodes a..b-1 (see ``group_memory``); 0 for no nodes."""
+        if b <= a:
+            return 0.0
         t, size = self.training, self.training.parameter_bytes
         trainable = self.parameters(a, b)
         saved = self.saved[b] - self.saved[a]
@@ -70,25 +72,27 @@ class StageCosts:
         return state + activations * t.activation_bytes + buffers
 
 
-def _minimax(count: int, stages: int, cost, allowed=None) -> Tuple[float, List[int]]:
+def _minimax(count: int, stages: int, cost: Callable[[int, int], Any],
+             allowed: Optional[Callable[[int, int], bool]] = None) -> Tuple[Any, List[int]]:
     """Contiguous groups of ``count`` nodes into ``stages`` minimising the largest ``cost(a, b)``.
 
-    ``allowed(a, b)`` (optional) rules groups out. Returns (the largest cost, the starts), or
-    (inf, []) when no split is allowed.
+    Costs may be tuples (compared in order: ties on the first are broken by the next). ``allowed(a,
+    b)`` (optional) rules groups out. Returns (the largest cost, the starts), or (None, []) when no
+    split is allowed.
     """
-    best = [[math.inf] * (count + 1) for _ in range(stages + 1)]
+    best: List[List[Any]] = [[None] * (count + 1) for _ in range(stages + 1)]
     back = [[0] * (count + 1) for _ in range(stages + 1)]
-    best[0][0] = 0.0
+    best[0][0] = cost(0, 0)
     for k in range(1, stages + 1):
         for b in range(k, count - (stages - k) + 1):
             for a in range(k - 1, b):
-                if best[k - 1][a] == math.inf or (allowed is not None and not allowed(a, b)):
+                if best[k - 1][a] is None or (allowed is not None and not allowed(a, b)):
                     continue
                 worst = max(best[k - 1][a], cost(a, b))
-                if worst < best[k][b]:
+                if best[k][b] is None or worst < best[k][b]:
                     best[k][b], back[k][b] = worst, a
-    if best[stages][count] == math.inf:
-        return math.inf, []
+    if best[stages][count] is None:
+        return None, []
     starts, b = [], count
     for k in range(stages, 0, -1):
         b = back[k][b]
@@ -97,21 +101,25 @@ def _minimax(count: int, stages: int, cost, allowed=None) -> Tuple[float, List[i
 
 
 def stage_starts(profile: ModelProfile, training: Training, stages: int, chunks: int = 1,
-                 checkpoint: str = "never", replicas: int = 1, usable: float = math.inf) -> List[int]:
+                 checkpoint: str = "never", replicas: int = 1, usable: float = math.inf,
+                 slack: float = 1.5) -> List[int]:
     """The nodes where ``stages`` stages begin: the least memory on the fullest device, then even parameters.
 
     First the split whose fullest device needs the least memory; then, among splits whose every
-    device stays within what fits (``usable``, at most 1.5 x that least memory), the one whose
-    largest stage holds the fewest parameters: a stage of all the weights fits, but computes
-    (and waits) the longest.
+    device stays within what fits (``usable``, at most ``slack`` x that least memory), the one
+    whose largest stage holds the fewest parameters. In a pipeline the stages run at once and the
+    slowest sets the pace: memory alone would put ResNet-50's early, activation-heavy layers on
+    one stage and 97% of its weights (its late, weight-heavy layers) on the other. A model split
+    runs one stage at a time, so ``slack=1`` (memory only, parameters break ties) suits it.
 
     Returns:
         The start of each stage (the first is 0), as many as ``stages``.
     """
     costs = StageCosts(profile, training, chunks, checkpoint, replicas)
     least, starts = _minimax(costs.count, stages, costs.total)
-    bound = max(least, min(usable, 1.5 * least))
-    _, even = _minimax(costs.count, stages, costs.parameters, lambda a, b: costs.total(a, b) <= bound)
+    bound = max(least, min(usable, slack * least))
+    _, even = _minimax(costs.count, stages, lambda a, b: (costs.parameters(a, b), costs.total(a, b)),
+                       lambda a, b: costs.total(a, b) <= bound)
     return even or starts
 
 
