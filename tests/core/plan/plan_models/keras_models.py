@@ -40,3 +40,8 @@ def transformer(vocab: int = 1000, tokens: int = 64, width: int = 128, heads: in
     stack = [keras.Input((tokens,), dtype="int32"), layers.Embedding(vocab, width)]
     stack += [EncoderBlock(width, heads) for _ in range(blocks)]
     return keras.Sequential(stack + [layers.GlobalAveragePooling1D(), layers.Dense(classes)])
+
+
+def resnet50() -> keras.Model:
+    """keras.applications.ResNet50 without weights (no download), for 224 x 224 x 3 images: a graph of 176 layers."""
+    return keras.applications.ResNet50(weights=None, input_shape=(224, 224, 3))
