@@ -1,7 +1,9 @@
 """Measure the peak memory of real torch training steps on the CPU, in this fresh process.
 
-    python measure_torch.py MODULE:FUNCTION BATCH OPTIMIZER INPUT_SHAPE INPUT_DTYPE
+    python measure_torch.py MODULE:FUNCTION BATCH OPTIMIZER INPUT_SHAPE INPUT_DTYPE [CHECKPOINTED]
 
+CHECKPOINTED (optional): comma-separated submodule names, each run under
+``torch.utils.checkpoint.checkpoint`` (recomputed in backward, keeping only its inputs).
 Prints one JSON line: {"peak": bytes}. The peak is the resident-set high-water mark (VmHWM) during
 two training steps minus the resident set just before the model is built; the high-water mark is
 reset first (/proc/self/clear_refs), after a warm-up step on a tiny model has loaded torch's kernels.
@@ -12,6 +14,7 @@ import json
 import sys
 
 import torch
+import torch.utils.checkpoint
 
 
 def _status(key: str) -> int:
@@ -38,6 +41,16 @@ def _step(model, optimizer, batch, classes):
     optimizer.step()
 
 
+def _checkpointed(module):
+    """Run ``module`` under activation checkpointing from now on."""
+    forward = module.forward
+
+    def run(*args, **kwargs):
+        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    module.forward = run
+
+
 def main() -> None:
     spec, batch_size, optimizer_name, shape, input_dtype = sys.argv[1:6]
     torch.set_num_threads(1)
@@ -52,6 +65,8 @@ def main() -> None:
     with open("/proc/self/clear_refs", "w") as refs:
         refs.write("5")
     model = builder()
+    for name in (sys.argv[6].split(",") if len(sys.argv) > 6 and sys.argv[6] else []):
+        _checkpointed(model.get_submodule(name))
     optimizer = _optimizer(optimizer_name, model.parameters())
     for _ in range(2):
         if input_dtype == "int64":
