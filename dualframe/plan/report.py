@@ -81,8 +81,7 @@ def extra_lines(option: Option, framework: str = "torch") -> List[str]:
     lines = []
     points = list(option.split_points)
     if option.stages > 1:
-        lines.append(f"split_points={points}  # where stages 2.. begin (a split point starts a new stage; "
-                     f"balance counts the nodes in the order they run)")
+        lines.append(f"split_points={points}  # where stages 2.. begin; for a graph model pass these, not balance=")
     if option.cuts:
         how = ("torch.utils.checkpoint.checkpoint(segment, ..., use_reentrant=False)" if framework == "torch"
                else "keras.remat(segment)")

@@ -174,7 +174,7 @@ def profile_module(model: nn.Module, input_shape: Sequence[int], input_dtype: st
         for handle in handles:
             handle.remove()
     ran = recorder.order + [j for j in range(len(named)) if j not in recorder.order]
-    layers = [_layer(named[j], position, recorder, flow, _split_point(named, ran, position))
+    layers = [_layer(named[j], position, recorder, flow, _split_point(model, named, ran, position))
               for position, j in enumerate(ran)]
     unowned = sum(b.numel() for b in model.buffers()) - sum(b.numel() for _, node in named for b in node.buffers())
     if unowned:
@@ -188,15 +188,22 @@ def profile_module(model: nn.Module, input_shape: Sequence[int], input_dtype: st
     return ModelProfile("torch", source, tuple(input_shape), layers, elements, dtype, values=values)
 
 
-def _split_point(named: Sequence[Tuple[str, nn.Module]], ran: Sequence[int], position: int) -> str:
-    """The outermost name that begins with this node: ``"layer3"`` for ``"layer3.0"`` when it runs first there."""
+def _split_point(model: nn.Module, named: Sequence[Tuple[str, nn.Module]], ran: Sequence[int], position: int) -> str:
+    """The outermost name that begins with this node: ``"layer3"`` for ``"layer3.0"`` when it runs first there.
+
+    Only a ``Sequential`` is climbed: it runs as one piece, so its name is a place where a stage may
+    begin. A ``ModuleList``/``ModuleDict`` is never called (its parent's ``forward`` runs its children,
+    maybe with code between them), so a stage begins at a child: ``"blocks.6"``.
+    """
     name = named[ran[position]][0]
     parts = name.split(".")
     for length in range(1, len(parts)):
-        prefix = ".".join(parts[:length]) + "."
-        first = next(j for j in ran if named[j][0].startswith(prefix))
+        prefix = ".".join(parts[:length])
+        if not isinstance(model.get_submodule(prefix), nn.Sequential):
+            continue
+        first = next(j for j in ran if named[j][0].startswith(prefix + "."))
         if named[first][0] == name:
-            return prefix[:-1]
+            return prefix
     return name
 
 

@@ -14,6 +14,7 @@ import sys
 
 import pytest
 
+from dualframe.pipeline.graph import Graph, GraphNode, cut_graph
 from dualframe.pipeline.partition import partition_ranges
 from dualframe.plan import Hardware, ModelSpec, Training, group_memory, measure
 from dualframe.plan.advisor import options
@@ -88,6 +89,7 @@ def test_torch_nodes_and_split_points(profiles):
         f"layer{j}.{b}" for j in range(1, 5) for b in range(2)] + ["fc"]
     assert [layer.split_point for layer in resnet.layers][3:7] == ["layer1", "layer1.1", "layer2", "layer2.1"]
     assert [layer.name for layer in encoder.layers] == ["embed", "blocks.0", "blocks.1", "head"]
+    assert [layer.split_point for layer in encoder.layers] == ["embed", "blocks.0", "blocks.1", "head"]  # a ModuleList never runs whole
     # The padding mask (64 bools = 16 float32 per sample) is read by every block: live across both
     # block cuts beside the 64 x 128 hidden states; the position embedding counts with embed.
     assert encoder.live()[1:3] == [64 * 128 + 16, 64 * 128 + 16]
@@ -110,3 +112,28 @@ def test_cli_prints_split_points_for_a_torch_graph():
     assert recommended["kind"] == "pipeline" and recommended["stages"] == 3, plan["reason"]
     assert recommended["split_points"] == ["layer4", "layer4.1"]
     assert "split_points=['layer4', 'layer4.1']" in text.stdout
+
+
+def as_graph(profile):
+    """The profile as dualframe.pipeline.graph's Graph: one node per planner node, scoped by its name."""
+    names = {value: f"v{k}" for k, value in enumerate(profile.values)}
+    nodes = tuple(GraphNode(f"n{j}", layer.name, tuple(names[v] for v in profile.values if v.last_reader == j),
+                            tuple(names[v] for v in profile.values if v.producer == j))
+                  for j, layer in enumerate(profile.layers))
+    inputs = tuple(names[v] for v in profile.values if v.producer == -1)
+    return Graph(inputs, nodes, ()), {name: value.elements for value, name in names.items()}
+
+
+@pytest.mark.parametrize("model", ["resnet50", "resnet", "masked_encoder"])
+def test_split_points_cut_the_graph_where_the_planner_begins_stages(profiles, model):
+    """dualframe.pipeline.graph (what executes a split) reads the split points as the planner meant them."""
+    profile = profiles[model]
+    graph, elements = as_graph(profile)
+    training, rows = _rows(profile, batch=8)
+    for kind in ("model split", "pipeline"):
+        option = rows[kind]
+        starts = [0] + [sum(option.balance[:j]) for j in range(1, option.stages)]
+        split = cut_graph(graph, split_points=list(option.split_points))
+        assert list(split.starts) == starts
+        for j in range(option.stages - 1):
+            assert sum(elements[v] for v in split.crossing(j)) == pytest.approx(profile.live()[starts[j + 1]])
