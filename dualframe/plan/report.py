@@ -123,7 +123,8 @@ def render(plan: Plan, script: str = "train.py") -> str:
     """The plan as readable text: what was measured, the table, the recommendation."""
     p, t, h = plan.profile, plan.training, plan.hardware
     lines = [
-        f"model     {p.framework} {p.source}: {p.num_layers} layers, {p.parameters / 1e6:.2f} M parameters ({p.dtype}), "
+        f"model     {p.framework} {p.source}: {p.num_layers} {'nodes (a graph)' if p.is_graph else 'layers'}, "
+        f"{p.parameters / 1e6:.2f} M parameters ({p.dtype}), "
         f"input {list(p.input_shape)}",
         f"training  batch {t.batch_size} per replica, {t.optimizer}, "
         f"{'mixed precision' if t.mixed_precision else t.dtype}",
@@ -132,6 +133,9 @@ def render(plan: Plan, script: str = "train.py") -> str:
         "",
     ]
     lines += _table([list(_COLUMNS)] + [_row(o, plan.recommended) for o in plan.options])
+    staged = [o for o in plan.options if o.stages > 1]
+    if staged:
+        lines += [""] + [f"{o.kind} x{o.stages} begins stages at split_points={list(o.split_points)}" for o in staged]
     lines += ["", f"why: {plan.reason}"]
     if plan.recommended is not None:
         lines += recommendation_lines(plan, script)
