@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
+from dualframe.errors import StrategyError
 from dualframe.plan.memory import FUSION_BUFFER_BYTES, OPTIMIZER_SLOTS, Training, group_memory, segment_runs
 from dualframe.plan.profile import ModelProfile
 
@@ -23,15 +24,19 @@ class StageCosts:
     Equal to ``group_memory(profile, range(a, b), ...).total``, without its per-call sums.
 
     Example:
-        >>> costs = StageCosts(profile, Training(64), chunks=8, checkpoint="except_last")  # doctest: +SKIP
-        >>> costs.total(0, 5) == group_memory(profile, range(0, 5), Training(64), 8, "except_last").total  # doctest: +SKIP
+        >>> from dualframe.plan import LayerProfile
+        >>> model = ModelProfile("torch", "chain", (4,), [LayerProfile(f"l{j}", 100, 0, 10.0, 4.0, 4.0)
+        ...                                               for j in range(4)], 4.0)
+        >>> costs = StageCosts(model, Training(8, "sgd"), chunks=4, checkpoint="except_last")
+        >>> costs.total(1, 3) == group_memory(model, range(1, 3), Training(8, "sgd"), 4, "except_last").total
         True
     """
 
     def __init__(self, profile: ModelProfile, training: Training, chunks: int = 1, checkpoint: str = "never",
                  replicas: int = 1) -> None:
         if checkpoint not in ("never", "always", "except_last"):
-            raise ValueError(f"stage costs are for splits and pipelines (checkpoint: {checkpoint!r})")
+            raise StrategyError(f"stage costs are for splits and pipelines: checkpoint must be never, always or "
+                                f"except_last (checkpoint: {checkpoint!r})")
         self.count = profile.num_layers
         self.micro_batch = math.ceil(training.batch_size / chunks)
         self.batch, self.checkpoint, self.replicas, self.training = training.batch_size, checkpoint, replicas, training
@@ -114,6 +119,13 @@ def stage_starts(profile: ModelProfile, training: Training, stages: int, chunks:
 
     Returns:
         The start of each stage (the first is 0), as many as ``stages``.
+
+    Example:
+        >>> from dualframe.plan import LayerProfile
+        >>> nine = ModelProfile("torch", "chain", (4,), [LayerProfile(f"l{j}", 100, 0, 100.0, 4.0, 4.0)
+        ...                                              for j in range(9)], 4.0)
+        >>> stage_starts(nine, Training(8, "sgd"), stages=3)
+        [0, 3, 6]
     """
     costs = StageCosts(profile, training, chunks, checkpoint, replicas)
     least, starts = _minimax(costs.count, stages, costs.total)
@@ -134,6 +146,13 @@ def checkpoint_starts(profile: ModelProfile, training: Training) -> List[int]:
     For each budget ``M`` (the most activations one segment may save), the segments whose starts
     keep the fewest live values; the best budget wins. One segment (no checkpointing) is a
     candidate too, so the result is never worse than keeping everything.
+
+    Example:
+        >>> from dualframe.plan import LayerProfile
+        >>> small_outputs = ModelProfile("torch", "chain", (4,), [LayerProfile(f"l{j}", 100, 0, 100.0, 4.0, 4.0)
+        ...                                                       for j in range(4)], 4.0)
+        >>> checkpoint_starts(small_outputs, Training(8, "sgd"))    # each node its own segment
+        [0, 1, 2, 3]
     """
     count = profile.num_layers
     saved = [0.0]

@@ -156,23 +156,8 @@ def profile_module(model: nn.Module, input_shape: Sequence[int], input_dtype: st
     """
     chain = isinstance(model, nn.Sequential) or not list(model.children())
     named = top_level_layers(model) if chain else graph_nodes(model)
-    recorder = _Recorder(list(model.parameters()))
-    owned = [p for _, node in named for p in node.parameters()]
-    flow = _Flow(recorder, owned)
-    handles = []
-    for index, (_, layer) in enumerate(named):
-        before, after = recorder.hooks(index)
-        handles += [layer.register_forward_pre_hook(before), layer.register_forward_hook(after)]
     batch = torch.zeros((PROBE_BATCH, *input_shape), dtype=getattr(torch, input_dtype), device="meta")
-    flow.add(batch, -1)
-    model.to("meta").train()
-    flow.state.update(id(b) for b in model.buffers())
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda tensor: tensor), flow:
-            model(batch)
-    finally:
-        for handle in handles:
-            handle.remove()
+    recorder, flow = _run(model.to("meta"), named, batch)
     ran = recorder.order + [j for j in range(len(named)) if j not in recorder.order]
     layers = [_layer(named[j], position, recorder, flow, _split_point(model, named, ran, position))
               for position, j in enumerate(ran)]
@@ -186,6 +171,26 @@ def profile_module(model: nn.Module, input_shape: Sequence[int], input_dtype: st
     elements = float(torch.Size(input_shape).numel())
     values = [] if chain else flow.values()
     return ModelProfile("torch", source, tuple(input_shape), layers, elements, dtype, values=values)
+
+
+def _run(model: nn.Module, named: Sequence[Tuple[str, nn.Module]], batch: torch.Tensor) -> Tuple[_Recorder, _Flow]:
+    """One training-mode forward pass with the nodes hooked, the saved tensors and the values recorded."""
+    recorder = _Recorder(list(model.parameters()))
+    flow = _Flow(recorder, [p for _, node in named for p in node.parameters()])
+    handles = []
+    for index, (_, layer) in enumerate(named):
+        before, after = recorder.hooks(index)
+        handles += [layer.register_forward_pre_hook(before), layer.register_forward_hook(after)]
+    flow.add(batch, -1)
+    flow.state.update(id(b) for b in model.buffers())
+    model.train()
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda tensor: tensor), flow:
+            model(batch)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return recorder, flow
 
 
 def _split_point(model: nn.Module, named: Sequence[Tuple[str, nn.Module]], ran: Sequence[int], position: int) -> str:
