@@ -1,15 +1,20 @@
-"""``ModelParallel``: an ``nn.Sequential`` split into groups of layers on explicit torch devices."""
+"""``ModelParallel``: a torch model split into groups on explicit devices (an ``nn.Sequential``'s layers, or any
+model's graph cut at named modules, by units or by measured cost)."""
 from __future__ import annotations
 
-from typing import Iterable, List, Optional, Sequence, Union
+import dataclasses
+from typing import Any, Iterable, List, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
-from dualframe.errors import DeviceError
+from dualframe.errors import BalanceError, DeviceError, StrategyError
 from dualframe.pipeline.microbatch import micro_batch_sizes
-from dualframe.pipeline.split import SplitPlan, plan_split
+from dualframe.pipeline.split import Split, validate_split
 from dualframe.observe.timeline import Recording
+from dualframe.torch.graph import Leaves
+from dualframe.torch.graph_run import batch_size, split_inputs, tensor_leaves
+from dualframe.torch.graph_split import GraphFunction, GraphStages, Layout
 from dualframe.torch.pipe_run import PipeFunction, StepRun, unique_params
 
 
@@ -38,9 +43,19 @@ def canonical_device(name: str) -> str:
     return f"{device.type}:{0 if device.index is None else device.index}"
 
 
+def is_graph_split(module: Any, split_points: Any, stages: Any) -> bool:
+    """Whether ``module`` is cut as a graph: any module but a Sequential, or any module given split_points/stages."""
+    if split_points is not None or stages is not None:
+        return True
+    return isinstance(module, nn.Module) and not isinstance(module, nn.Sequential)
+
+
+def _one_layer(module: nn.Module) -> bool:
+    """A single torch.nn layer (nn.Linear, ...): nothing inside it to cut."""
+    return type(module).__module__.startswith("torch.nn") and not any(True for _ in module.children())
+
+
 def _layers(module: Union[nn.Sequential, Iterable[nn.Module]]) -> List[nn.Module]:
-    if isinstance(module, nn.Module) and not isinstance(module, nn.Sequential):
-        raise TypeError(f"module must be an nn.Sequential or a list of layers (module: {type(module).__name__})")
     layers = list(module)
     for index, layer in enumerate(layers):
         if not isinstance(layer, nn.Module):
@@ -49,33 +64,55 @@ def _layers(module: Union[nn.Sequential, Iterable[nn.Module]]) -> List[nn.Module
 
 
 class ModelParallel(Recording, nn.Module):
-    """The module running the strategy ``dualframe.ModelParallel``: an ``nn.Sequential`` in groups on ``devices[j]``.
+    """The module running the strategy ``dualframe.ModelParallel``: a torch model in groups (stages) on ``devices[j]``.
 
-    The input is moved to the first device, each group's output to the next group's device, and the
-    output stays on the last device. Trains with any optimizer; ``parameters()`` are in layer order.
+    An ``nn.Sequential`` (or a list of layers) with ``balance`` is split into groups of layers. Any other
+    model, or any model given ``split_points`` or ``stages``, is captured as a graph (torch.fx; torch.export
+    on ``sample`` where fx cannot trace) and cut where a new stage begins: at the qualified module names
+    ``split_points``, after ``balance`` top-level units, or, with ``stages=n`` alone, where the measured
+    cost per stage on ``sample`` is even and little crosses. Each value a stage computes goes to the
+    device of every later stage that reads it; the outputs stay on the devices that made them.
+    ``state_dict()`` keeps the original model's keys, ``parameters()`` its order.
 
     Example:
         >>> import dualframe.torch as hvd
         >>> model = hvd.ModelParallel(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)),
         ...                           balance=[2, 1], devices=["cuda:0", "cuda:1"])  # doctest: +SKIP
-        >>> loss = model(torch.randn(4, 8)).sum(); loss.backward()                # doctest: +SKIP
+        >>> split = hvd.ModelParallel(resnet, split_points=["layer3"], devices=["cuda:0", "cuda:1"])  # doctest: +SKIP
+        >>> print(split.describe())                                              # doctest: +SKIP
 
     Args:
-        module: an ``nn.Sequential`` (or a list of layers), each layer taking and returning one tensor.
-        balance: number of layers per group, summing to the number of layers.
+        module: an ``nn.Sequential`` (or a list of layers) split by ``balance``, or any ``nn.Module``.
+        balance: layers per group (Sequential), or top-level units per stage (a graph, see ``graph_units``).
         devices: one device per group (``"cuda:1"``, ``"cpu"``); None: the visible GPUs (under a
             launcher the local rank's share), else ``"cpu"`` repeated.
+        split_points: qualified names of the submodules where stages 1..n-1 begin (``["layer3", "blocks.6"]``).
+        stages: number of stages, cut where dualframe finds best (measured on ``sample``; without one,
+            by parameter bytes).
+        sample: one call's inputs (a tuple of positional arguments, or the only argument) for ``stages``,
+            for the torch.export fallback and for ``describe()`` before the first step.
+        by: what ``stages`` evens out: ``"time"`` (forward seconds per node) or ``"memory"``
+            (parameter and activation bytes).
+        leaves: module names or classes kept whole (never cut inside) beyond torch.nn's own.
 
     Raises:
-        BalanceError, DeviceError: before any layer moves, naming the values.
+        BalanceError, SplitPointError, DeviceError, TraceError: before any layer moves, naming the values.
     """
 
-    def __init__(self, module: Union[nn.Sequential, Iterable[nn.Module]], balance: Sequence[int],
+    def __init__(self, module: Union[nn.Module, Iterable[nn.Module]], balance: Optional[Sequence[int]] = None,
                  devices: Optional[Sequence[str]] = None, *, chunks: int = 1, checkpoint: str = "never",
-                 schedule: str = "gpipe") -> None:
+                 schedule: str = "gpipe", split_points: Optional[Sequence[str]] = None, stages: Optional[int] = None,
+                 sample: Any = None, by: str = "time", leaves: Leaves = ()) -> None:
         super().__init__()
+        self._graph: Optional[GraphStages] = None
+        if is_graph_split(module, split_points, stages):
+            self._init_graph(module, balance, devices, chunks, checkpoint, schedule, split_points, stages, sample, by,
+                             leaves)
+            return
+        if balance is None:
+            raise BalanceError("give balance=[layers per group] to split an nn.Sequential (or split_points=, stages=)")
         layers = _layers(module)
-        self.plan: SplitPlan = plan_split(len(layers), balance, devices, chunks, checkpoint,
+        self.plan: Split = validate_split(len(layers), balance, devices, chunks, checkpoint,
                                           available=available_devices(), canonical=canonical_device,
                                           accelerators=accelerators(), schedule=schedule)
         self.devices = [torch.device(d) for d in self.plan.devices]
@@ -84,20 +121,74 @@ class ModelParallel(Recording, nn.Module):
             for r, device in zip(self.plan.ranges, self.devices)
         )
 
+    def _init_graph(self, module: Any, balance: Optional[Sequence[int]], devices: Optional[Sequence[str]],
+                    chunks: int, checkpoint: str, schedule: str, split_points: Optional[Sequence[str]],
+                    stages: Optional[int],
+                    sample: Any, by: str, leaves: Leaves) -> None:
+        if not isinstance(module, nn.Module) or _one_layer(module):
+            raise TypeError("module must be an nn.Sequential, a list of layers, or a model of several modules "
+                            f"(module: {type(module).__name__}{', one torch.nn layer: nothing to split' if isinstance(module, nn.Module) else ''})")
+        n = _stage_count(split_points, balance, stages)
+        # Devices, chunks and checkpoint are checked before the model is traced or measured.
+        plan = validate_split(n, [1] * n, devices, chunks, checkpoint, available=available_devices(),
+                          canonical=canonical_device, accelerators=accelerators(), schedule=schedule)
+        graph = GraphStages(module, plan.devices, split_points=split_points, balance=balance, stages=stages,
+                            sample=sample, by=by, leaves=leaves)
+        self.plan = dataclasses.replace(plan, ranges=tuple(graph.split.stage_range(j) for j in range(n)))
+        self.devices = graph.devices
+        self.partitions = graph.modules  # a plain list: the stages reference the modules adopted below
+        self._adopt(module)
+        self._graph = graph
+
+    def _adopt(self, module: nn.Module) -> None:
+        """Register the original's own parameters, buffers and children under their own names."""
+        for name, value in list(module._parameters.items()) + list(module._buffers.items()) + list(module._modules.items()):
+            if name in self.__dict__ or hasattr(type(self), name):
+                raise StrategyError(f"the model's attribute {name!r} clashes with ModelParallel.{name}; rename it")
+        for name, param in module._parameters.items():
+            self.register_parameter(name, param)
+        for name, buffer in module._buffers.items():
+            self.register_buffer(name, buffer, persistent=name not in module._non_persistent_buffers_set)
+        for name, child in module._modules.items():
+            self.add_module(name, child)
+        self.train(module.training)
+
     @property
-    def balance(self) -> List[int]:
-        """Layers per group."""
-        return self.plan.balance
+    def graph_stages(self) -> Optional[GraphStages]:
+        """The captured graph, its cut and its stage modules (None for a Sequential split by layers)."""
+        return self._graph
+
+    @property
+    def balance(self) -> Optional[List[int]]:
+        """Layers per group (a graph: top-level units per stage; None when a cut falls inside a unit)."""
+        return self.plan.balance if self._graph is None else self._graph.unit_balance()
+
+    @property
+    def split_points(self) -> List[str]:
+        """Where stages 1..n-1 begin (a Sequential: the index of each group's first layer)."""
+        if self._graph is not None:
+            return list(self._graph.split.split_points)
+        return [str(r.start) for r in self.plan.ranges[1:]]
 
     @property
     def chunks(self) -> int:
         """Micro-batches per mini-batch (1: no micro-batching)."""
         return self.plan.chunks
 
-    def forward(self, batch: torch.Tensor) -> torch.Tensor:
-        """Run the batch through the groups (as ``chunks`` micro-batches); output on the last device."""
-        if not isinstance(batch, torch.Tensor):
-            raise TypeError(f"the input must be one tensor (got {type(batch).__name__})")
+    def describe(self) -> str:
+        """The cut points and, per boundary, the tensors crossing it with shapes and sizes."""
+        if self._graph is not None:
+            return self._graph.describe()
+        return "\n".join(f"  stage {j} on {d}: layers {r.start}..{r.stop - 1}"
+                         for j, (r, d) in enumerate(zip(self.plan.ranges, self.plan.devices)))
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the batch through the groups (as ``chunks`` micro-batches); outputs where their stage ran."""
+        if self._graph is not None:
+            return self._forward_graph(args, kwargs)
+        if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor):
+            raise TypeError(f"the input must be one tensor (got {', '.join(type(a).__name__ for a in args)})")
+        batch = args[0]
         sizes = micro_batch_sizes(int(batch.shape[0]), self.plan.chunks)
         self._begin_step(int(batch.shape[0]))
         params = [list(stage.parameters()) for stage in self.partitions]
@@ -112,6 +203,26 @@ class ModelParallel(Recording, nn.Module):
         finally:
             self._end_forward()
 
+    def _forward_graph(self, args: Sequence[Any], kwargs: Any) -> Any:
+        assert self._graph is not None
+        captured, split = self._graph.captured, self._graph.split
+        values = captured.bind(args, kwargs)
+        batch = batch_size(values)
+        parts = split_inputs(values, micro_batch_sizes(batch, self.plan.chunks))
+        self._begin_step(batch)
+        run = self._graph.run(self.plan, parts, record=self.recorder(self.plan.devices), lanes=self._lanes())
+        flat = unique_params(self._graph.params)
+        inputs = [t for name in split.graph.inputs for t in tensor_leaves(values[name])]
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs + flat)
+        try:
+            if not grad:
+                return captured.unflatten(run.forward(grad=False))
+            layout = Layout(split.graph.inputs, split.graph.outputs)
+            outputs = GraphFunction.apply(run, layout, *inputs, *flat)
+            return captured.unflatten(layout.rebuild(outputs))
+        finally:
+            self._end_forward()
+
     def _lanes(self) -> List[str]:
         """The thread lane of each stage: its device (cells sharing a device run one after another)."""
         return list(self.plan.devices)
@@ -122,3 +233,20 @@ class ModelParallel(Recording, nn.Module):
     def _end_forward(self) -> None:
         """Hook for subclasses: the forward cells of a step are done."""
 
+
+def _stage_count(split_points: Any, balance: Any, stages: Any) -> int:
+    """The number of stages the arguments ask for (the core checks them in full when cutting)."""
+    given = [name for name, value in (("split_points", split_points), ("balance", balance), ("stages", stages))
+             if value is not None]
+    if len(given) != 1:
+        raise BalanceError("give exactly one of split_points=[names], balance=[units per stage] or stages=n "
+                           f"(given: {', '.join(given) or 'none'})")
+    if stages is not None:
+        if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+            raise BalanceError(f"stages must be an int >= 1 (stages: {stages!r})")
+        return stages
+    if split_points is not None:
+        if isinstance(split_points, str):
+            raise BalanceError(f"split_points must be a list of names, e.g. ['layer3'] (split_points: {split_points!r})")
+        return len(list(split_points)) + 1
+    return len(list(balance))

@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from dualframe.pipeline.executor import RecordFn, run_ticks
 from dualframe.pipeline.schedule import Cell, one_process_ticks
-from dualframe.pipeline.split import SplitPlan
+from dualframe.pipeline.split import Split
 
 
 def device_scope(device: torch.device) -> contextlib.AbstractContextManager:
@@ -29,7 +29,7 @@ def device_scope(device: torch.device) -> contextlib.AbstractContextManager:
 class StepRun:
     """State of one step: the micro-batches, each cell's input and output, and the gradients."""
 
-    def __init__(self, stages: Sequence[nn.Module], devices: Sequence[torch.device], plan: SplitPlan,
+    def __init__(self, stages: Sequence[nn.Module], devices: Sequence[torch.device], plan: Split,
                  parts: Sequence[torch.Tensor], params: Sequence[Sequence[nn.Parameter]],
                  record: Optional[RecordFn] = None, lanes: Optional[Sequence[Hashable]] = None) -> None:
         self.stages, self.devices, self.plan, self.parts = stages, devices, plan, list(parts)
@@ -43,11 +43,15 @@ class StepRun:
         self.param_grads: List[List[Optional[torch.Tensor]]] = [[None] * len(p) for p in params]
         self.grad = False
 
-    def forward(self, grad: bool) -> torch.Tensor:
+    def forward(self, grad: bool) -> Any:
         """Run every forward cell by clock tick; return the joined output on the last device."""
         self.grad = grad
         ticks = one_process_ticks(self.plan.schedule, len(self.parts), self.plan.stages, "F")
         run_ticks(ticks, self._forward_cell, self.plan.stages, "F", record=self.record, lanes=self.lanes)
+        return self._result()
+
+    def _result(self) -> Any:
+        """The step's output: the last stage's micro-batch outputs joined."""
         last = self.plan.stages - 1
         return torch.cat([self.outputs[(i, last)].detach() for i in range(len(self.parts))])
 
@@ -64,21 +68,31 @@ class StepRun:
                 out = self.stages[j](x)
         self.inputs[(i, j)], self.outputs[(i, j)] = x, out
 
-    def backward(self, grad_output: torch.Tensor) -> Tuple[Optional[torch.Tensor], List[Optional[torch.Tensor]]]:
+    def backward(self, grad_output: Any) -> Tuple[Any, List[Optional[torch.Tensor]]]:
         """Run every backward cell by mirrored clock tick; return (input gradient, parameter gradients)."""
-        sizes = [part.shape[0] for part in self.parts]
-        self.grad_outputs = list(torch.split(grad_output, sizes))
+        self._start_backward(grad_output)
         ticks = one_process_ticks(self.plan.schedule, len(self.parts), self.plan.stages, "B")
         run_ticks(ticks, self._backward_cell, self.plan.stages, "B", record=self.record, lanes=self.lanes)
+        return self._input_gradient(), self._param_gradients()
+
+    def _start_backward(self, grad_output: Any) -> None:
+        """Cut the output's gradient into micro-batches."""
+        sizes = [part.shape[0] for part in self.parts]
+        self.grad_outputs = list(torch.split(grad_output, sizes))
+
+    def _input_gradient(self) -> Any:
+        """The batch's gradient: stage 0's micro-batch input gradients joined (None: no gradient)."""
         firsts = [self.grad_inputs.get((i, 0)) for i in range(len(self.parts))]
-        grad_input = None if any(g is None for g in firsts) else torch.cat(firsts)  # type: ignore[arg-type]
-        # A parameter shared by two stages gets the sum of both stages' gradients.
+        return None if any(g is None for g in firsts) else torch.cat(firsts)  # type: ignore[arg-type]
+
+    def _param_gradients(self) -> List[Optional[torch.Tensor]]:
+        """Every parameter's gradient summed over micro-batches (and over the stages sharing it)."""
         summed: Dict[int, Optional[torch.Tensor]] = {}
         for stage, grads in zip(self.params, self.param_grads):
             for p, g in zip(stage, grads):
                 old = summed.get(id(p))
                 summed[id(p)] = g if old is None else (old if g is None else old + g.to(old.device))
-        return grad_input, [summed.get(id(p)) for p in unique_params(self.params)]
+        return [summed.get(id(p)) for p in unique_params(self.params)]
 
     def _backward_cell(self, i: int, j: int) -> None:
         device, last = self.devices[j], self.plan.stages - 1

@@ -1,12 +1,13 @@
 """``Pipeline``: a split torch model run in one process with micro-batching (GPipe) and per-micro-batch checkpointing."""
 from __future__ import annotations
 
-from typing import Iterable, List, Optional, Sequence, Union
+from typing import Any, Iterable, List, Optional, Sequence, Union
 
 from torch import nn
 
 from dualframe.torch.deferred_batch_norm import DeferredBatchNorm
-from dualframe.torch.model_parallel import ModelParallel
+from dualframe.torch.graph import Leaves
+from dualframe.torch.model_parallel import ModelParallel, is_graph_split
 
 
 class Pipeline(ModelParallel):
@@ -28,8 +29,9 @@ class Pipeline(ModelParallel):
         >>> loss.backward()
 
     Args:
-        module: an ``nn.Sequential`` (or a list of layers), each layer taking and returning one tensor.
-        balance: number of layers per group.
+        module: an ``nn.Sequential`` (or a list of layers) split by ``balance``, or any ``nn.Module`` cut as a
+            graph (``split_points``, ``balance`` in top-level units, or ``stages``: see ``ModelParallel``).
+        balance: number of layers per group (a graph: top-level units per stage).
         devices: one device per group; None: the visible GPUs (the local rank's share under a
             launcher), else ``"cpu"`` repeated.
         chunks: micro-batches per mini-batch; the batch must have at least ``chunks`` rows.
@@ -43,6 +45,7 @@ class Pipeline(ModelParallel):
         schedule: a registered schedule one process can run (``"gpipe"``). ``"1f1b"`` is refused by
             name: it interleaves backward with forward, which needs the loss inside the pipeline, and
             here the caller computes the loss after forward returns; use ``DistributedPipeline`` for it.
+        split_points, stages, sample, by, leaves: cutting any model as a graph, as in ``ModelParallel``.
 
     Raises:
         BalanceError, DeviceError, ChunksError, StrategyError, ScheduleError: before any compute,
@@ -50,14 +53,20 @@ class Pipeline(ModelParallel):
         StageError: a stage failed; the message shows the schedule with the failing cell marked.
     """
 
-    def __init__(self, module: Union[nn.Sequential, Iterable[nn.Module]], balance: Sequence[int],
+    def __init__(self, module: Union[nn.Module, Iterable[nn.Module]], balance: Optional[Sequence[int]] = None,
                  devices: Optional[Sequence[str]] = None, chunks: int = 1, checkpoint: str = "except_last",
-                 deferred_batch_norm: bool = False, overlap_cpu: bool = False, schedule: str = "gpipe") -> None:
+                 deferred_batch_norm: bool = False, overlap_cpu: bool = False, schedule: str = "gpipe", *,
+                 split_points: Optional[Sequence[str]] = None, stages: Optional[int] = None, sample: Any = None,
+                 by: str = "time", leaves: Leaves = ()) -> None:
         if not isinstance(overlap_cpu, bool):
             raise TypeError(f"overlap_cpu must be True or False (overlap_cpu: {overlap_cpu!r})")
-        super().__init__(module, balance, devices, chunks=chunks, checkpoint=checkpoint, schedule=schedule)
+        graph = is_graph_split(module, split_points, stages)
+        if graph and deferred_batch_norm and isinstance(module, nn.Module):  # converted before capture, kept whole
+            module, leaves = DeferredBatchNorm.convert(module), (*leaves, DeferredBatchNorm)
+        super().__init__(module, balance, devices, chunks=chunks, checkpoint=checkpoint, schedule=schedule,
+                         split_points=split_points, stages=stages, sample=sample, by=by, leaves=leaves)
         self.overlap_cpu = overlap_cpu
-        if deferred_batch_norm:
+        if deferred_batch_norm and not graph:
             for partition in self.partitions:
                 DeferredBatchNorm.convert(partition)
         self._deferred: List[DeferredBatchNorm] = [

@@ -1,0 +1,210 @@
+"""Capturing a torch model as the core's ``Graph``: torch.fx symbolic tracing, torch.export as the fallback.
+
+torch.fx runs ``forward`` once on proxies and records every call; modules of ``torch.nn`` itself
+(``nn.Linear``, ``nn.BatchNorm2d``, ``nn.TransformerEncoderLayer``, ...) stay leaves, called as one
+node whose insides cannot be cut, and so do the modules named in ``leaves``. When fx cannot trace
+(Python control flow on a tensor's shape, a call that needs a real tensor), ``torch.export`` tries on
+the ``sample`` batch: it runs the model on fake tensors with the batch dimension left free, so
+branches on static shapes are taken once, and records aten ops with the module path of each.
+Control flow on tensor *values* neither can capture: the error says where and what to do.
+
+Values are the fx nodes' names; ``get_attr`` nodes (parameters, buffers, constants read by
+functional code) are not values: each stage that reads one gets its own reference.
+"""
+from __future__ import annotations
+
+import inspect
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Type, Union
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from dualframe.errors import TraceError
+from dualframe.pipeline.graph import Graph, GraphNode
+
+Leaves = Iterable[Union[str, Type[nn.Module]]]
+
+
+class LeafTracer(fx.Tracer):
+    """fx's tracer with the default leaf rule (``torch.nn`` built-ins) plus named modules or classes."""
+
+    def __init__(self, leaves: Leaves = ()) -> None:
+        super().__init__()
+        items = list(leaves)
+        self.names = {item for item in items if isinstance(item, str)}
+        self.types = tuple(item for item in items if isinstance(item, type))
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:  # noqa: D102
+        if module_qualified_name in self.names or (self.types and isinstance(m, self.types)):
+            return True
+        return super().is_leaf_module(m, module_qualified_name)
+
+
+@dataclass
+class Captured:
+    """A model's forward as an fx ``GraphModule`` and as the core's ``Graph`` (same value names).
+
+    Example:
+        >>> captured = capture(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+        >>> captured.method, [node.scope for node in captured.graph.nodes]
+        ('fx', ['0', '1'])
+    """
+
+    module: nn.Module
+    gm: fx.GraphModule
+    method: str                       # "fx" or "export"
+    graph: Graph
+    nodes: Dict[str, fx.Node] = field(default_factory=dict)  # value name -> its fx node
+
+    def bind(self, args: Sequence[Any], kwargs: Dict[str, Any]) -> Dict[str, Any]:
+        """The model's call arguments as {input value name: value}."""
+        if self.method == "export":
+            flat = pytree.tree_leaves((tuple(args), dict(kwargs)))
+            if len(flat) != len(self.graph.inputs):
+                raise TypeError(f"the exported model takes {len(self.graph.inputs)} tensors "
+                                f"({', '.join(self.graph.inputs)}); got {len(flat)}")
+            return dict(zip(self.graph.inputs, flat))
+        signature = inspect.signature(self.module.forward)
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError as error:
+            raise TypeError(f"{type(self.module).__name__}.forward{signature}: {error}") from None
+        bound.apply_defaults()
+        names = [n.target for n in self.gm.graph.nodes if n.op == "placeholder"]
+        values = dict(zip(names, bound.arguments.values()))
+        return {name: values[target] for name, target in zip(self.graph.inputs, names)}
+
+    def unflatten(self, values: Dict[str, Any]) -> Any:
+        """The model's return value, built from {output value name: value}."""
+        output = next(n for n in self.gm.graph.nodes if n.op == "output")
+        structure = output.args[0]
+        if self.method == "export":
+            spec = self.gm._graph._codegen.pytree_info.out_spec  # type: ignore[attr-defined]
+            flat = [values[n.name] if isinstance(n, fx.Node) else n for n in structure]
+            return pytree.tree_unflatten(flat, spec) if spec is not None else flat
+        return fx.node.map_arg(structure, lambda n: values[n.name])
+
+
+def capture(module: nn.Module, *, leaves: Leaves = (), sample: Optional[Tuple[Any, ...]] = None) -> Captured:
+    """Capture ``module``'s forward: torch.fx first, torch.export on ``sample`` when fx cannot.
+
+    Args:
+        module: any ``nn.Module``.
+        leaves: qualified module names (``"blocks.3"``) or module classes kept whole, beyond ``torch.nn``'s.
+        sample: positional arguments of one call (a tuple), needed for the torch.export fallback.
+
+    Raises:
+        TraceError: neither can capture it; the message says why (and where) and what to do.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be an nn.Module (module: {type(module).__name__})")
+    try:
+        gm = fx.GraphModule(module, LeafTracer(leaves).trace(module), class_name=type(module).__name__)
+        return _captured(module, gm, "fx")
+    except Exception as error:  # fx raises anything a proxy cannot do (TraceError, TypeError, ...)
+        fx_error = _why(error, module)
+    if sample is None:
+        raise TraceError(
+            f"torch.fx cannot trace {type(module).__name__}: {fx_error}. Pass sample=(inputs,) so that torch.export "
+            f"can try, mark the module that fails as a leaf (leaves=[name or class]; its insides are then not cut), "
+            f"or make its control flow static (no Python branch on a tensor)") from None
+    try:
+        gm = _export(module, sample)
+        return _captured(module, gm, "export")
+    except Exception as error:
+        export_error = _why(error, module)
+    raise TraceError(
+        f"{type(module).__name__} cannot be captured as a graph. torch.fx: {fx_error}. torch.export: {export_error}. "
+        f"Mark the module that fails as a leaf (leaves=[name or class]; it then runs in one stage), or make the "
+        f"control flow static: branch on shapes or flags, not on tensor values (torch.where, torch.cond)") from None
+
+
+def _why(error: BaseException, module: nn.Module) -> str:
+    """The error's first line, with the innermost submodule of ``module`` whose forward raised it."""
+    names = {id(m): name for name, m in module.named_modules()}
+    where = ""
+    for frame, line in traceback.walk_tb(error.__traceback__):
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, nn.Module) and id(owner) in names and frame.f_code.co_name == "forward":
+            label = names[id(owner)] or "the model"
+            where = f" (in {label}: {type(owner).__name__}.forward, line {line})"
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return f"{type(error).__name__}: {text[:300]}{where}"
+
+
+def _export(module: nn.Module, sample: Tuple[Any, ...]) -> fx.GraphModule:
+    args = sample if isinstance(sample, tuple) else (sample,)
+    batch = torch.export.Dim.AUTO  # micro-batches differ in rows: keep dimension 0 free
+    dynamic = pytree.tree_map(lambda t: {0: batch} if isinstance(t, torch.Tensor) and t.dim() else None, args)
+    program = torch.export.export(module, args, dynamic_shapes=dynamic, strict=False)
+    return program.module()  # type: ignore[return-value]
+
+
+def _captured(module: nn.Module, gm: fx.GraphModule, method: str) -> Captured:
+    inputs: List[str] = []
+    nodes: List[GraphNode] = []
+    by_name: Dict[str, fx.Node] = {}
+    outputs: List[str] = []
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            inputs.append(node.name)
+            by_name[node.name] = node
+        elif node.op == "output":
+            for leaf in pytree.tree_leaves(node.args[0], is_leaf=lambda x: isinstance(x, fx.Node)):
+                if isinstance(leaf, fx.Node) and leaf.name not in outputs:
+                    if leaf.op == "get_attr":
+                        raise TraceError(f"the model returns its attribute {leaf.target!r} itself; return a copy")
+                    outputs.append(leaf.name)
+        elif node.op == "get_attr" or (node.op == "call_module" and node.target == "_guards_fn"):
+            continue  # parameters and constants are referenced per stage; export's shape guards are dropped
+        else:
+            reads = tuple(dict.fromkeys(a.name for a in node.all_input_nodes if a.op != "get_attr"))
+            leaf = node.op == "call_module"
+            nodes.append(GraphNode(node.name, node.target if leaf else _scope(node), reads, (node.name,), leaf,
+                                   _unit(node)))
+            by_name[node.name] = node
+    return Captured(module, gm, method, Graph(tuple(inputs), tuple(nodes), tuple(outputs)), by_name)
+
+
+def _paths(node: fx.Node) -> List[str]:
+    """Dotted paths of the modules whose forward is running when the node is made, outermost first."""
+    stack = node.meta.get("nn_module_stack") or {}
+    paths = [str(entry[0]).replace("L['self'].", "").replace("L__self__.", "") for entry in stack.values()]
+    paths = [p for p in paths if p and p != "L['self']"]
+    if node.op == "call_module" and (not paths or paths[-1] != node.target):
+        paths.append(str(node.target))
+    return paths
+
+
+def _scope(node: fx.Node) -> str:
+    """The innermost module whose forward made this node ("" at the root)."""
+    paths = _paths(node)
+    return paths[-1] if paths else ""
+
+
+def _unit(node: fx.Node) -> str:
+    """The outermost module called below the model ("blocks.3", not the ModuleList "blocks"); "" at the root."""
+    paths = _paths(node)
+    return paths[0] if paths else ""
+
+
+def stage_module(captured: Captured, reads: Sequence[str], nodes: Sequence[GraphNode],
+                 sends: Sequence[str], j: int) -> fx.GraphModule:
+    """An fx ``GraphModule`` running ``nodes``: takes ``reads`` (in order), returns the tuple ``sends``.
+
+    Its submodules and parameters are the original model's objects (references, not copies).
+    """
+    graph = fx.Graph()
+    env: Dict[str, fx.Node] = {name: graph.placeholder(name) for name in reads}
+    for core in nodes:
+        node = captured.nodes[core.name]
+        for arg in node.all_input_nodes:
+            if arg.op == "get_attr" and arg.name not in env:
+                env[arg.name] = graph.node_copy(arg)
+        env[node.name] = graph.node_copy(node, lambda a: env[a.name])
+    graph.output(tuple(env[name] for name in sends))
+    return fx.GraphModule(captured.gm, graph, class_name=f"Stage{j}")

@@ -1,0 +1,194 @@
+"""A torch model cut as a graph: capture, cut (the core decides where), one GraphModule per stage on its device.
+
+The stages reference the original model's modules and parameters (no copies); the split model
+registers the original's own parameters, buffers and children under their own names, so its
+``state_dict()`` has the original's keys in the original's order and ``parameters()`` its order.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from dualframe.errors import DeviceError, StrategyError
+from dualframe.pipeline.graph import GraphSplit, cut_graph, graph_units
+from dualframe.torch.graph import Captured, Leaves, capture, stage_module
+from dualframe.torch.graph_cost import BY, measure
+from dualframe.torch.graph_run import GraphStepRun, tensor_leaves
+
+Shapes = Dict[str, List[Tuple[Tuple[int, ...], torch.dtype]]]
+
+
+def sample_call(sample: Any) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+    """``sample`` as call arguments: a tuple is the positional arguments, anything else the only one."""
+    return (sample if isinstance(sample, tuple) else (sample,)), {}
+
+
+class GraphStages:
+    """``module`` captured and cut into ``n`` stages, stage j a GraphModule placed on ``devices[j]``.
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        >>> stages = GraphStages(model, ["cpu", "cpu"], split_points=["2"])
+        >>> stages.split.reads, stages.split.sends
+        ((('input',), ('_1',)), (('_1',), ('_2',)))
+    """
+
+    def __init__(self, module: nn.Module, devices: Sequence[str], *, split_points: Optional[Sequence[str]] = None,
+                 balance: Optional[Sequence[int]] = None, stages: Optional[int] = None, sample: Any = None,
+                 by: str = "time", leaves: Leaves = ()) -> None:
+        if by not in BY:
+            raise StrategyError(f"by must be one of {', '.join(map(repr, BY))} (by: {by!r})")
+        args, kwargs = sample_call(sample) if sample is not None else ((), {})
+        self.captured: Captured = capture(module, leaves=leaves, sample=args if sample is not None else None)
+        costs = sizes = None
+        self.shapes: Shapes = {}
+        if stages is not None:
+            units = graph_units(self.captured.graph)
+            if isinstance(stages, int) and not isinstance(stages, bool) and stages > len(units):
+                cut_graph(self.captured.graph, stages=stages)  # refuses, naming the units, before measuring
+            if sample is not None:
+                values = self.captured.bind(args, kwargs)
+                costs, sizes = measure(self.captured, values, by)
+                self._sample_shapes(values)
+            else:  # no sample: even parameter bytes, a guess that needs no compute
+                costs = [1.0 + c for c in _param_bytes(self.captured)]
+        self.split: GraphSplit = cut_graph(self.captured.graph, split_points=split_points, balance=balance,
+                                           stages=stages, costs=costs, sizes=sizes)
+        self.devices = [torch.device(d) for d in devices]
+        if self.split.stages != len(self.devices):
+            raise DeviceError(f"one device per stage (stages: {self.split.stages}, devices: {list(devices)})")
+        self.modules = [stage_module(self.captured, self.split.reads[j], self.split.stage_nodes(j),
+                                     self.split.sends[j], j) for j in range(self.split.stages)]
+        self._check_shared()
+        for stage, device in zip(self.modules, self.devices):
+            stage.to(device)
+        self.params = [list(stage.parameters()) for stage in self.modules]
+
+    def _check_shared(self) -> None:
+        """A parameter or buffer read by stages on different devices cannot be placed: refuse, naming it."""
+        owner: Dict[int, Tuple[int, str]] = {}
+        for j, stage in enumerate(self.modules):
+            for name, tensor in list(stage.named_parameters()) + list(stage.named_buffers()):
+                first = owner.setdefault(id(tensor), (j, name))
+                if self.devices[first[0]] != self.devices[j]:
+                    raise DeviceError(
+                        f"{name!r} is used by stage {first[0]} ({self.devices[first[0]]}) and stage {j} "
+                        f"({self.devices[j]}); put both stages on one device or cut so that one stage uses it")
+
+    def _sample_shapes(self, values: Dict[str, Any]) -> None:
+        for name, value in values.items():
+            self.shapes[name] = [(tuple(t.shape), t.dtype) for t in tensor_leaves(value)]
+
+    def run(self, plan: Any, parts: Sequence[Dict[str, Any]], **walk: Any) -> GraphStepRun:
+        """A step over ``parts`` (micro-batches of the inputs); value shapes are noted from micro-batch 0."""
+        shapes: Shapes = {}
+        for name in self.captured.graph.inputs:
+            shapes[name] = [(tuple(t.shape), t.dtype) for t in tensor_leaves(parts[0][name])]
+        self.shapes = shapes
+        return GraphStepRun(self.modules, self.devices, plan, self.split, parts, self.params, shapes=shapes, **walk)
+
+    def unit_balance(self) -> Optional[List[int]]:
+        """Top-level units per stage, or None when a cut falls inside a unit."""
+        starts = [u.start for u in graph_units(self.captured.graph)]
+        if any(s not in starts for s in self.split.starts):
+            return None
+        index = [starts.index(s) for s in self.split.starts] + [len(starts)]
+        return [index[j + 1] - index[j] for j in range(self.split.stages)]
+
+    def describe(self) -> str:
+        """Cut points and, per boundary, the values crossing it with shapes and bytes (last step's micro-batch 0)."""
+        split, graph = self.split, self.captured.graph
+        lines = [f"{type(self.captured.module).__name__} captured with torch.{self.captured.method}, "
+                 f"{split.stages} stages, cut at {list(split.split_points)}"]
+        for j in range(split.stages):
+            nodes = split.stage_nodes(j)
+            first, last = nodes[0].scope or nodes[0].name, nodes[-1].scope or nodes[-1].name
+            lines.append(f"  stage {j} on {self.devices[j]}: {len(nodes)} ops, {first} .. {last}")
+            if j + 1 == split.stages:
+                break
+            lines.append(f"  boundary {j}|{j + 1}:")
+            for name in split.crossing(j):
+                readers = [c for c in split.consumers.get(name, ()) if c > j]
+                to = ", ".join("output" if c == split.stages else f"stage {c}" for c in readers)
+                source = "input" if split.producer[name] < 0 else f"stage {split.producer[name]}"
+                lines.append(f"    {name}: {_shape_text(self.shapes.get(name))} ({source} -> {to})")
+        del graph
+        return "\n".join(lines)
+
+
+def _shape_text(shapes: Optional[List[Tuple[Tuple[int, ...], torch.dtype]]]) -> str:
+    if shapes is None:
+        return "shape not seen yet (run a step or pass sample=)"
+    if not shapes:
+        return "no tensor"
+    parts, total = [], 0
+    for shape, dtype in shapes:
+        count = 1
+        for d in shape:
+            count *= d
+        total += count * torch.empty((), dtype=dtype).element_size()
+        parts.append(f"{list(shape)} {str(dtype).replace('torch.', '')}")
+    return f"{', '.join(parts)}, {_bytes(total)}"
+
+
+def _bytes(count: float) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if count < 1024:
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    return f"{count:.1f} GiB"
+
+
+def _param_bytes(captured: Captured) -> List[float]:
+    """Per node, the bytes of the parameters of the module it calls (0 for a functional op)."""
+    out = []
+    for node in captured.graph.nodes:
+        fx_node = captured.nodes[node.name]
+        module = captured.gm.get_submodule(str(fx_node.target)) if fx_node.op == "call_module" else None
+        out.append(float(sum(p.numel() * p.element_size() for p in module.parameters())) if module else 0.0)
+    return out
+
+
+class GraphFunction(torch.autograd.Function):
+    """A graph step as one node of the caller's graph: inputs' tensors and parameters in, outputs' tensors out."""
+
+    @staticmethod
+    def forward(ctx: Any, run: GraphStepRun, layout: Any, *tensors: torch.Tensor) -> Any:  # type: ignore[override]
+        ctx.set_materialize_grads(False)
+        ctx.run, ctx.layout = run, layout
+        outputs = run.forward(grad=True)
+        layout.outputs = outputs
+        layout.output_counts = [(name, len(tensor_leaves(outputs[name]))) for name in layout.output_names]
+        return tuple(t for name in layout.output_names for t in tensor_leaves(outputs[name]))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> Tuple[Optional[torch.Tensor], ...]:  # type: ignore[override]
+        run, ctx.run = ctx.run, None
+        if run is None:
+            raise RuntimeError("a pipeline step can be back-propagated once; run the forward again")
+        layout, it = ctx.layout, iter(grads)
+        per_output = {name: [next(it) for _ in range(count)] for name, count in layout.output_counts}
+        input_grads, param_grads = run.backward(per_output)
+        flat = [g for name in layout.input_names for g in input_grads[name]]
+        return (None, None, *flat, *param_grads)
+
+
+class Layout:
+    """Which tensors of the call go through ``GraphFunction``: each input's and output's tensor leaves."""
+
+    def __init__(self, input_names: Sequence[str], output_names: Sequence[str]) -> None:
+        self.input_names, self.output_names = list(input_names), list(output_names)
+        self.outputs: Dict[str, Any] = {}
+        self.output_counts: List[Tuple[str, int]] = []
+
+    def rebuild(self, flat: Sequence[torch.Tensor]) -> Dict[str, Any]:
+        """The outputs with their tensors replaced by the Function's outputs (which carry the grad_fn)."""
+        it = iter(flat)
+        values: Dict[str, Any] = {}
+        for name in self.output_names:
+            value = self.outputs[name]
+            values[name] = pytree.tree_map(lambda t: next(it) if isinstance(t, torch.Tensor) else t, value)
+        return values
