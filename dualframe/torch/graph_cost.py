@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Dict, List, Set, Tuple
+from typing import Any, Dict, List, NamedTuple, Set, Tuple
 
 import torch
 import torch.fx as fx
@@ -18,6 +18,15 @@ from dualframe.torch.graph import Captured
 from dualframe.torch.graph_run import batch_size, tensor_leaves
 
 BY = ("time", "memory")
+Shapes = Dict[str, List[Tuple[Tuple[int, ...], torch.dtype]]]
+
+
+class Measured(NamedTuple):
+    """Per node cost, per value bytes per sample, per value tensor shapes and dtypes (on the sample)."""
+
+    costs: List[float]
+    sizes: Dict[str, float]
+    shapes: Shapes
 
 
 class _Meter(fx.Interpreter):
@@ -27,6 +36,7 @@ class _Meter(fx.Interpreter):
         super().__init__(gm)
         self.seconds: Dict[str, float] = {}
         self.bytes: Dict[str, int] = {}
+        self.shapes: Shapes = {}
 
     def run_node(self, n: fx.Node) -> Any:
         start = time.perf_counter()
@@ -36,11 +46,12 @@ class _Meter(fx.Interpreter):
             torch.cuda.synchronize()
         self.seconds[n.name] = time.perf_counter() - start
         self.bytes[n.name] = sum(t.numel() * t.element_size() for t in leaves)
+        self.shapes[n.name] = [(tuple(t.shape), t.dtype) for t in leaves]
         return out
 
 
 def measure(captured: Captured, values: Dict[str, Any], by: str = "time",
-            repeats: int = 3) -> Tuple[List[float], Dict[str, float]]:
+            repeats: int = 3) -> Measured:
     """Per node cost (median forward seconds, or bytes of parameters + activations) and per value bytes per sample.
 
     Args:
@@ -70,11 +81,16 @@ def measure(captured: Captured, values: Dict[str, Any], by: str = "time",
                 b.copy_(buffers[name])
     timed = runs[1:] or runs
     sizes = {name: float(count) / rows for name, count in runs[0].bytes.items()}
+    shapes = runs[0].shapes
     for name in captured.graph.inputs:
-        sizes[name] = float(sum(t.numel() * t.element_size() for t in tensor_leaves(values[name]))) / rows
+        leaves = tensor_leaves(values[name])
+        sizes[name] = float(sum(t.numel() * t.element_size() for t in leaves)) / rows
+        shapes[name] = [(tuple(t.shape), t.dtype) for t in leaves]
     if by == "time":
-        return [statistics.median(m.seconds[node.name] for m in timed) for node in captured.graph.nodes], sizes
-    return _memory(captured, runs[0].bytes), sizes
+        costs = [statistics.median(m.seconds[node.name] for m in timed) for node in captured.graph.nodes]
+    else:
+        costs = _memory(captured, runs[0].bytes)
+    return Measured(costs, sizes, shapes)
 
 
 def _memory(captured: Captured, activation: Dict[str, int]) -> List[float]:
@@ -83,7 +99,7 @@ def _memory(captured: Captured, activation: Dict[str, int]) -> List[float]:
     costs = []
     for node in captured.graph.nodes:
         fx_node = captured.nodes[node.name]
-        owned = []
+        owned: List[torch.Tensor] = []
         if fx_node.op == "call_module":
             owned = list(captured.gm.get_submodule(str(fx_node.target)).parameters())
         for arg in fx_node.all_input_nodes:

@@ -36,10 +36,11 @@ def split_inputs(values: Dict[str, Any], sizes: Sequence[int]) -> List[Dict[str,
     Raises:
         ChunksError: an input tensor whose first dimension is not the batch's, naming it.
     """
-    batch, parts = sum(sizes), [dict() for _ in sizes]  # type: List[Dict[str, Any]]
+    batch = sum(sizes)
+    parts: List[Dict[str, Any]] = [{} for _ in sizes]
     for name, value in values.items():
         flat, spec = pytree.tree_flatten(value)
-        pieces = []
+        pieces: List[Sequence[Any]] = []
         for leaf in flat:
             if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
                 if leaf.shape[0] != batch:
@@ -169,7 +170,7 @@ class GraphStepRun(StepRun):
                         grads.append(g)
             read_leaves = [tensor_leaves(value) for value in reads]
             wanted = [t for leaves in read_leaves for t in leaves if t.requires_grad]
-            trainable = [p for p in self.params[j] if p.requires_grad]
+            trainable: List[torch.Tensor] = [p for p in self.params[j] if p.requires_grad]
             found = (torch.autograd.grad(outs, wanted + trainable, grads, allow_unused=True)
                      if outs and (wanted or trainable) else [None] * (len(wanted) + len(trainable)))
         it = iter(found[:len(wanted)])
@@ -188,8 +189,9 @@ class GraphStepRun(StepRun):
             self.input_grads[i][name] = list(grads)
             return
         for k, g in enumerate(grads):
+            held = old[k]
             if g is not None:
-                old[k] = g if old[k] is None else old[k] + g.to(old[k].device)  # type: ignore[union-attr]
+                old[k] = g if held is None else held + g.to(held.device)
 
     def _accumulate(self, j: int, found: Sequence[Optional[torch.Tensor]]) -> None:
         trainable = iter(found)
@@ -211,7 +213,9 @@ class GraphStepRun(StepRun):
             joined[name] = []
             for k in range(count):
                 pieces = [self.input_grads[i].get(name, [None] * count)[k] for i in range(len(self.parts))]
-                whole = None if any(p is None for p in pieces) else (
-                    pieces[0] if len(pieces) == 1 else torch.cat(pieces))  # type: ignore[arg-type]
+                whole: Optional[torch.Tensor] = None
+                if all(p is not None for p in pieces):  # a 0-d input was repeated: its gradients add up
+                    whole = pieces[0] if len(pieces) == 1 else (
+                        torch.stack(pieces).sum(0) if pieces[0].dim() == 0 else torch.cat(pieces))  # type: ignore
                 joined[name].append(whole)
         return joined

@@ -15,10 +15,9 @@ from torch.utils import _pytree as pytree
 from dualframe.errors import DeviceError, StrategyError
 from dualframe.pipeline.graph import GraphSplit, cut_graph, graph_units
 from dualframe.torch.graph import Captured, Leaves, capture, stage_module
-from dualframe.torch.graph_cost import BY, measure
+from dualframe.torch.graph_cost import BY, Shapes, measure
 from dualframe.torch.graph_run import GraphStepRun, tensor_leaves
 
-Shapes = Dict[str, List[Tuple[Tuple[int, ...], torch.dtype]]]
 
 
 def sample_call(sample: Any) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
@@ -44,19 +43,20 @@ class GraphStages:
         args, kwargs = sample_call(sample) if sample is not None else ((), {})
         self.captured: Captured = capture(module, leaves=leaves, sample=args if sample is not None else None)
         costs = sizes = None
-        self.shapes: Shapes = {}
+        self.shapes: Shapes = {}  # values' shapes: from the sample, then from each step's micro-batch 0
         if stages is not None:
             units = graph_units(self.captured.graph)
             if isinstance(stages, int) and not isinstance(stages, bool) and stages > len(units):
                 cut_graph(self.captured.graph, stages=stages)  # refuses, naming the units, before measuring
             if sample is not None:
-                values = self.captured.bind(args, kwargs)
-                costs, sizes = measure(self.captured, values, by)
-                self._sample_shapes(values)
+                costs, sizes, self.shapes = measure(self.captured, self.captured.bind(args, kwargs), by)
             else:  # no sample: even parameter bytes, a guess that needs no compute
                 costs = [1.0 + c for c in _param_bytes(self.captured)]
         self.split: GraphSplit = cut_graph(self.captured.graph, split_points=split_points, balance=balance,
                                            stages=stages, costs=costs, sizes=sizes)
+        if sample is not None and stages is None:  # the cut is valid: now the sample may run, for describe()
+            self.shapes = measure(self.captured, self.captured.bind(args, kwargs), "memory").shapes
+        self.shapes_from = "the sample" if sample is not None else ""
         self.devices = [torch.device(d) for d in devices]
         if self.split.stages != len(self.devices):
             raise DeviceError(f"one device per stage (stages: {self.split.stages}, devices: {list(devices)})")
@@ -78,16 +78,12 @@ class GraphStages:
                         f"{name!r} is used by stage {first[0]} ({self.devices[first[0]]}) and stage {j} "
                         f"({self.devices[j]}); put both stages on one device or cut so that one stage uses it")
 
-    def _sample_shapes(self, values: Dict[str, Any]) -> None:
-        for name, value in values.items():
-            self.shapes[name] = [(tuple(t.shape), t.dtype) for t in tensor_leaves(value)]
-
     def run(self, plan: Any, parts: Sequence[Dict[str, Any]], **walk: Any) -> GraphStepRun:
         """A step over ``parts`` (micro-batches of the inputs); value shapes are noted from micro-batch 0."""
         shapes: Shapes = {}
         for name in self.captured.graph.inputs:
             shapes[name] = [(tuple(t.shape), t.dtype) for t in tensor_leaves(parts[0][name])]
-        self.shapes = shapes
+        self.shapes, self.shapes_from = shapes, "micro-batch 0 of the last step"
         return GraphStepRun(self.modules, self.devices, plan, self.split, parts, self.params, shapes=shapes, **walk)
 
     def unit_balance(self) -> Optional[List[int]]:
@@ -100,9 +96,10 @@ class GraphStages:
 
     def describe(self) -> str:
         """Cut points and, per boundary, the values crossing it with shapes and bytes (last step's micro-batch 0)."""
-        split, graph = self.split, self.captured.graph
+        split = self.split
         lines = [f"{type(self.captured.module).__name__} captured with torch.{self.captured.method}, "
-                 f"{split.stages} stages, cut at {list(split.split_points)}"]
+                 f"{split.stages} stages, cut at {list(split.split_points)}"
+                 + (f" (shapes of {self.shapes_from})" if self.shapes_from else "")]
         for j in range(split.stages):
             nodes = split.stage_nodes(j)
             first, last = nodes[0].scope or nodes[0].name, nodes[-1].scope or nodes[-1].name
@@ -115,7 +112,6 @@ class GraphStages:
                 to = ", ".join("output" if c == split.stages else f"stage {c}" for c in readers)
                 source = "input" if split.producer[name] < 0 else f"stage {split.producer[name]}"
                 lines.append(f"    {name}: {_shape_text(self.shapes.get(name))} ({source} -> {to})")
-        del graph
         return "\n".join(lines)
 
 

@@ -111,7 +111,7 @@ class ModelParallel(Recording, nn.Module):
             return
         if balance is None:
             raise BalanceError("give balance=[layers per group] to split an nn.Sequential (or split_points=, stages=)")
-        layers = _layers(module)
+        layers = _layers(module)  # type: ignore[arg-type]
         self.plan: Split = validate_split(len(layers), balance, devices, chunks, checkpoint,
                                           available=available_devices(), canonical=canonical_device,
                                           accelerators=accelerators(), schedule=schedule)
@@ -136,7 +136,7 @@ class ModelParallel(Recording, nn.Module):
                             sample=sample, by=by, leaves=leaves)
         self.plan = dataclasses.replace(plan, ranges=tuple(graph.split.stage_range(j) for j in range(n)))
         self.devices = graph.devices
-        self.partitions = graph.modules  # a plain list: the stages reference the modules adopted below
+        self.partitions = graph.modules  # type: ignore[assignment]  # a plain list: the stages reference the modules adopted below
         self._adopt(module)
         self._graph = graph
 
