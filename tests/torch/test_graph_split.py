@@ -421,3 +421,38 @@ def test_deferred_batch_norm_in_a_graph_tracks_whole_mini_batch_statistics():
     torch.testing.assert_close(split.bn1.running_var, reference.bn1.running_var, atol=1e-6, rtol=0)
     tracked = [int(v) for k, v in split.state_dict().items() if k.endswith("num_batches_tracked")]
     assert tracked == [1] * len(tracked)  # once per mini-batch, despite 4 micro-batches and recomputation
+
+
+class Tied(nn.Module):
+    """The output layer reuses the embedding's weight: one parameter read by the first and the last stage."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(11, 8)
+        self.body = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, tokens):
+        h = self.norm(self.body(self.embed(tokens)))
+        return h @ self.embed.weight.t()
+
+
+def test_a_parameter_shared_by_two_stages_gets_both_gradients():
+    model, reference = make(Tied)
+    split = hvd.Pipeline(model, split_points=["body", "norm"], devices=["cpu"] * 3, chunks=3)
+    assert [n for n, _ in split.named_parameters()] == [n for n, _ in reference.named_parameters()]
+    assert_same(split, reference, [tokens(7)[0]], 3)
+
+
+def test_overlap_cpu_and_a_failing_stage_in_a_graph():
+    from dualframe.errors import StageError
+
+    model, reference = make(Encoder, True)
+    split = hvd.Pipeline(model, split_points=["blocks.1"], devices=["cpu", "cpu"], chunks=3, overlap_cpu=True)
+    with split.record() as timeline:
+        assert_same(split, reference, list(tokens(7)), 3)
+    assert sorted((e.kind, e.micro_batch, e.stage) for e in timeline.events) == sorted(
+        (k, i, j) for k in "FB" for i in range(3) for j in range(2))
+    tok, pad = tokens(6)
+    with pytest.raises(StageError, match=r"stage 0 failed on micro-batch 0"):
+        split(tok + 100, pad)  # an index out of the embedding's range
