@@ -24,6 +24,11 @@ from dualframe.launch.topology import detect
 from dualframe.torch.collectives import hvd
 from dualframe.torch.pipeline_transport import TorchWire, point_to_point, process_sets
 from dualframe.torch.pipeline_work import ActivationMeter, TorchStageWork
+from dualframe.pipeline.graph_walk import GraphPipelineStage, edge_process_sets
+from dualframe.torch.distributed_graph import GraphPart
+from dualframe.torch.graph import Leaves
+from dualframe.torch.graph_stage_work import TorchGraphStageWork
+from dualframe.torch.model_parallel import _stage_count, is_graph_split
 
 _IDS = itertools.count()
 
@@ -41,21 +46,28 @@ def _layout(module: nn.Module, balance: Sequence[int], chunks: int, schedule: st
 
 
 class DistributedPipeline(StageView, nn.Module):
-    """An ``nn.Sequential`` whose stages are processes: rank j of each pipeline holds stage j.
+    """A model whose stages are processes: rank j of each pipeline holds stage j.
 
-    Every rank builds the same pipeline from the same full model (same seed); each keeps its
-    stage. ``train_step`` runs one mini-batch through the schedule and returns its mean loss on
+    An ``nn.Sequential`` is split by ``balance`` (layers per stage); any other model, or one given
+    ``split_points``/``stages``, is captured as a graph and cut as in ``ModelParallel``: each value
+    then goes from the rank that makes it straight to every rank that reads it (model inputs from
+    stage 0, model outputs to the last stage, which computes the loss). Every rank builds the same
+    pipeline from the same full model (same seed); each keeps its stage. ``train_step`` runs one mini-batch through the schedule and returns its mean loss on
     every rank; ``parameters()`` are the local stage's; ``state_dict()`` uses the full model's keys.
 
     Args:
-        module: the whole model, an ``nn.Sequential``.
-        balance: layers per stage, e.g. ``[3, 3]``; one stage per rank of a pipeline.
+        module: the whole model, an ``nn.Sequential`` or any ``nn.Module`` cut as a graph.
+        balance: layers per stage, e.g. ``[3, 3]`` (a graph: top-level units per stage); one stage per rank.
         chunks: micro-batches per mini-batch.
         schedule: ``"gpipe"`` or ``"1f1b"`` (at most ``stages`` micro-batches' activations alive).
-        loss_fn: ``loss_fn(output, target)``, the mean over a micro-batch's rows (e.g. ``nn.MSELoss()``).
+        loss_fn: ``loss_fn(output, target)``, the mean over a micro-batch's rows (e.g. ``nn.MSELoss()``);
+            ``output`` is what the model returns (a tuple or dict for several outputs).
         devices: one device per stage (default: CPU).
         data_parallel: replicas of the pipeline (default: processes // stages); checked against the world.
         timeout: seconds to wait for a neighbouring stage before raising PeerLostError.
+        split_points, stages, sample, leaves: how to cut a graph (see ``ModelParallel``). ``stages=n``
+            evens out parameter bytes here (every rank must cut alike; timings differ between ranks).
+            Inputs of several tensors: pass ``train_step((tokens, mask), y)`` (a tuple: positional arguments).
 
     Raises:
         BalanceError, ChunksError, ScheduleError, StrategyError: bad arguments, on every rank, before
@@ -69,23 +81,41 @@ class DistributedPipeline(StageView, nn.Module):
         >>> loss = pipe.train_step(x, y); opt.step(); opt.zero_grad()              # doctest: +SKIP
     """
 
-    def __init__(self, module: nn.Sequential, balance: Sequence[int], chunks: int, schedule: str = "gpipe",
-                 loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
+    def __init__(self, module: nn.Module, balance: Optional[Sequence[int]] = None, chunks: int = 1,
+                 schedule: str = "gpipe", loss_fn: Optional[Callable[[Any, torch.Tensor], torch.Tensor]] = None,
                  devices: Optional[Sequence[str]] = None, data_parallel: Optional[int] = None,
-                 timeout: float = 45.0) -> None:
+                 timeout: float = 45.0, *, split_points: Optional[Sequence[str]] = None, stages: Optional[int] = None,
+                 sample: Any = None, leaves: Leaves = ()) -> None:
         super().__init__()
-        layout = _layout(module, balance, chunks, schedule, loss_fn, devices, data_parallel, timeout)
+        self.graph: Optional[GraphPart] = None
+        if is_graph_split(module, split_points, stages):
+            n = _stage_count(split_points, balance, stages)
+            layout = layout_pipeline(n, [1] * n, chunks, schedule, loss_fn, devices, data_parallel, timeout,
+                                     _world_size())
+            self.graph = GraphPart(module, split_points=split_points, balance=balance, stages=stages, sample=sample,
+                                   leaves=leaves)
+        else:
+            layout = _layout(module, balance or [], chunks, schedule, loss_fn, devices, data_parallel, timeout)
         self.chunks, self.schedule, self.grid = chunks, layout.schedule, layout.grid
         self.loss_fn, self.timeout = loss_fn, timeout
         # From here on, Horovod: every argument above is checked on every rank.
-        sets = process_sets(pipeline_process_sets(layout.grid.replicas * layout.grid.stages, layout.grid.stages))
+        needed = pipeline_process_sets(layout.grid.replicas * layout.grid.stages, layout.grid.stages)
+        if self.graph is not None:  # a value skipping stages goes straight to its reader: that pair needs a set too
+            needed += [g for g in edge_process_sets(self.graph.split, layout.grid.pipeline_groups) if g not in needed
+                       and len(g) < layout.grid.replicas * layout.grid.stages]
+        sets = process_sets(needed)
         j = layout.grid.position(int(hvd.rank()))[1]
         self.device = torch.device(layout.devices[j] if layout.devices else "cpu")
         prefix = f"dpipe{next(_IDS)}"
         self.direct = point_to_point(self.device, chunks, prefix)  # None: messages go as Horovod broadcasts
-        self.role = PipelineStage(layout, TorchWire(self.device), int(hvd.rank()), sets, prefix, direct=self.direct)
-        items = list(module._modules.items())
-        self.stage = nn.Sequential(OrderedDict(items[r] for r in layout.ranges[j])).to(self.device)
+        if self.graph is not None:
+            self.role = GraphPipelineStage(layout, TorchWire(self.device), int(hvd.rank()), sets, prefix,
+                                           direct=self.direct, split=self.graph.split)
+            self.stage = self.graph.module(j).to(self.device)
+        else:
+            self.role = PipelineStage(layout, TorchWire(self.device), int(hvd.rank()), sets, prefix, direct=self.direct)
+            items = list(module._modules.items())
+            self.stage = nn.Sequential(OrderedDict(items[r] for r in layout.ranges[j])).to(self.device)  # type: ignore[misc]
         self.meter = ActivationMeter(self.stage.parameters())
 
     def named_parameters(self, prefix: str = "", recurse: bool = True,
@@ -99,8 +129,8 @@ class DistributedPipeline(StageView, nn.Module):
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """Load this stage's part of the full model's ``state_dict`` (other stages' keys are ignored)."""
-        names = set(self.stage._modules)
-        part = OrderedDict((key, value) for key, value in state_dict.items() if key.split(".", 1)[0] in names)
+        own = set(self.stage.state_dict())
+        part = OrderedDict((key, value) for key, value in state_dict.items() if key in own)
         return self.stage.load_state_dict(part, strict=strict, assign=assign)
 
     def distributed_optimizer(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> torch.optim.Optimizer:
@@ -123,18 +153,30 @@ class DistributedPipeline(StageView, nn.Module):
         return wrapper(optimizer, named_parameters=self.named_parameters(),
                        backward_passes_per_step=passes, process_set=self.stage_process_set, **kwargs)
 
-    def _run(self, actions: Sequence[Action], inputs: Optional[torch.Tensor], targets: Optional[torch.Tensor],
-             train: bool) -> Tuple[TorchStageWork, StepRecord]:
-        sizes = self.role.agree(inputs, targets, train)
-        micro_inputs = list(torch.split(inputs.to(self.device), sizes)) if self.is_first and inputs is not None else []
+    def _run(self, actions: Sequence[Action], inputs: Any, targets: Optional[torch.Tensor],
+             train: bool) -> Tuple[Any, StepRecord]:
+        values: Dict[str, Any] = {}
+        key = inputs
+        if self.graph is not None and self.is_first and inputs is not None:
+            values, key = self.graph.inputs(inputs)
+        sizes = self.role.agree(key, targets, train)
         micro_targets = list(torch.split(targets.to(self.device), sizes)) if self.is_last and train and targets is not None else []
-        work = TorchStageWork(self.stage, self.is_first, self.is_last, self.loss_fn if train else None,
-                              micro_targets, [s / sum(sizes) for s in sizes], self.meter)
+        weights = [s / sum(sizes) for s in sizes]
+        work: Any
+        micro_inputs: List[Any]
+        if self.graph is not None:
+            micro_inputs = self.graph.micro_inputs(values, sizes, self.device) if self.is_first else []
+            work = TorchGraphStageWork(self.stage, self.graph.split, self.stage_index, self.graph.captured,
+                                       self.device, self.loss_fn if train else None, micro_targets, weights, self.meter)
+        else:
+            micro_inputs = list(torch.split(inputs.to(self.device), sizes)) if self.is_first and inputs is not None else []
+            work = TorchStageWork(self.stage, self.is_first, self.is_last, self.loss_fn if train else None,
+                                  micro_targets, weights, self.meter)
         with torch.set_grad_enabled(train), self.meter.counting():
             record = self.role.step(actions, micro_inputs, work, train)
         return work, record
 
-    def train_step(self, inputs: Optional[torch.Tensor], targets: Optional[torch.Tensor]) -> float:
+    def train_step(self, inputs: Any, targets: Optional[torch.Tensor]) -> float:
         """Run one mini-batch forward and backward through the pipeline; gradients land in ``.grad``.
 
         Inputs are read on the first stage, targets on the last (others may pass them or None).
@@ -146,11 +188,13 @@ class DistributedPipeline(StageView, nn.Module):
         work, _ = self._run(self.actions, inputs, targets, train=True)
         return self.role.mean_loss(work.loss_sum)
 
-    def forward(self, inputs: Optional[torch.Tensor]) -> Optional[torch.Tensor]:  # type: ignore[override]
+    def forward(self, inputs: Any) -> Any:  # type: ignore[override]
         """Inference through the pipeline (no gradients): the output on the last stage, None elsewhere."""
         forwards = [Action("F", i) for i in range(self.chunks)]
         work, _ = self._run(forwards, inputs, None, train=False)
-        return torch.cat(work.outputs) if self.is_last else None
+        if not self.is_last:
+            return None
+        return self.graph.joined_outputs(work.outputs) if self.graph is not None else torch.cat(work.outputs)
 
     def timings(self) -> List[str]:
         """Every rank's ``timing()`` line in rank order, then each replica's pipeline bubble, on every rank.
