@@ -175,6 +175,11 @@ class ModelParallel(Recording, nn.Module):
         """Micro-batches per mini-batch (1: no micro-batching)."""
         return self.plan.chunks
 
+    def extra_repr(self) -> str:
+        """The stages' devices and, for a graph, the cut points (shown in ``repr``)."""
+        cut = f", split_points={self.split_points}" if self._graph is not None else f", balance={self.balance}"
+        return f"devices={[str(d) for d in self.devices]}{cut}, chunks={self.chunks}"
+
     def describe(self) -> str:
         """The cut points and, per boundary, the tensors crossing it with shapes and sizes."""
         if self._graph is not None:

@@ -173,11 +173,13 @@ def reference_step(model, args, chunks):
 
 def assert_same(split, reference, args, chunks, grad_args=()):
     out = split(*args)
-    loss_of(out).backward()
+    loss = loss_of(out)
+    loss.backward()
     ref_args = [copy.deepcopy(a) for a in args]
     for k in grad_args:
         ref_args[k] = args[k].detach().clone().requires_grad_()
     ref = reference_step(reference, ref_args, chunks)
+    torch.testing.assert_close(loss, loss_of(ref), atol=1e-5, rtol=0)
     flat = lambda o: list(o.values()) if isinstance(o, dict) else (list(o) if isinstance(o, tuple) else [o])  # noqa: E731
     for a, b in zip(flat(out), flat(ref)):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
