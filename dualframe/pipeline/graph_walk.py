@@ -86,12 +86,12 @@ class GraphStageWork(Protocol[T]):
         Returns one gradient message per source stage."""
 
 
-def graph_walk(plan: Sequence[Action], edges: Edges, inputs: Sequence[Any], work: "GraphStageWork[T]",
+def graph_walk(actions: Sequence[Action], edges: Edges, inputs: Sequence[Any], work: "GraphStageWork[T]",
                links: Mapping[int, "StageLinks[T]"], first: bool,
                clock: Callable[[], float] = time.perf_counter) -> StepRecord:
     """Run a stage's actions in order, exchanging messages along its edges (``links`` by peer stage)."""
     record = StepRecord(start=clock())
-    for action in plan:
+    for action in actions:
         i, tag = action.micro, str(action)
         if action.kind == FORWARD:
             received: Dict[int, Any] = {p: links[p].receive(tag) for p in edges.sources}
@@ -120,7 +120,7 @@ class GraphPipelineStage(PipelineStage[T]):
 
     Example:
         >>> stage = GraphPipelineStage(layout, wire, hvd.rank(), sets, "dpipe0", split=split)  # doctest: +SKIP
-        >>> record = stage.step(stage.plan, micro_inputs, work, train=True)                     # doctest: +SKIP
+        >>> record = stage.step(stage.actions, micro_inputs, work, train=True)                   # doctest: +SKIP
     """
 
     def __init__(self, layout: Any, wire: Any, rank: int, sets: Dict[Tuple[int, ...], Any], prefix: str,
@@ -134,12 +134,12 @@ class GraphPipelineStage(PipelineStage[T]):
             self.edge_links[peer] = StageLink(wire, 0 if self.index == p else 1, [ranks[p], ranks[c]], rank, sets,
                                               f"{prefix}.e{p}_{c}", layout.timeout, step_names, direct)
 
-    def step(self, plan: Sequence[Action], micro_inputs: Sequence[Any], work: Any, train: bool) -> StepRecord:
-        """Walk ``plan`` on the agreed batch along the edges; keep its record."""
+    def step(self, actions: Sequence[Action], micro_inputs: Sequence[Any], work: Any, train: bool) -> StepRecord:
+        """Walk ``actions`` on the agreed batch along the edges; keep its record."""
         links = [self.link, *self.edge_links.values()]
         for link in links:
             link.begin(self._key, backward=train, chunks=self.layout.chunks)
-        record = graph_walk(plan, self.edges, micro_inputs, work, self.edge_links, self.is_first)
+        record = graph_walk(actions, self.edges, micro_inputs, work, self.edge_links, self.is_first)
         for link in links:
             link.finish()
         self.records.add(record)

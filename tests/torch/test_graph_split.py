@@ -458,3 +458,11 @@ def test_overlap_cpu_and_a_failing_stage_in_a_graph():
     tok, pad = tokens(6)
     with pytest.raises(StageError, match=r"stage 0 failed on micro-batch 0"):
         split(tok + 100, pad)  # an index out of the embedding's range
+
+
+def test_schedule_is_checked_for_graphs_too():
+    from dualframe.errors import ScheduleError
+
+    with pytest.raises(ScheduleError, match="1f1b"):
+        hvd.Pipeline(ResNet(), split_points=["layer2"], devices=["cpu", "cpu"], chunks=2, schedule="1f1b")
+    assert hvd.Pipeline(ResNet(), split_points=["layer2"], devices=["cpu", "cpu"], chunks=2).schedule == "gpipe"
