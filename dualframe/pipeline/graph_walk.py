@@ -33,7 +33,7 @@ def _source(split: GraphSplit, value: str) -> int:
 
 
 def edge_values(split: GraphSplit, p: int, c: int) -> Tuple[str, ...]:
-    """The values edge (p, c) carries, in a fixed order: what c reads from p, then model outputs p makes for the last stage.
+    """The values edge (p, c) carries, in order: what c reads from p, then the model outputs p makes for the last stage.
 
     Example:
         >>> from dualframe.pipeline.graph import Graph, GraphNode, cut_graph

@@ -1,4 +1,4 @@
-"""The graph side of a torch ``DistributedPipeline``: the same cut on every rank, this rank's stage, its inputs and outputs.
+"""The graph side of a torch ``DistributedPipeline``: one cut on every rank, this rank's stage, its inputs, outputs.
 
 Every rank captures the model and cuts it alike (the cut must not depend on timing, which differs
 between ranks: ``stages=n`` evens out parameter bytes here; measure once with ``ModelParallel(...,

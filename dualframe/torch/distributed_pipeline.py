@@ -115,7 +115,8 @@ class DistributedPipeline(StageView, nn.Module):
         else:
             self.role = PipelineStage(layout, TorchWire(self.device), int(hvd.rank()), sets, prefix, direct=self.direct)
             items = list(module._modules.items())
-            self.stage = nn.Sequential(OrderedDict(items[r] for r in layout.ranges[j])).to(self.device)  # type: ignore[misc]
+            stage = OrderedDict(items[r] for r in layout.ranges[j])
+            self.stage = nn.Sequential(stage).to(self.device)  # type: ignore[arg-type]
         self.meter = ActivationMeter(self.stage.parameters())
 
     def named_parameters(self, prefix: str = "", recurse: bool = True,

@@ -161,7 +161,8 @@ class GraphFunction(torch.autograd.Function):
         return tuple(t for name in layout.output_names for t in tensor_leaves(outputs[name]))
 
     @staticmethod
-    def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> Tuple[Optional[torch.Tensor], ...]:  # type: ignore[override]
+    def backward(  # type: ignore[override]
+            ctx: Any, *grads: Optional[torch.Tensor]) -> Tuple[Optional[torch.Tensor], ...]:
         run, ctx.run = ctx.run, None
         if run is None:
             raise RuntimeError("a pipeline step can be back-propagated once; run the forward again")

@@ -1,4 +1,4 @@
-"""One process stage of a graph split in torch: its values packed into one byte message per edge (the core's GraphStageWork).
+"""One process stage of a graph split in torch: one packed byte message per edge (the core's GraphStageWork).
 
 A forward message from stage p to stage c holds every value c reads from p (``edge_values``); the
 backward message holds their gradients in the same layout (zeros where a value has none, e.g. a

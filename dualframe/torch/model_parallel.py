@@ -126,8 +126,9 @@ class ModelParallel(Recording, nn.Module):
                     stages: Optional[int],
                     sample: Any, by: str, leaves: Leaves) -> None:
         if not isinstance(module, nn.Module) or _one_layer(module):
+            why = ", one torch.nn layer: nothing to split" if isinstance(module, nn.Module) else ""
             raise TypeError("module must be an nn.Sequential, a list of layers, or a model of several modules "
-                            f"(module: {type(module).__name__}{', one torch.nn layer: nothing to split' if isinstance(module, nn.Module) else ''})")
+                            f"(module: {type(module).__name__}{why})")
         n = _stage_count(split_points, balance, stages)
         # Devices, chunks and checkpoint are checked before the model is traced or measured.
         plan = validate_split(n, [1] * n, devices, chunks, checkpoint, available=available_devices(),
@@ -136,13 +137,14 @@ class ModelParallel(Recording, nn.Module):
                             sample=sample, by=by, leaves=leaves)
         self.plan = dataclasses.replace(plan, ranges=tuple(graph.split.stage_range(j) for j in range(n)))
         self.devices = graph.devices
-        self.partitions = graph.modules  # type: ignore[assignment]  # a plain list: the stages reference the modules adopted below
+        # A plain list, not registered: the stages only reference the modules adopted below.
+        self.partitions = graph.modules  # type: ignore[assignment]
         self._adopt(module)
         self._graph = graph
 
     def _adopt(self, module: nn.Module) -> None:
         """Register the original's own parameters, buffers and children under their own names."""
-        for name, value in list(module._parameters.items()) + list(module._buffers.items()) + list(module._modules.items()):
+        for name in [*module._parameters, *module._buffers, *module._modules]:
             if name in self.__dict__ or hasattr(type(self), name):
                 raise StrategyError(f"the model's attribute {name!r} clashes with ModelParallel.{name}; rename it")
         for name, param in module._parameters.items():
@@ -252,6 +254,7 @@ def _stage_count(split_points: Any, balance: Any, stages: Any) -> int:
         return stages
     if split_points is not None:
         if isinstance(split_points, str):
-            raise BalanceError(f"split_points must be a list of names, e.g. ['layer3'] (split_points: {split_points!r})")
+            raise BalanceError(f"split_points must be a list of names, e.g. ['layer3'] "
+                               f"(split_points: {split_points!r})")
         return len(list(split_points)) + 1
     return len(list(balance))
