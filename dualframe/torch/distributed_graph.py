@@ -13,7 +13,7 @@ import torch
 
 from dualframe.errors import StrategyError
 from dualframe.pipeline.graph import GraphSplit, cut_graph
-from dualframe.torch.graph import Captured, Leaves, capture, stage_module
+from dualframe.torch.graph import Captured, Leaves, capture, capture_other_mode, stage_module
 from dualframe.torch.graph_run import _joined, batch_size, split_inputs
 from dualframe.torch.graph_split import _param_bytes, sample_call
 
@@ -34,6 +34,20 @@ class GraphPart:
         costs = [1.0 + c for c in _param_bytes(self.captured)] if stages is not None else None
         self.split: GraphSplit = cut_graph(self.captured.graph, split_points=split_points, balance=balance,
                                            stages=stages, costs=costs)
+        self.mode = module.training
+        self.mode_dependent = capture_other_mode(module, self.captured, leaves=leaves, sample=args) is not None
+
+    def check_mode(self, training: bool) -> None:
+        """Refuse to run in the other mode a forward that records its mode (every rank, before any message).
+
+        Raises:
+            StrategyError: the model was captured in the other mode and its forward depends on it.
+        """
+        if self.mode_dependent and training != self.mode:
+            captured, now = ("training", "eval") if self.mode else ("eval", "training")
+            raise StrategyError(f"this pipeline was captured in {captured} mode and the model's forward depends on the "
+                                f"mode (functional dropout, or BatchNorm under torch.export), so it cannot run in {now} "
+                                f"mode; build a second pipeline from the model in {now} mode, or use nn.Dropout")
 
     def module(self, j: int) -> torch.nn.Module:
         """Stage ``j``'s GraphModule: takes ``split.reads[j]``, returns ``split.sends[j]``."""

@@ -158,6 +158,8 @@ class DistributedPipeline(StageView, nn.Module):
              train: bool) -> Tuple[Any, StepRecord]:
         values: Dict[str, Any] = {}
         key = inputs
+        if self.graph is not None:
+            self.graph.check_mode(self.training)
         if self.graph is not None and self.is_first and inputs is not None:
             values, key = self.graph.inputs(inputs)
         sizes = self.role.agree(key, targets, train)

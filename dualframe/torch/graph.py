@@ -123,6 +123,27 @@ def capture(module: nn.Module, *, leaves: Leaves = (), sample: Optional[Tuple[An
         f"control flow static: branch on shapes or flags, not on tensor values (torch.where, torch.cond)") from None
 
 
+def capture_other_mode(module: nn.Module, captured: Captured, *, leaves: Leaves = (),
+                       sample: Optional[Tuple[Any, ...]] = None) -> Optional[Captured]:
+    """``module`` captured in the other mode (eval if it was captured training), or None where the code is the same.
+
+    Both captures record the mode as a constant: ``F.dropout(x, training=self.training)``, and every
+    BatchNorm under torch.export, run as captured whatever ``train()``/``eval()`` says later. Each
+    module's own flag is restored afterwards.
+
+    Raises:
+        TraceError: the model cannot be captured in the other mode.
+    """
+    flags = [(m, m.training) for m in module.modules()]
+    module.train(not module.training)
+    try:
+        other = capture(module, leaves=leaves, sample=sample if captured.method == "export" else None)
+    finally:
+        for m, flag in flags:
+            m.training = flag
+    return None if other.gm.code == captured.gm.code else other
+
+
 def _why(error: BaseException, module: nn.Module) -> str:
     """The error's first line, with the innermost submodule of ``module`` whose forward raised it."""
     names = {id(m): name for name, m in module.named_modules()}

@@ -6,15 +6,15 @@ registers the original's own parameters, buffers and children under their own na
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from dualframe.errors import DeviceError, StrategyError
+from dualframe.errors import DeviceError, SplitPointError, StrategyError, TraceError
 from dualframe.pipeline.graph import GraphSplit, cut_graph, graph_units
-from dualframe.torch.graph import Captured, Leaves, capture, stage_module
+from dualframe.torch.graph import Captured, Leaves, capture, capture_other_mode, stage_module
 from dualframe.torch.graph_cost import BY, Shapes, measure
 from dualframe.torch.graph_run import GraphStepRun, tensor_leaves
 
@@ -25,8 +25,20 @@ def sample_call(sample: Any) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
     return (sample if isinstance(sample, tuple) else (sample,)), {}
 
 
+class ModeStages(NamedTuple):
+    """One mode's capture, cut, stage modules and their parameters."""
+
+    captured: Captured
+    split: GraphSplit
+    modules: List[Any]
+    params: List[List[nn.Parameter]]
+
+
 class GraphStages:
     """``module`` captured and cut into ``n`` stages, stage j a GraphModule placed on ``devices[j]``.
+
+    Where the forward depends on the mode (functional dropout, BatchNorm under torch.export), the
+    other mode is captured too and cut at the same split points; ``view(training)`` picks the stages.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
@@ -60,17 +72,43 @@ class GraphStages:
         self.devices = [torch.device(d) for d in devices]
         if self.split.stages != len(self.devices):
             raise DeviceError(f"one device per stage (stages: {self.split.stages}, devices: {list(devices)})")
-        self.modules = [stage_module(self.captured, self.split.reads[j], self.split.stage_nodes(j),
-                                     self.split.sends[j], j) for j in range(self.split.stages)]
-        self._check_shared()
-        for stage, device in zip(self.modules, self.devices):
-            stage.to(device)
+        self.modules = self._place(self.captured, self.split)
         self.params = [list(stage.parameters()) for stage in self.modules]
+        self.mode = module.training
+        self._modes = {self.mode: ModeStages(self.captured, self.split, self.modules, self.params)}
+        other = capture_other_mode(module, self.captured, leaves=leaves, sample=args if sample is not None else None)
+        if other is not None:
+            self._modes[not self.mode] = self._other_mode(other)
 
-    def _check_shared(self) -> None:
+    def _other_mode(self, other: Captured) -> ModeStages:
+        """The other mode's stages, cut where this mode's are."""
+        try:
+            split = cut_graph(other.graph, split_points=self.split.split_points)
+        except SplitPointError as error:
+            mode = "eval" if self.mode else "training"
+            raise TraceError(f"in {mode} mode the model runs a different graph, where the cut fails ({error}); "
+                             "split it in the mode you run it, or keep mode-dependent code in leaf modules "
+                             "(nn.Dropout, not F.dropout(training=self.training))") from None
+        modules = self._place(other, split)
+        return ModeStages(other, split, modules, [list(stage.parameters()) for stage in modules])
+
+    def _place(self, captured: Captured, split: GraphSplit) -> List[Any]:
+        """Stage modules on their devices, after checking that no parameter would need two devices."""
+        modules = [stage_module(captured, split.reads[j], split.stage_nodes(j), split.sends[j], j)
+                   for j in range(split.stages)]
+        self._check_shared(modules)
+        for stage, device in zip(modules, self.devices):
+            stage.to(device)
+        return modules
+
+    def view(self, training: bool) -> ModeStages:
+        """The stages to run in ``training`` mode (the same for both modes where the forward does not differ)."""
+        return self._modes.get(training, self._modes[self.mode])
+
+    def _check_shared(self, modules: Sequence[Any]) -> None:
         """A parameter or buffer read by stages on different devices cannot be placed: refuse, naming it."""
         owner: Dict[int, Tuple[int, str]] = {}
-        for j, stage in enumerate(self.modules):
+        for j, stage in enumerate(modules):
             for name, tensor in list(stage.named_parameters()) + list(stage.named_buffers()):
                 first = owner.setdefault(id(tensor), (j, name))
                 if self.devices[first[0]] != self.devices[j]:
@@ -78,13 +116,15 @@ class GraphStages:
                         f"{name!r} is used by stage {first[0]} ({self.devices[first[0]]}) and stage {j} "
                         f"({self.devices[j]}); put both stages on one device or cut so that one stage uses it")
 
-    def run(self, plan: Any, parts: Sequence[Dict[str, Any]], **walk: Any) -> GraphStepRun:
+    def run(self, plan: Any, parts: Sequence[Dict[str, Any]], training: bool, **walk: Any) -> GraphStepRun:
         """A step over ``parts`` (micro-batches of the inputs); value shapes are noted from micro-batch 0."""
+        view = self.view(training)
         shapes: Shapes = {}
-        for name in self.captured.graph.inputs:
+        for name in view.captured.graph.inputs:
             shapes[name] = [(tuple(t.shape), t.dtype) for t in tensor_leaves(parts[0][name])]
-        self.shapes, self.shapes_from = shapes, "micro-batch 0 of the last step"
-        return GraphStepRun(self.modules, self.devices, plan, self.split, parts, self.params, shapes=shapes, **walk)
+        if view.split is self.split:  # describe() shows the capture mode's cut
+            self.shapes, self.shapes_from = shapes, "micro-batch 0 of the last step"
+        return GraphStepRun(view.modules, self.devices, plan, view.split, parts, view.params, shapes=shapes, **walk)
 
     def unit_balance(self) -> Optional[List[int]]:
         """Top-level units per stage, or None when a cut falls inside a unit."""

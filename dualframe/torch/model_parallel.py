@@ -212,13 +212,15 @@ class ModelParallel(Recording, nn.Module):
 
     def _forward_graph(self, args: Sequence[Any], kwargs: Any) -> Any:
         assert self._graph is not None
-        captured, split = self._graph.captured, self._graph.split
+        view = self._graph.view(self.training)
+        captured, split = view.captured, view.split
         values = captured.bind(args, kwargs)
         batch = batch_size(values)
         parts = split_inputs(values, micro_batch_sizes(batch, self.plan.chunks))
         self._begin_step(batch)
-        run = self._graph.run(self.plan, parts, record=self.recorder(self.plan.devices), lanes=self._lanes())
-        flat = unique_params(self._graph.params)
+        run = self._graph.run(self.plan, parts, self.training, record=self.recorder(self.plan.devices),
+                              lanes=self._lanes())
+        flat = unique_params(view.params)
         inputs = [t for name in split.graph.inputs for t in tensor_leaves(values[name])]
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs + flat)
         try:

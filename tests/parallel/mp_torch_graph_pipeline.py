@@ -120,3 +120,24 @@ def test_inference_returns_the_model_outputs_on_the_last_stage():
             torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
     else:
         assert out is None
+
+
+class DropoutSkip(SkipModel):
+    """Functional dropout records the mode at capture: the pipeline refuses the other mode on every rank."""
+
+    def forward(self, x, mask):
+        out, aux = super().forward(x, mask)
+        return nn.functional.dropout(out, 0.1, training=self.training), aux
+
+
+def test_a_mode_dependent_forward_is_refused_in_the_other_mode_on_every_rank():
+    from dualframe.errors import StrategyError
+
+    torch.manual_seed(7)
+    pipe = DistributedPipeline(DropoutSkip(), chunks=2, loss_fn=loss_fn, split_points=["b1", "b2"])
+    x, mask, y = batches()[0]
+    pipe.eval()
+    with pytest.raises(StrategyError, match=r"captured in training mode .* cannot run in eval mode"):
+        pipe((x, mask))
+    pipe.train()
+    assert pipe.train_step((x, mask) if pipe.is_first else None, y if pipe.is_last else None) > 0

@@ -466,3 +466,29 @@ def test_schedule_is_checked_for_graphs_too():
     with pytest.raises(ScheduleError, match="1f1b"):
         hvd.Pipeline(ResNet(), split_points=["layer2"], devices=["cpu", "cpu"], chunks=2, schedule="1f1b")
     assert hvd.Pipeline(ResNet(), split_points=["layer2"], devices=["cpu", "cpu"], chunks=2).schedule == "gpipe"
+
+
+class FunctionalDropout(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.b(nn.functional.dropout(torch.relu(self.a(x)), 0.5, training=self.training))
+
+
+@pytest.mark.parametrize("model_cls, kwargs", [(FunctionalDropout, {}), (Shaped, dict(sample=torch.randn(6, 4)))])
+def test_mode_recorded_by_the_capture_follows_train_and_eval(model_cls, kwargs):
+    # fx records F.dropout's training flag, torch.export every BatchNorm's: the other mode is captured too.
+    model, reference = make(model_cls)
+    split = hvd.Pipeline(model, split_points=["b"], devices=["cpu", "cpu"], chunks=2, **kwargs)
+    x = torch.randn(6, 4)
+    split.eval(), reference.eval()
+    with torch.no_grad():
+        evaluated = split(x)
+        torch.testing.assert_close(evaluated, reference(x), atol=1e-6, rtol=0)
+    split.train(), reference.train()
+    if model_cls is FunctionalDropout:
+        assert not torch.allclose(split(x), evaluated)  # dropout is on again
+    else:
+        assert_same(split, reference, [x], 2)
