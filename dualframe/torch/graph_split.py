@@ -44,7 +44,7 @@ class GraphStages:
         >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
         >>> stages = GraphStages(model, ["cpu", "cpu"], split_points=["2"])
         >>> stages.split.reads, stages.split.sends
-        ((('input',), ('_1',)), (('_1',), ('_2',)))
+        ((('input_1',), ('_1',)), (('_1',), ('_2',)))
     """
 
     def __init__(self, module: nn.Module, devices: Sequence[str], *, split_points: Optional[Sequence[str]] = None,
@@ -195,6 +195,7 @@ class GraphFunction(torch.autograd.Function):
     def forward(ctx: Any, run: GraphStepRun, layout: Any, *tensors: torch.Tensor) -> Any:  # type: ignore[override]
         ctx.set_materialize_grads(False)
         ctx.run, ctx.layout = run, layout
+        ctx.devices = [t.device for t in tensors]  # an input's gradient must come back on its device
         outputs = run.forward(grad=True)
         layout.outputs = outputs
         layout.output_counts = [(name, len(tensor_leaves(outputs[name]))) for name in layout.output_names]
@@ -210,7 +211,8 @@ class GraphFunction(torch.autograd.Function):
         per_output = {name: [next(it) for _ in range(count)] for name, count in layout.output_counts}
         input_grads, param_grads = run.backward(per_output)
         flat = [g for name in layout.input_names for g in input_grads[name]]
-        return (None, None, *flat, *param_grads)
+        moved = [g if g is None else g.to(d) for g, d in zip([*flat, *param_grads], ctx.devices)]
+        return (None, None, *moved)
 
 
 class Layout:
