@@ -27,6 +27,8 @@ Grads = List[Optional[torch.Tensor]]  # one per tensor leaf of a value
 
 def tensor_leaves(value: Any) -> List[torch.Tensor]:
     """The tensors of a pytree value, in flattening order."""
+    if isinstance(value, torch.Tensor):  # the common case, without pytree's walk
+        return [value]
     return [leaf for leaf in pytree.tree_leaves(value) if isinstance(leaf, torch.Tensor)]
 
 
@@ -114,7 +116,8 @@ class GraphStepRun(StepRun):
             return x
 
         with device_scope(device), torch.set_grad_enabled(self.grad):
-            reads = [pytree.tree_map(take, self._value(i, name)) for name in self.split.reads[j]]
+            values = [self._value(i, name) for name in self.split.reads[j]]
+            reads = [take(v) if isinstance(v, torch.Tensor) else pytree.tree_map(take, v) for v in values]
             if self.grad and self.plan.checkpointed(i):
                 sends = torch_checkpoint(self.stages[j], *reads, use_reentrant=False)
             else:
