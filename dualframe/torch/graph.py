@@ -59,6 +59,7 @@ class Captured:
     method: str                       # "fx" or "export"
     graph: Graph
     nodes: Dict[str, fx.Node] = field(default_factory=dict)  # value name -> its fx node
+    _forward_signature: Optional[inspect.Signature] = field(default=None, repr=False)
 
     def bind(self, args: Sequence[Any], kwargs: Dict[str, Any]) -> Dict[str, Any]:
         """The model's call arguments as {input value name: value}."""
@@ -68,15 +69,18 @@ class Captured:
                 raise TypeError(f"the exported model takes {len(self.graph.inputs)} tensors "
                                 f"({', '.join(self.graph.inputs)}); got {len(flat)}")
             return dict(zip(self.graph.inputs, flat))
-        signature = inspect.signature(self.module.forward)
+        signature = self._signature()
         try:
             bound = signature.bind(*args, **kwargs)
         except TypeError as error:
             raise TypeError(f"{type(self.module).__name__}.forward{signature}: {error}") from None
         bound.apply_defaults()
-        names = [n.target for n in self.gm.graph.nodes if n.op == "placeholder"]
-        values = dict(zip(names, bound.arguments.values()))
-        return {name: values[target] for name, target in zip(self.graph.inputs, names)}
+        return dict(zip(self.graph.inputs, bound.arguments.values()))  # placeholders follow the signature
+
+    def _signature(self) -> inspect.Signature:
+        if self._forward_signature is None:
+            self._forward_signature = inspect.signature(self.module.forward)
+        return self._forward_signature
 
     def unflatten(self, values: Dict[str, Any]) -> Any:
         """The model's return value, built from {output value name: value}."""
