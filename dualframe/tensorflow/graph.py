@@ -73,7 +73,7 @@ class KerasGraph:
     graph: Graph
     calls: Tuple[Optional[Call], ...]
     layers: Tuple[Any, ...]
-    model: Optional[Any]
+    model: Any
     specs: Dict[str, Any]
     nested: Dict[str, Tuple[str, ...]]
 
@@ -176,7 +176,9 @@ def _capture_functional(model: Any) -> KerasGraph:
     for node in ordered:
         calls_of[id(node.operation)] = calls_of.get(id(node.operation), 0) + 1
     seen: Dict[int, int] = {}
-    nodes, calls, nested = [], [], {}
+    nodes: List[GraphNode] = []
+    calls: List[Optional[Call]] = []
+    nested: Dict[str, Tuple[str, ...]] = {}
     for node in ordered:
         op = node.operation
         if node.is_input:

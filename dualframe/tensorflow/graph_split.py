@@ -16,13 +16,14 @@ BY = ("time", "memory")
 
 def split_model(captured: KerasGraph, *, split_points: Optional[Sequence[str]] = None,
                 balance: Optional[Sequence[int]] = None, stages: Optional[int] = None, sample: Any = None,
-                by: str = "time") -> GraphSplit:
+                by: str = "time", measure: bool = True) -> GraphSplit:
     """Cut ``captured`` by exactly one of ``split_points``, ``balance`` (units per stage) or ``stages``.
 
     With ``stages=n`` the cut balances per-node costs measured on ``sample`` (``by="time"``: forward and
     backward seconds; ``by="memory"``: parameter plus activation bytes, from static shapes when no
     sample is given), preferring, among near-even cuts, the one where the fewest bytes cross. Every
-    argument is checked before anything is measured.
+    argument is checked before anything is measured; ``measure=False`` only checks (the cut it returns
+    for ``stages=`` is by layer count).
 
     Raises:
         SplitPointError: a split point naming nothing (with close names), a layer inside a nested model,
@@ -34,13 +35,13 @@ def split_model(captured: KerasGraph, *, split_points: Optional[Sequence[str]] =
         for index, point in enumerate(split_points):
             _refuse_inside_nested(captured, point, index)
     split = cut_graph(captured.graph, split_points=split_points, balance=balance, stages=stages)
-    if stages is None or split.stages == 1:
-        return split
     if by not in BY:
         raise StrategyError(f"by must be one of {', '.join(map(repr, BY))} (by: {by!r})")
-    if by == "time" and sample is None:
+    if stages is not None and by == "time" and sample is None:
         raise StrategyError("stages= with by='time' measures each layer on a sample batch: pass sample=<a batch> "
                             "(or by='memory', or balance=/split_points=)")
+    if stages is None or split.stages == 1 or not measure:
+        return split
     costs, sizes = node_costs(captured, sample, by)
     return cut_graph(captured.graph, stages=stages, costs=costs, sizes=sizes)
 
@@ -107,10 +108,11 @@ def _first_calls(captured: KerasGraph) -> List[float]:
 
 def _timed_node(captured: KerasGraph, k: int, values: Dict[str, Any]) -> None:
     node = captured.graph.nodes[k]
-    if captured.calls[k] is None:
+    call = captured.calls[k]
+    if call is None:
         return
     inputs = [values[v] for v in node.inputs if values[v].dtype.is_floating]
-    op = captured.calls[k].operation
+    op = call.operation
     with tf.GradientTape() as tape:
         tape.watch(inputs)
         captured.run(range(k, k + 1), values, training=True)

@@ -101,7 +101,8 @@ class ModelParallel(Recording, keras.Model):
                  schedule: str = "gpipe", split_points: Optional[Sequence[str]] = None, stages: Optional[int] = None, sample: Any = None,
                  by: str = "time", **kwargs: Any) -> None:
         captured = capture(layers)
-        split = split_model(captured, split_points=split_points, balance=balance, stages=stages)  # checks, no compute
+        split = split_model(captured, split_points=split_points, balance=balance, stages=stages, sample=sample, by=by,
+                            measure=False)  # every argument checked, nothing run yet
         available = available_devices()
         plan = self._plan(captured, split, devices, chunks, checkpoint, schedule, available)
         if stages is not None and split.stages > 1:
