@@ -199,7 +199,7 @@ class ModelParallel(Recording, keras.Model):
         def cell(i: int, j: int) -> None:
             fn = self._stage(j, training)
             if self.plan.checkpointed(i) and training:
-                fn = tf.recompute_grad(fn)
+                fn = _recomputed(fn)
             if record is not None:
                 fn = _timed_backward(fn, i, j, record)
             with tf.device(self.plan.devices[j]):
@@ -250,6 +250,30 @@ class ModelParallel(Recording, keras.Model):
         if self.captured.model is None:
             return super().load_weights(filepath, **kwargs)
         return self.captured.model.load_weights(filepath, **kwargs)
+
+
+def _recomputed(fn: Callable[..., Tuple[tf.Tensor, ...]]) -> Callable[..., Tuple[tf.Tensor, ...]]:
+    """``tf.recompute_grad(fn)`` over floating-point values only: integer and boolean inputs and outputs
+    (token ids, masks) carry no gradient, and a traced ``recompute_grad`` cannot make one for them; the
+    non-float outputs are taken from the forward call (the backward's recomputation does not need them)."""
+
+    def run(*xs: tf.Tensor) -> Tuple[tf.Tensor, ...]:
+        where = [k for k, x in enumerate(xs) if x.dtype.is_floating]
+        others: List[List[Any]] = []
+
+        def floats_only(*floats: tf.Tensor) -> Tuple[tf.Tensor, ...]:
+            args = list(xs)
+            for k, x in zip(where, floats):
+                args[k] = x
+            ys = fn(*args)
+            if not others:
+                others.append([None if y.dtype.is_floating else y for y in ys])
+            return tuple(y for y in ys if y.dtype.is_floating)
+
+        floats = iter(tf.recompute_grad(floats_only)(*[xs[k] for k in where]))
+        return tuple(next(floats) if y is None else y for y in others[0])
+
+    return run
 
 
 def _timed_backward(fn: Callable[..., Tuple[tf.Tensor, ...]], i: int, j: int,

@@ -196,6 +196,30 @@ def test_encoder_with_a_mask_every_block_reads_equals_the_unsplit_model(cut, chu
     assert_same(run(pipe, inputs), want)
 
 
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_encoder_in_a_tf_function_with_unknown_batch(checkpoint):
+    model = encoder()
+    pipe = hvd.Pipeline(model, split_points=["b1_mha"], devices=["/CPU:1", "/CPU:2"], chunks=3,
+                        checkpoint=checkpoint)
+    spec = {"tokens": tf.TensorSpec((None, T), tf.int32), "mask": tf.TensorSpec((None, T), tf.bool)}
+    step = tf.function(lambda inputs: run(pipe, inputs), input_signature=[spec])
+    for batch in (9, 7):
+        inputs = encoder_batch(batch, seed=batch)
+        assert_same(step(inputs), run(model, inputs, chunks=3))
+
+
+def test_eager_timeline_records_every_cell_of_a_graph_split():
+    model = resnet()
+    pipe = hvd.Pipeline(model, split_points=["block2_conv1"], devices=["/CPU:1", "/CPU:2"], chunks=3)
+    x = tf.random.normal((6, 8, 8, 3))
+    pipe(x)
+    with pipe.record() as timeline:
+        got = run(pipe, x)
+    assert_same(got, run(model, x, chunks=3))
+    assert sorted((e.kind, e.micro_batch, e.stage) for e in timeline.events) == sorted(
+        (k, i, j) for k in "FB" for i in range(3) for j in range(2))
+
+
 def test_the_mask_goes_to_each_stage_that_reads_it_and_nowhere_else():
     split = hvd.ModelParallel(encoder(), split_points=["b1_mha", "b2_mha", "features"])
     s = split.graph_split
