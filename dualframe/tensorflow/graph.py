@@ -230,3 +230,76 @@ def place_variables(layers: Sequence[Any], device: str) -> None:
             if (have.device_type, have.device_index) != (want.device_type, want.device_index):
                 with tf.device(device):
                     variable._initialize(tf.identity(variable.value))
+
+
+class GraphStage:
+    """Stage j of a split graph as one layer-like callable, for a process pipeline whose stage runs "layers".
+
+    Called with the values the stage reads (in ``reads`` order), returns what it sends (one tensor, or
+    a tuple). Its weights are those of the layers it calls first, in node order, so the stages' lists
+    concatenate into the model's ``get_weights()`` order when no layer is shared.
+
+    Example:
+        >>> split = cut_graph(captured.graph, balance=[3, 4])                             # doctest: +SKIP
+        >>> stage = GraphStage(captured, split.stage_range(1), split.reads[1], split.sends[1],
+        ...                    layers_called_first(captured, split, 1))                    # doctest: +SKIP
+        >>> y = stage(x, training=True)                                                   # doctest: +SKIP
+    """
+
+    def __init__(self, captured: KerasGraph, nodes: range, reads: Sequence[str], sends: Sequence[str],
+                 layers: Sequence[Any]) -> None:
+        self.captured, self.nodes, self.reads, self.sends = captured, nodes, tuple(reads), tuple(sends)
+        self.layers = list(layers)
+        self.built = True
+
+    def __call__(self, *xs: Any, training: Any = None) -> Any:
+        values = dict(zip(self.reads, xs))
+        self.captured.run(self.nodes, values, training)
+        out = tuple(values[v] for v in self.sends)
+        return out[0] if len(out) == 1 else out
+
+    @property
+    def trainable_weights(self) -> List[Any]:
+        return [v for layer in self.layers for v in layer.trainable_weights]
+
+    @property
+    def weights(self) -> List[Any]:
+        return [v for layer in self.layers for v in layer.weights]
+
+    def get_weights(self) -> List[Any]:
+        return [w for layer in self.layers for w in layer.get_weights()]
+
+    def set_weights(self, weights: Sequence[Any]) -> None:
+        start = 0
+        for layer in self.layers:
+            layer.set_weights(list(weights[start:start + len(layer.weights)]))
+            start += len(layer.weights)
+
+
+def layers_called_first(captured: KerasGraph, split: Any, j: int) -> List[Any]:
+    """The layers stage ``j`` of ``split`` calls before any earlier stage does, in node order (whose variables it holds)."""
+    seen = {id(call.operation) for k in range(split.starts[j]) if (call := captured.calls[k]) is not None}
+    found: List[Any] = []
+    for k in split.stage_range(j):
+        call = captured.calls[k]
+        if call is not None and id(call.operation) not in seen and isinstance(call.operation, keras.layers.Layer):
+            seen.add(id(call.operation))
+            found.append(call.operation)
+    return found
+
+
+def chain_problem(split: Any) -> Optional[str]:
+    """Why ``split`` is not a chain of one tensor per boundary (what a process pipeline sends today); None if it is."""
+    graph = split.graph
+    if len(graph.inputs) != 1 or len(graph.outputs) != 1:
+        return f"the model has {len(graph.inputs)} inputs and {len(graph.outputs)} outputs (one of each is carried)"
+    for j in range(split.stages - 1):
+        crossing = split.crossing(j)
+        if len(crossing) != 1:
+            return (f"{len(crossing)} tensors cross the boundary between stages {j} and {j + 1} "
+                    f"({', '.join(crossing)})")
+        if split.producer[crossing[0]] != j:
+            return f"{crossing[0]} skips stage {j} on its way to stage {j + 1}"
+    if split.producer[graph.outputs[0]] != split.stages - 1:
+        return f"the output {graph.outputs[0]} is made before the last stage"
+    return None

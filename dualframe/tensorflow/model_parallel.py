@@ -15,7 +15,7 @@ from dualframe.pipeline.schedule import one_process_ticks
 from dualframe.pipeline.split import Split, validate_split
 from dualframe.observe.timeline import Recording
 from dualframe.pipeline.graph import GraphSplit, graph_units
-from dualframe.tensorflow.graph import KerasGraph, capture, place_variables
+from dualframe.tensorflow.graph import KerasGraph, capture, layers_called_first, place_variables
 from dualframe.tensorflow.graph_split import describe_split, split_model
 
 _NAME = re.compile(r"^/?(?:.*device:)?(cpu|gpu|tpu)(?::(\d+))?$", re.IGNORECASE)
@@ -131,14 +131,7 @@ class ModelParallel(Recording, keras.Model):
 
     def _layers_of(self, j: int) -> List[Any]:
         """The layers stage j calls first (a shared layer's variables go where it first runs)."""
-        seen = {id(call.operation) for k in range(self.graph_split.starts[j]) if (call := self.captured.calls[k])}
-        found: List[Any] = []
-        for k in self.graph_split.stage_range(j):
-            call = self.captured.calls[k]
-            if call is not None and id(call.operation) not in seen and isinstance(call.operation, keras.layers.Layer):
-                seen.add(id(call.operation))
-                found.append(call.operation)
-        return found
+        return layers_called_first(self.captured, self.graph_split, j)
 
     def _place(self) -> None:
         for layers, device in zip(self._stage_layers, self.plan.devices):

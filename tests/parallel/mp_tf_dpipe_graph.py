@@ -1,0 +1,81 @@
+"""TensorFlow DistributedPipeline of a functional Keras model (residual blocks) on 2 processes, against one process.
+# timeout: 400
+
+The model is cut where one tensor crosses (a block's output; the block's skip tensor stays inside
+stage 1): what a process pipeline carries today. A cut where several tensors cross is refused on
+every rank before any communication.
+"""
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import dualframe.tensorflow as hvd
+from dualframe.errors import StrategyError
+from dualframe.tensorflow.distributed_pipeline import DistributedPipeline
+
+STEPS, BATCH, CHUNKS = 3, 10, 4
+hvd.init()
+
+
+def make_model(seed=7):
+    """input -> dense -> 2 residual blocks -> head, seeded so every rank and the reference agree (9 layers)."""
+    init = keras.initializers.GlorotUniform
+    x = keras.Input((6,), name="x")
+    h = keras.layers.Dense(16, kernel_initializer=init(seed), name="d0")(x)
+    for b in range(2):
+        f = keras.layers.Dense(16, activation="tanh", kernel_initializer=init(seed + 10 * b + 1), name=f"b{b}_fc1")(h)
+        f = keras.layers.Dense(16, kernel_initializer=init(seed + 10 * b + 2), name=f"b{b}_fc2")(f)
+        h = keras.layers.Add(name=f"b{b}_add")([h, f])
+    return keras.Model(x, keras.layers.Dense(3, kernel_initializer=init(seed + 99), name="head")(h))
+
+
+def batches():
+    rng = np.random.RandomState(11)
+    return [(rng.randn(BATCH, 6).astype("float32"), rng.randn(BATCH, 3).astype("float32")) for _ in range(STEPS)]
+
+
+def reference(data):
+    model, optimizer, losses = make_model(), keras.optimizers.SGD(0.1, momentum=0.9), []
+    for x, y in data:
+        with tf.GradientTape() as tape:
+            loss = keras.losses.MeanSquaredError()(y, model(x))
+        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+        losses.append(float(loss))
+    return losses, model.get_weights()
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_functional_model_trains_as_one_process(schedule):
+    data = batches()
+    expected_losses, expected_weights = reference(data)
+    pipe = DistributedPipeline(make_model(), balance=[5, 4], chunks=CHUNKS, schedule=schedule, loss_fn="mse")
+    assert len(pipe.trainable_variables) == 6  # d0, b0_fc1, b0_fc2 | b1_fc1, b1_fc2, head: kernel and bias each
+    optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
+    for step, (x, y) in enumerate(data):
+        loss = pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None)
+        assert loss == pytest.approx(expected_losses[step], abs=1e-5), f"step {step}"
+        pipe.apply_gradients(optimizer)
+    merged = pipe.gather_weights()
+    assert len(merged) == len(expected_weights)
+    for got, want in zip(merged, expected_weights):
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+
+
+def test_inference_and_set_weights_take_the_full_model():
+    other = make_model(seed=99)
+    pipe = DistributedPipeline(make_model(), balance=[5, 4], chunks=3, loss_fn="mse")
+    pipe.set_weights(other.get_weights())
+    x = np.random.RandomState(3).randn(7, 6).astype("float32")
+    out = pipe(x)
+    if pipe.is_last:
+        np.testing.assert_allclose(out.numpy(), other(x).numpy(), atol=1e-6, rtol=0)
+
+
+def test_a_cut_where_two_tensors_cross_is_refused_on_every_rank():
+    with pytest.raises(StrategyError, match=r"2 tensors cross the boundary between stages 0 and 1 \(d0, b0_fc1\)"):
+        DistributedPipeline(make_model(), balance=[3, 6], chunks=2, loss_fn="mse")
+    # Both ranks refused alike, so the pipeline still works afterwards.
+    x, y = batches()[0]
+    pipe = DistributedPipeline(make_model(), balance=[5, 4], chunks=2, loss_fn="mse")
+    assert pipe.train_step(x, y) == pytest.approx(reference([(x, y)])[0][0], abs=1e-5)
