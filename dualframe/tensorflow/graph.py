@@ -235,28 +235,34 @@ def place_variables(layers: Sequence[Any], device: str) -> None:
 class GraphStage:
     """Stage j of a split graph as one layer-like callable, for a process pipeline whose stage runs "layers".
 
-    Called with the values the stage reads (in ``reads`` order), returns what it sends (one tensor, or
-    a tuple). Its weights are those of the layers it calls first, in node order, so the stages' lists
-    concatenate into the model's ``get_weights()`` order when no layer is shared.
+    A process pipeline moves one tensor per micro-batch from a stage to the next. When several values
+    cross a boundary (a block's two branches, an attention mask beside the hidden states) or one that
+    is not floating-point, they travel packed: each flattened per row, cast to float32 and concatenated
+    into one ``(rows, width)`` tensor, unpacked on arrival (shapes and dtypes from the graph, which both
+    sides hold). The gradient comes back the same way, through the unpacking. Ints travel exactly up to
+    2**24 (token ids, masks).
 
     Example:
         >>> split = cut_graph(captured.graph, balance=[3, 4])                             # doctest: +SKIP
-        >>> stage = GraphStage(captured, split.stage_range(1), split.reads[1], split.sends[1],
-        ...                    layers_called_first(captured, split, 1))                    # doctest: +SKIP
+        >>> stage = GraphStage(captured, split, 1, layers_called_first(captured, split, 1))  # doctest: +SKIP
         >>> y = stage(x, training=True)                                                   # doctest: +SKIP
     """
 
-    def __init__(self, captured: KerasGraph, nodes: range, reads: Sequence[str], sends: Sequence[str],
-                 layers: Sequence[Any]) -> None:
-        self.captured, self.nodes, self.reads, self.sends = captured, nodes, tuple(reads), tuple(sends)
+    def __init__(self, captured: KerasGraph, split: Any, j: int, layers: Sequence[Any]) -> None:
+        self.captured, self.nodes = captured, split.stage_range(j)
+        # What crosses a boundary, in production order: both sides of a message agree on it.
+        self.reads = tuple(split.crossing(j - 1)) if j > 0 else tuple(split.reads[0])
+        self.sends = tuple(split.crossing(j)) if j + 1 < split.stages else tuple(split.sends[j])
+        self.packed_in = j > 0 and packed(captured, self.reads)
+        self.packed_out = j + 1 < split.stages and packed(captured, self.sends)
         self.layers = list(layers)
         self.built = True
 
-    def __call__(self, *xs: Any, training: Any = None) -> Any:
-        values = dict(zip(self.reads, xs))
+    def __call__(self, x: Any, training: Any = None) -> Any:
+        values = dict(zip(self.reads, unpack(self.captured, self.reads, x) if self.packed_in else [x]))
         self.captured.run(self.nodes, values, training)
-        out = tuple(values[v] for v in self.sends)
-        return out[0] if len(out) == 1 else out
+        out = [values[v] for v in self.sends]
+        return pack(out) if self.packed_out else out[0]
 
     @property
     def trainable_weights(self) -> List[Any]:
@@ -276,6 +282,24 @@ class GraphStage:
             start += len(layer.weights)
 
 
+def packed(captured: KerasGraph, values: Sequence[str]) -> bool:
+    """Whether ``values`` cross a boundary packed into one float32 tensor (several, or one not float32)."""
+    return len(values) != 1 or captured.specs[values[0]].dtype != "float32"
+
+
+def pack(tensors: Sequence[Any]) -> Any:
+    """Tensors of any shape and dtype with the same rows as one float32 ``(rows, width)`` tensor."""
+    return tf.concat([tf.reshape(tf.cast(x, tf.float32), [tf.shape(x)[0], -1]) for x in tensors], axis=1)
+
+
+def unpack(captured: KerasGraph, values: Sequence[str], x: Any) -> List[Any]:
+    """``pack``'s tensors back, with the shapes and dtypes the graph gives ``values``."""
+    specs = [captured.specs[v] for v in values]
+    widths = [int(np.prod(spec.shape[1:], dtype=np.int64)) for spec in specs]
+    return [tf.cast(tf.reshape(part, [-1, *spec.shape[1:]]), spec.dtype)
+            for part, spec in zip(tf.split(x, widths, axis=1), specs)]
+
+
 def layers_called_first(captured: KerasGraph, split: Any, j: int) -> List[Any]:
     """The layers stage ``j`` of ``split`` calls before any earlier stage does, in node order (whose variables it holds)."""
     seen = {id(call.operation) for k in range(split.starts[j]) if (call := captured.calls[k]) is not None}
@@ -288,18 +312,23 @@ def layers_called_first(captured: KerasGraph, split: Any, j: int) -> List[Any]:
     return found
 
 
-def chain_problem(split: Any) -> Optional[str]:
-    """Why ``split`` is not a chain of one tensor per boundary (what a process pipeline sends today); None if it is."""
+def chain_problem(captured: KerasGraph, split: Any) -> Optional[str]:
+    """Why a process pipeline cannot carry ``split`` today (one message from each stage to the next); None if it can.
+
+    It can when the model has one input and one output and every value crossing a boundary goes from
+    the stage before it to the stage after it (none skips a stage); several values, or a non-float one,
+    must have static shapes (they travel packed).
+    """
     graph = split.graph
     if len(graph.inputs) != 1 or len(graph.outputs) != 1:
         return f"the model has {len(graph.inputs)} inputs and {len(graph.outputs)} outputs (one of each is carried)"
     for j in range(split.stages - 1):
         crossing = split.crossing(j)
-        if len(crossing) != 1:
-            return (f"{len(crossing)} tensors cross the boundary between stages {j} and {j + 1} "
-                    f"({', '.join(crossing)})")
-        if split.producer[crossing[0]] != j:
-            return f"{crossing[0]} skips stage {j} on its way to stage {j + 1}"
+        for v in crossing:
+            if split.producer[v] != j:
+                return f"{v} skips stage {j} on its way to stage {j + 1} (it would be relayed, not sent directly)"
+            if packed(captured, crossing) and captured.bytes_per_sample(v) is None:
+                return f"{v} crosses between stages {j} and {j + 1} packed with others but its shape is not static"
     if split.producer[graph.outputs[0]] != split.stages - 1:
         return f"the output {graph.outputs[0]} is made before the last stage"
     return None

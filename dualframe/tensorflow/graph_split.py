@@ -183,14 +183,13 @@ def process_stages(captured: KerasGraph, balance: Sequence[int]) -> List[GraphSt
     """One ``GraphStage`` per stage of ``balance`` (units per stage), for a pipeline whose stages are processes.
 
     Raises:
-        StrategyError: the cut is not a chain of one tensor per boundary (a process pipeline sends one
-            tensor to the next stage today), naming the tensors; checked before any communication.
+        StrategyError: a cut the process pipeline cannot carry (``chain_problem``: a value skipping a stage,
+            several inputs or outputs), naming the tensors; checked before any communication.
     """
     split = cut_graph(captured.graph, balance=balance)
-    problem = chain_problem(split)
+    problem = chain_problem(captured, split)
     if problem is not None:
-        raise StrategyError(f"DistributedPipeline sends one tensor from each stage to the next, but {problem}; "
-                            f"choose a balance where one tensor crosses (see ModelParallel(model, balance="
-                            f"{list(balance)}).describe()), or split it in one process with hvd.Pipeline")
-    return [GraphStage(captured, split.stage_range(j), split.reads[j], split.sends[j],
-                       layers_called_first(captured, split, j)) for j in range(split.stages)]
+        raise StrategyError(f"DistributedPipeline sends one message from each stage to the next, but {problem}; "
+                            f"choose another balance (see ModelParallel(model, balance={list(balance)}).describe()), "
+                            "or split it in one process with hvd.Pipeline")
+    return [GraphStage(captured, split, j, layers_called_first(captured, split, j)) for j in range(split.stages)]

@@ -321,3 +321,46 @@ if os.environ.get("DUALFRAME_SLOW"):  # pragma: no cover - the same check on the
         x = tf.random.normal((4, 32, 32, 3))
         pipe = hvd.Pipeline(model, balance=[90, 87], chunks=2, checkpoint="never")
         assert_same(run(pipe, x), run(model, x, chunks=2), atol=1e-4)
+
+
+def gated():
+    """A boolean tensor crosses beside a float one when cut at d2."""
+    x = keras.Input((4,), name="x")
+    d1 = keras.layers.Dense(8, name="d1")(x)
+    positive = keras.layers.Lambda(lambda t: t > 0, name="positive")(d1)
+    d2 = keras.layers.Dense(8, name="d2")(d1)
+    gate = keras.layers.Lambda(lambda a: a[0] * tf.cast(a[1], "float32"), name="gate")([d2, positive])
+    return keras.Model(x, keras.layers.Dense(2, name="head")(gate))
+
+
+@pytest.mark.parametrize("make, balance, x", [
+    (lambda: resnet(bn=False), [4, 5, 6], tf.random.normal((5, 8, 8, 3), seed=6)),  # two tensors cross at 0|1
+    (gated, [3, 3], tf.random.normal((5, 4), seed=7)),                                 # a bool beside a float
+])
+def test_process_stages_pass_one_packed_message_and_equal_the_model(make, balance, x):
+    """What DistributedPipeline's stages run, chained in one process: outputs and gradients equal the model's."""
+    from dualframe.tensorflow.graph import capture
+    from dualframe.tensorflow.graph_split import process_stages
+
+    model = make()
+    stages = process_stages(capture(model), balance)
+    assert stages[0].packed_out and not stages[-1].packed_out
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        h = x
+        for stage in stages:
+            h = stage(h, training=True)
+        loss = loss_of(h)
+    got = (h, loss, tape.gradient(loss, [x] + [v for s in stages for v in s.trainable_weights]))
+    assert [v.path for s in stages for v in s.weights] == [v.path for v in model.weights]
+    assert_same(got, run(model, x))
+
+
+def test_process_stages_refuse_what_one_message_cannot_carry():
+    from dualframe.tensorflow.graph import capture
+    from dualframe.tensorflow.graph_split import process_stages
+
+    with pytest.raises(StrategyError, match=r"the model has 2 inputs and 2 outputs"):
+        process_stages(capture(encoder()), [13, 14])
+    with pytest.raises(StrategyError, match=r"stem skips stage 1 on its way to stage 2"):
+        process_stages(capture(resnet(bn=False)), [3, 1, 11])
