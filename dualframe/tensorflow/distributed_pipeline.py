@@ -25,7 +25,7 @@ from dualframe.tensorflow.pipeline_transport import TFWire, point_to_point, proc
 from dualframe.tensorflow.pipeline_work import StageFunctions, TFStageWork, fusable
 from dualframe.launch.topology import detect
 from dualframe.pipeline.graph import graph_units
-from dualframe.tensorflow.graph import KerasGraph, capture
+from dualframe.tensorflow.graph import KerasGraph, capture, model_inputs
 from dualframe.tensorflow.graph_split import process_stages
 
 _IDS = itertools.count()
@@ -101,7 +101,7 @@ class DistributedPipeline(StageView):
         loss_fn = _loss_of(loss_fn)
         layout = layout_pipeline(len(all_layers), balance, chunks, schedule, loss_fn, devices, data_parallel, timeout,
                                  _world_size())
-        ranges = layout.ranges
+        ranges, self.captured = layout.ranges, captured
         if captured is not None:  # a functional model: one GraphStage per stage, a chain checked on every rank
             all_layers = process_stages(captured, [len(r) for r in layout.ranges])
             ranges = [range(k, k + 1) for k in range(len(all_layers))]
@@ -171,6 +171,8 @@ class DistributedPipeline(StageView):
         optimizer.apply_gradients([(g, v) for g, v in zip(self.gradients, self.trainable_variables) if g is not None])
 
     def _run(self, actions: Sequence[Action], inputs: Any, targets: Any, train: bool) -> Tuple[TFStageWork, StepRecord]:
+        if inputs is not None and self.is_first and self.captured is not None:
+            inputs = model_inputs(self.captured, inputs)  # several model inputs travel packed into one tensor
         inputs = None if inputs is None or not self.is_first else tf.convert_to_tensor(inputs)
         targets = None if targets is None or not self.is_last else tf.convert_to_tensor(targets)
         sizes = self.role.agree(inputs, targets, train)

@@ -251,9 +251,9 @@ class GraphStage:
     def __init__(self, captured: KerasGraph, split: Any, j: int, layers: Sequence[Any]) -> None:
         self.captured, self.nodes = captured, split.stage_range(j)
         # What crosses a boundary, in production order: both sides of a message agree on it.
-        self.reads = tuple(split.crossing(j - 1)) if j > 0 else tuple(split.reads[0])
+        self.reads = tuple(split.crossing(j - 1)) if j > 0 else tuple(split.graph.inputs)
         self.sends = tuple(split.crossing(j)) if j + 1 < split.stages else tuple(split.sends[j])
-        self.packed_in = j > 0 and packed(captured, self.reads)
+        self.packed_in = packed(captured, self.reads)
         self.packed_out = j + 1 < split.stages and packed(captured, self.sends)
         self.layers = list(layers)
         self.built = True
@@ -280,6 +280,12 @@ class GraphStage:
         for layer in self.layers:
             layer.set_weights(list(weights[start:start + len(layer.weights)]))
             start += len(layer.weights)
+
+
+def model_inputs(captured: KerasGraph, inputs: Any) -> Any:
+    """The caller's inputs as the first ``GraphStage`` takes them: one tensor, or several packed into one."""
+    flat = captured.flat_inputs(inputs)
+    return pack(flat) if packed(captured, captured.graph.inputs) else flat[0]
 
 
 def packed(captured: KerasGraph, values: Sequence[str]) -> bool:
@@ -315,13 +321,15 @@ def layers_called_first(captured: KerasGraph, split: Any, j: int) -> List[Any]:
 def chain_problem(captured: KerasGraph, split: Any) -> Optional[str]:
     """Why a process pipeline cannot carry ``split`` today (one message from each stage to the next); None if it can.
 
-    It can when the model has one input and one output and every value crossing a boundary goes from
-    the stage before it to the stage after it (none skips a stage); several values, or a non-float one,
-    must have static shapes (they travel packed).
+    It can when the model has one output and every value crossing a boundary goes from the stage
+    before it to the stage after it (none skips a stage, no model input is read after the first stage);
+    several values, or a non-float32 one, must have static shapes (they travel packed).
     """
     graph = split.graph
-    if len(graph.inputs) != 1 or len(graph.outputs) != 1:
-        return f"the model has {len(graph.inputs)} inputs and {len(graph.outputs)} outputs (one of each is carried)"
+    if len(graph.outputs) != 1:
+        return f"the model has {len(graph.outputs)} outputs (one is carried)"
+    if packed(captured, graph.inputs) and any(captured.bytes_per_sample(v) is None for v in graph.inputs):
+        return "the model's inputs travel packed (several, or not float32) but their shapes are not static"
     for j in range(split.stages - 1):
         crossing = split.crossing(j)
         for v in crossing:

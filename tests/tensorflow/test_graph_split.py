@@ -360,7 +360,30 @@ def test_process_stages_refuse_what_one_message_cannot_carry():
     from dualframe.tensorflow.graph import capture
     from dualframe.tensorflow.graph_split import process_stages
 
-    with pytest.raises(StrategyError, match=r"the model has 2 inputs and 2 outputs"):
+    with pytest.raises(StrategyError, match=r"the model has 2 outputs \(one is carried\)"):
         process_stages(capture(encoder()), [13, 14])
     with pytest.raises(StrategyError, match=r"stem skips stage 1 on its way to stage 2"):
         process_stages(capture(resnet(bn=False)), [3, 1, 11])
+    single = encoder()
+    single = keras.Model(single.input, single.output[0])
+    with pytest.raises(StrategyError, match=r"attention_mask skips stage 1 on its way to stage 2"):
+        process_stages(capture(single), [9, 9, 9])
+
+
+def test_process_stages_of_an_encoder_pack_its_two_inputs_and_the_mask_beside_the_states():
+    from dualframe.tensorflow.graph import capture, model_inputs
+    from dualframe.tensorflow.graph_split import process_stages
+
+    model = encoder()
+    model = keras.Model(model.input, model.output[0])
+    captured = capture(model)
+    stages = process_stages(captured, [11, 16])  # inputs, mask, embedding, block 0 | blocks 1, 2, head
+    assert stages[0].packed_in and stages[0].sends == ("attention_mask", "b0_ln2")  # the bool mask rides along
+    inputs = encoder_batch(5)
+    with tf.GradientTape() as tape:
+        h = model_inputs(captured, inputs)
+        for stage in stages:
+            h = stage(h, training=True)
+        loss = loss_of(h)
+    got = (h, loss, tape.gradient(loss, [v for s in stages for v in s.trainable_weights]))
+    assert_same(got, run(model, inputs))
