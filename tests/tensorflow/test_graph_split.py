@@ -387,3 +387,17 @@ def test_process_stages_of_an_encoder_pack_its_two_inputs_and_the_mask_beside_th
         loss = loss_of(h)
     got = (h, loss, tape.gradient(loss, [v for s in stages for v in s.trainable_weights]))
     assert_same(got, run(model, inputs))
+
+
+def test_fit_with_dict_inputs_and_two_outputs_equals_the_unsplit_model():
+    model, reference = encoder(seed=0), encoder(seed=1)
+    reference.set_weights(model.get_weights())
+    pipe = hvd.Pipeline(model, split_points=["b1_mha"], devices=["/CPU:1", "/CPU:2"], chunks=3)
+    inputs = {k: v.numpy() for k, v in encoder_batch(15).items()}
+    rng = np.random.RandomState(2)
+    targets = [rng.randn(15, 3).astype("float32"), rng.randn(15, 8).astype("float32")]
+    for m in (pipe, reference):
+        m.compile(optimizer=keras.optimizers.SGD(0.05), loss=["mse", "mse"])
+        m.fit(inputs, targets, batch_size=6, epochs=1, shuffle=False, verbose=0)  # batches 6, 6, 3
+    for a, b in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
