@@ -307,7 +307,7 @@ def unpack(captured: KerasGraph, values: Sequence[str], x: Any) -> List[Any]:
 
 
 def layers_called_first(captured: KerasGraph, split: Any, j: int) -> List[Any]:
-    """The layers stage ``j`` of ``split`` calls before any earlier stage does, in node order (whose variables it holds)."""
+    """The layers stage ``j`` of ``split`` calls before any earlier stage (it holds their variables), in node order."""
     seen = {id(call.operation) for k in range(split.starts[j]) if (call := captured.calls[k]) is not None}
     found: List[Any] = []
     for k in split.stage_range(j):

@@ -1,4 +1,4 @@
-"""``ModelParallel`` for Keras 3: a functional model, a Sequential or a list of layers split into stages on explicit TF devices."""
+"""``ModelParallel`` for Keras 3: a functional model, a Sequential or a list of layers in stages on TF devices."""
 from __future__ import annotations
 
 import re
@@ -98,8 +98,8 @@ class ModelParallel(Recording, keras.Model):
 
     def __init__(self, layers: Any, balance: Optional[Sequence[int]] = None,
                  devices: Optional[Sequence[str]] = None, *, chunks: int = 1, checkpoint: str = "never",
-                 schedule: str = "gpipe", split_points: Optional[Sequence[str]] = None, stages: Optional[int] = None, sample: Any = None,
-                 by: str = "time", **kwargs: Any) -> None:
+                 schedule: str = "gpipe", split_points: Optional[Sequence[str]] = None,
+                 stages: Optional[int] = None, sample: Any = None, by: str = "time", **kwargs: Any) -> None:
         captured = capture(layers)
         split = split_model(captured, split_points=split_points, balance=balance, stages=stages, sample=sample, by=by,
                             measure=False)  # every argument checked, nothing run yet
@@ -126,8 +126,8 @@ class ModelParallel(Recording, keras.Model):
         bounds = list(split.starts) + [len(split.graph.nodes)]
         balance = [sum(1 for u in units if bounds[j] <= u.start < bounds[j + 1]) for j in range(split.stages)]
         return validate_split(len(units), balance, devices, chunks, checkpoint, available=available,
-                          canonical=canonical_device, accelerators=[d for d in available if "/GPU" in d], hint=HINT,
-                          schedule=schedule)
+                              canonical=canonical_device, accelerators=[d for d in available if "/GPU" in d],
+                              hint=HINT, schedule=schedule)
 
     def _layers_of(self, j: int) -> List[Any]:
         """The layers stage j calls first (a shared layer's variables go where it first runs)."""
