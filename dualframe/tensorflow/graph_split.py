@@ -134,7 +134,7 @@ def _size(n: float) -> str:
 
 
 def _value_line(captured: KerasGraph, split: GraphSplit, value: str, after: int,
-                sizes: Optional[Dict[str, float]]) -> Tuple[str, float]:
+                sizes: Optional[Dict[str, float]]) -> Tuple[str, Optional[float]]:
     spec = captured.specs.get(value)
     shape = str(tuple(spec.shape)) if spec is not None else "?"
     dtype = str(spec.dtype) if spec is not None else ""
@@ -142,7 +142,7 @@ def _value_line(captured: KerasGraph, split: GraphSplit, value: str, after: int,
     readers = [k for k in split.consumers.get(value, ()) if k > after]
     to = ", ".join("output" if k == split.stages else f"stage {k}" for k in readers)
     text = f"{_size(size)}/sample" if size is not None else "? bytes/sample"
-    return f"    {value:<28} {shape:<22} {dtype:<8} {text:>16}  -> {to}", float(size or 0)
+    return f"    {value:<28} {shape:<22} {dtype:<8} {text:>16}  -> {to}", None if size is None else float(size)
 
 
 def describe_split(captured: KerasGraph, split: GraphSplit, devices: Sequence[str],
@@ -169,9 +169,9 @@ def describe_split(captured: KerasGraph, split: GraphSplit, devices: Sequence[st
                      f"{nodes[-1].scope}, {_size(sum(params[k] for k in r))} parameters")
         if j + 1 < split.stages:
             rows = [_value_line(captured, split, v, j, sizes) for v in split.crossing(j)]
-            total = sum(size for _, size in rows)
+            total = None if any(size is None for _, size in rows) else sum(size or 0.0 for _, size in rows)
             lines.append(f"  boundary {j}|{j + 1}: {len(rows)} tensor{'s' if len(rows) != 1 else ''}, "
-                         f"{_size(total)}/sample")
+                         f"{'?' if total is None else _size(total)}/sample")
             lines.extend(text for text, _ in rows)
     outs = [f"{v} from stage {split.producer[v]}" if split.producer[v] >= 0 else f"{v} (a model input)"
             for v in split.graph.outputs]

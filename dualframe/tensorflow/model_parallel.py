@@ -115,7 +115,7 @@ class ModelParallel(Recording, keras.Model):
         # Tracked in model.layers order, as Functional tracks them: weights and get_weights() are the model's.
         self.split_layers = list(captured.layers)
         self._stage_layers = [self._layers_of(j) for j in range(plan.stages)]
-        if captured.model is not None and all(layer.built for layer in captured.layers):
+        if all(layer.built for layer in captured.layers):  # a model, or layers built by measuring them
             self._place()
         self._cells: Dict[Tuple[int, bool], Callable[..., tf.Tensor]] = {}
 
@@ -158,7 +158,7 @@ class ModelParallel(Recording, keras.Model):
 
     def build(self, input_shape: Any) -> None:
         """Create (a list of layers) or move (a built model) each layer's variables under ``tf.device`` of its stage."""
-        if self.captured.model is not None and all(layer.built for layer in self.captured.layers):
+        if all(layer.built for layer in self.captured.layers):
             self._place()
             self.built = True
             return
@@ -169,7 +169,9 @@ class ModelParallel(Recording, keras.Model):
                     layer = self.captured.layers[index]
                     if not layer.built:
                         layer.build(shape)
-                    shape = tuple(layer.compute_output_spec(keras.KerasTensor(shape)).shape)
+                    spec = layer.compute_output_spec(keras.KerasTensor(shape))
+                    shape = tuple(spec.shape)
+                    self.captured.specs[self.captured.graph.nodes[index].outputs[0]] = spec  # for describe()
         self.built = True
 
     def _stage(self, j: int, training: Any) -> Callable[..., Tuple[tf.Tensor, ...]]:

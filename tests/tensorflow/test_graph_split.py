@@ -401,3 +401,18 @@ def test_fit_with_dict_inputs_and_two_outputs_equals_the_unsplit_model():
         m.fit(inputs, targets, batch_size=6, epochs=1, shuffle=False, verbose=0)  # batches 6, 6, 3
     for a, b in zip(model.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+
+
+def test_a_list_of_layers_split_by_measured_time_lands_on_its_devices():
+    keras.utils.set_random_seed(0)
+    parts = [keras.layers.Dense(16, activation="relu", name=f"d{k}") for k in range(4)] + [keras.layers.Dense(2)]
+    x = tf.random.normal((6, 8))
+    pipe = hvd.Pipeline(parts, stages=2, sample=x, devices=["/CPU:1", "/CPU:2"], chunks=2)
+    for r, device in zip(pipe.plan.ranges, pipe.devices):
+        for index in r:
+            assert all(v.value.device.endswith(device.replace("/", "device:")) for v in parts[index].weights)
+    assert "boundary 0|1: 1 tensor" in pipe.describe()
+    reference = keras.Sequential([keras.Input((8,))] + [keras.layers.Dense(16, "relu") for _ in range(4)]
+                                 + [keras.layers.Dense(2)])
+    reference.set_weights(pipe.get_weights())
+    assert_same(run(pipe, x), run(reference, x))
