@@ -75,7 +75,7 @@ def node_costs(captured: KerasGraph, sample: Any, by: str = "time",
     times: List[List[float]] = [[] for _ in graph.nodes]
     sizes, outputs_bytes = {}, [0.0] * len(graph.nodes)
     for repeat in range(repeats + 1):  # the first pass warms up (allocations, kernels) and is not counted
-        values = dict(zip(graph.inputs, captured.flat_inputs(sample)))
+        values = dict(zip(graph.inputs, [tf.convert_to_tensor(x) for x in captured.flat_inputs(sample)]))
         rows = float(values[graph.inputs[0]].shape[0] or 1)
         for k in range(len(graph.nodes)):
             start = time.perf_counter()

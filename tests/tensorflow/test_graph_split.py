@@ -407,7 +407,7 @@ def test_a_list_of_layers_split_by_measured_time_lands_on_its_devices():
     keras.utils.set_random_seed(0)
     parts = [keras.layers.Dense(16, activation="relu", name=f"d{k}") for k in range(4)] + [keras.layers.Dense(2)]
     x = tf.random.normal((6, 8))
-    pipe = hvd.Pipeline(parts, stages=2, sample=x, devices=["/CPU:1", "/CPU:2"], chunks=2)
+    pipe = hvd.Pipeline(parts, stages=2, sample=x.numpy(), devices=["/CPU:1", "/CPU:2"], chunks=2)
     for r, device in zip(pipe.plan.ranges, pipe.devices):
         for index in r:
             assert all(v.value.device.endswith(device.replace("/", "device:")) for v in parts[index].weights)
