@@ -25,8 +25,8 @@ from dualframe.tensorflow.pipeline_transport import TFWire, point_to_point, proc
 from dualframe.tensorflow.pipeline_work import StageFunctions, TFStageWork, fusable
 from dualframe.launch.topology import detect
 from dualframe.pipeline.graph import graph_units
-from dualframe.tensorflow.graph import KerasGraph, capture, model_inputs
-from dualframe.tensorflow.graph_split import process_stages
+from dualframe.tensorflow.graph import KerasGraph, capture
+from dualframe.tensorflow.graph_stage import model_inputs, process_stages
 
 _IDS = itertools.count()
 

@@ -9,7 +9,7 @@ import tensorflow as tf
 
 from dualframe.errors import SplitPointError, StrategyError
 from dualframe.pipeline.graph import GraphSplit, cut_graph, graph_units
-from dualframe.tensorflow.graph import GraphStage, KerasGraph, chain_problem, layers_called_first
+from dualframe.tensorflow.graph import KerasGraph
 
 BY = ("time", "memory")
 
@@ -177,19 +177,3 @@ def describe_split(captured: KerasGraph, split: GraphSplit, devices: Sequence[st
             for v in split.graph.outputs]
     lines.append("outputs: " + ", ".join(outs))
     return "\n".join(lines)
-
-
-def process_stages(captured: KerasGraph, balance: Sequence[int]) -> List[GraphStage]:
-    """One ``GraphStage`` per stage of ``balance`` (units per stage), for a pipeline whose stages are processes.
-
-    Raises:
-        StrategyError: a cut the process pipeline cannot carry (``chain_problem``: a value skipping a stage,
-            several inputs or outputs), naming the tensors; checked before any communication.
-    """
-    split = cut_graph(captured.graph, balance=balance)
-    problem = chain_problem(captured, split)
-    if problem is not None:
-        raise StrategyError(f"DistributedPipeline sends one message from each stage to the next, but {problem}; "
-                            f"choose another balance (see ModelParallel(model, balance={list(balance)}).describe()), "
-                            "or split it in one process with hvd.Pipeline")
-    return [GraphStage(captured, split, j, layers_called_first(captured, split, j)) for j in range(split.stages)]

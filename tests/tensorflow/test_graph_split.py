@@ -340,7 +340,7 @@ def gated():
 def test_process_stages_pass_one_packed_message_and_equal_the_model(make, balance, x):
     """What DistributedPipeline's stages run, chained in one process: outputs and gradients equal the model's."""
     from dualframe.tensorflow.graph import capture
-    from dualframe.tensorflow.graph_split import process_stages
+    from dualframe.tensorflow.graph_stage import process_stages
 
     model = make()
     stages = process_stages(capture(model), balance)
@@ -358,7 +358,7 @@ def test_process_stages_pass_one_packed_message_and_equal_the_model(make, balanc
 
 def test_process_stages_refuse_what_one_message_cannot_carry():
     from dualframe.tensorflow.graph import capture
-    from dualframe.tensorflow.graph_split import process_stages
+    from dualframe.tensorflow.graph_stage import process_stages
 
     with pytest.raises(StrategyError, match=r"the model has 2 outputs \(one is carried\)"):
         process_stages(capture(encoder()), [13, 14])
@@ -371,8 +371,8 @@ def test_process_stages_refuse_what_one_message_cannot_carry():
 
 
 def test_process_stages_of_an_encoder_pack_its_two_inputs_and_the_mask_beside_the_states():
-    from dualframe.tensorflow.graph import capture, model_inputs
-    from dualframe.tensorflow.graph_split import process_stages
+    from dualframe.tensorflow.graph import capture
+    from dualframe.tensorflow.graph_stage import model_inputs, process_stages
 
     model = encoder()
     model = keras.Model(model.input, model.output[0])
