@@ -24,6 +24,9 @@ from dualframe.tensorflow.optimizer import DistributedOptimizer
 from dualframe.tensorflow.pipeline_transport import TFWire, point_to_point, process_sets
 from dualframe.tensorflow.pipeline_work import StageFunctions, TFStageWork, fusable
 from dualframe.launch.topology import detect
+from dualframe.pipeline.graph import graph_units
+from dualframe.tensorflow.graph import KerasGraph, capture
+from dualframe.tensorflow.graph_stage import model_inputs, process_stages
 
 _IDS = itertools.count()
 
@@ -36,6 +39,13 @@ def _layers_of(layers: Any) -> List[Any]:
         raise StrategyError(
             f"DistributedPipeline splits a keras.Sequential or a list of Keras layers (layers: {type(layers).__name__})")
     return list(layers)
+
+
+def _graph_of(layers: Any) -> Optional[KerasGraph]:
+    """A functional model's graph (a subclassed one: TraceError); None for a Sequential or a list."""
+    if isinstance(layers, keras.Model) and not isinstance(layers, keras.Sequential):
+        return capture(layers)
+    return None
 
 
 def _loss_of(loss_fn: Any) -> Any:
@@ -59,8 +69,10 @@ class DistributedPipeline(StageView):
     ``trainable_variables``) and returns the mean loss on every rank; the optimizer step is the caller's.
 
     Args:
-        layers: a ``keras.Sequential`` or a list of layers, each taking and returning one tensor.
-        balance: layers per stage, e.g. ``[3, 2]``; one stage per rank of a pipeline.
+        layers: a ``keras.Sequential`` or a list of layers, each taking and returning one tensor; or a
+            functional ``keras.Model`` cut where one tensor crosses from each stage to the next.
+        balance: layers per stage, e.g. ``[3, 2]`` (a functional model: ``len(model.layers)`` in execution
+            order, as ``ModelParallel``); one stage per rank of a pipeline.
         chunks: micro-batches per mini-batch.
         schedule: ``"gpipe"`` or ``"1f1b"`` (at most ``stages`` micro-batches' tapes alive).
         loss_fn: ``loss_fn(targets, outputs)`` in Keras order (``keras.losses.MeanSquaredError()`` or
@@ -84,10 +96,15 @@ class DistributedPipeline(StageView):
     def __init__(self, layers: Any, balance: Sequence[int], chunks: int, schedule: str = "gpipe",
                  loss_fn: Optional[Callable[[Any, Any], Any]] = None, devices: Optional[Sequence[str]] = None,
                  data_parallel: Optional[int] = None, timeout: float = 45.0) -> None:
-        all_layers = _layers_of(layers)
+        captured = _graph_of(layers)
+        all_layers: List[Any] = _layers_of(layers) if captured is None else list(graph_units(captured.graph))
         loss_fn = _loss_of(loss_fn)
         layout = layout_pipeline(len(all_layers), balance, chunks, schedule, loss_fn, devices, data_parallel, timeout,
                                  _world_size())
+        ranges, self.captured = layout.ranges, captured
+        if captured is not None:  # a functional model: one GraphStage per stage, a chain checked on every rank
+            all_layers = process_stages(captured, [len(r) for r in layout.ranges])
+            ranges = [range(k, k + 1) for k in range(len(all_layers))]
         self.chunks, self.schedule, self.grid = chunks, layout.schedule, layout.grid
         self.loss_fn, self.timeout = loss_fn, timeout
         # From here on, Horovod: every argument above is checked on every rank.
@@ -98,8 +115,8 @@ class DistributedPipeline(StageView):
         self.direct = point_to_point(self.device, chunks, prefix)  # None: messages go as Horovod broadcasts
         # Names without step numbers: each is a traced tf.function (see pipeline_transport).
         self.role = PipelineStage(layout, TFWire(), int(hvd.rank()), sets, prefix, step_names=False, direct=self.direct)
-        self.layer_indices = layout.ranges[j]
-        self.layers = [all_layers[index] for index in layout.ranges[j]]
+        self.layer_indices = ranges[j]
+        self.layers = [all_layers[index] for index in ranges[j]]
         self._all_layers = all_layers
         # One trace per training flag and (relaxed) input shape, kept across steps (see pipeline_work).
         self._functions = StageFunctions(self.layers, self.is_first, loss_fn)
@@ -154,6 +171,8 @@ class DistributedPipeline(StageView):
         optimizer.apply_gradients([(g, v) for g, v in zip(self.gradients, self.trainable_variables) if g is not None])
 
     def _run(self, actions: Sequence[Action], inputs: Any, targets: Any, train: bool) -> Tuple[TFStageWork, StepRecord]:
+        if inputs is not None and self.is_first and self.captured is not None:
+            inputs = model_inputs(self.captured, inputs)  # several model inputs travel packed into one tensor
         inputs = None if inputs is None or not self.is_first else tf.convert_to_tensor(inputs)
         targets = None if targets is None or not self.is_last else tf.convert_to_tensor(targets)
         sizes = self.role.agree(inputs, targets, train)

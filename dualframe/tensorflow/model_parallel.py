@@ -1,4 +1,4 @@
-"""``ModelParallel`` for Keras 3: a list of layers split into groups whose variables live on explicit TF devices."""
+"""``ModelParallel`` for Keras 3: a functional model, a Sequential or a list of layers in stages on TF devices."""
 from __future__ import annotations
 
 import re
@@ -12,8 +12,11 @@ from dualframe.errors import ChunksError, DeviceError
 from dualframe.pipeline.microbatch import micro_batch_sizes
 from dualframe.pipeline.executor import RecordFn, run_ticks
 from dualframe.pipeline.schedule import one_process_ticks
-from dualframe.pipeline.split import SplitPlan, plan_split
+from dualframe.pipeline.split import Split, validate_split
 from dualframe.observe.timeline import Recording
+from dualframe.pipeline.graph import GraphSplit, graph_units
+from dualframe.tensorflow.graph import KerasGraph, capture, layers_called_first, place_variables
+from dualframe.tensorflow.graph_split import describe_split, split_model
 
 _NAME = re.compile(r"^/?(?:.*device:)?(cpu|gpu|tpu)(?::(\d+))?$", re.IGNORECASE)
 HINT = ("; more CPU devices for testing: dualframe.tensorflow.logical_cpus(n) before TensorFlow runs any op")
@@ -61,130 +64,233 @@ def logical_cpus(count: int) -> List[str]:
 
 
 class ModelParallel(Recording, keras.Model):
-    """The Keras model running the strategy ``dualframe.ModelParallel``: layers in groups, group j's on ``devices[j]``.
+    """The Keras model running the strategy ``dualframe.ModelParallel``: a model in stages, stage j's on ``devices[j]``.
 
-    A ``keras.Model``: works with ``compile``/``fit`` and ``tf.GradientTape``; ``get_weights()`` is in
-    layer order. Each layer takes and returns one tensor.
+    Takes a functional ``keras.Model`` (several inputs and outputs, skip connections, shared layers),
+    a ``keras.Sequential`` or a list of layers each taking and returning one tensor. The layers are the
+    model's own (not copies): ``weights``/``get_weights()`` keep the model's order and names, so weights
+    load both ways. Each tensor goes to each stage that reads it, on that stage's device, and nowhere
+    else. A ``keras.Model``: works with ``compile``/``fit`` and ``tf.GradientTape``.
 
     Example:
         >>> import dualframe.tensorflow as hvd
-        >>> model = hvd.ModelParallel([keras.layers.Dense(32, "relu"), keras.layers.Dense(4)],
-        ...                           balance=[1, 1], devices=["/GPU:0", "/GPU:1"])   # doctest: +SKIP
-        >>> model.compile(optimizer="adam", loss="mse"); model.fit(x, y)             # doctest: +SKIP
+        >>> model = keras.applications.ResNet50(weights=None, input_shape=(32, 32, 3), classes=10)
+        >>> split = hvd.ModelParallel(model, split_points=["conv4_block1_1_conv"],
+        ...                           devices=["/GPU:0", "/GPU:1"])                   # doctest: +SKIP
+        >>> print(split.describe()); split.compile(optimizer="adam", loss="mse")      # doctest: +SKIP
 
     Args:
-        layers: the layers, in order.
-        balance: layers per group.
-        devices: one device per group; None: the visible GPUs (the local rank's share under a
+        layers: a functional ``keras.Model``, a ``keras.Sequential`` or a list of layers.
+        balance: layers per stage, counting ``graph_units`` in execution order (``len(model.layers)``
+            when no layer is called twice: ``[90, 87]`` on ResNet50).
+        devices: one device per stage; None: the visible GPUs (the local rank's share under a
             launcher), else ``"/CPU:0"`` repeated.
+        split_points: instead of ``balance``, the names of the layers where stages 1..n-1 begin.
+        stages: instead of ``balance``, how many stages: cuts chosen to even the cost measured on
+            ``sample`` (``by="time"``) or the bytes (``by="memory"``), then where least crosses.
+        sample: a batch to measure on, for ``stages=``.
+        by: ``"time"`` or ``"memory"``, for ``stages=``.
 
     Raises:
-        BalanceError, DeviceError: before any variable is made, naming the values.
+        BalanceError, SplitPointError, DeviceError, TraceError: before any variable is made or moved,
+            naming the values.
     """
 
-    def __init__(self, layers: Sequence[keras.layers.Layer], balance: Sequence[int],
+    def __init__(self, layers: Any, balance: Optional[Sequence[int]] = None,
                  devices: Optional[Sequence[str]] = None, *, chunks: int = 1, checkpoint: str = "never",
-                 schedule: str = "gpipe", **kwargs: Any) -> None:
-        layers = list(layers)
-        for index, layer in enumerate(layers):
-            if not isinstance(layer, keras.layers.Layer):
-                raise TypeError(f"every layer must be a keras Layer (layers[{index}]: {type(layer).__name__})")
+                 schedule: str = "gpipe", split_points: Optional[Sequence[str]] = None,
+                 stages: Optional[int] = None, sample: Any = None, by: str = "time", **kwargs: Any) -> None:
+        captured = capture(layers)
+        split = split_model(captured, split_points=split_points, balance=balance, stages=stages, sample=sample, by=by,
+                            measure=False)  # every argument checked, nothing run yet
         available = available_devices()
-        plan = plan_split(len(layers), balance, devices, chunks, checkpoint, available=available,
-                          canonical=canonical_device, accelerators=[d for d in available if "/GPU" in d], hint=HINT,
-                          schedule=schedule)
+        plan = self._plan(captured, split, devices, chunks, checkpoint, schedule, available)
+        if stages is not None and split.stages > 1:
+            split = split_model(captured, stages=stages, sample=sample, by=by)  # measured
+            plan = self._plan(captured, split, devices, chunks, checkpoint, schedule, available)
         super().__init__(**kwargs)
-        self.plan: SplitPlan = plan
-        self.split_layers = layers
+        self.plan: Split = plan
+        self.graph_split: GraphSplit = split
+        self.captured: KerasGraph = captured
+        # Tracked in model.layers order, as Functional tracks them: weights and get_weights() are the model's.
+        self.split_layers = list(captured.layers)
+        self._stage_layers = [self._layers_of(j) for j in range(plan.stages)]
+        if all(layer.built for layer in captured.layers):  # a model, or layers built by measuring them
+            self._place()
         self._cells: Dict[Tuple[int, bool], Callable[..., tf.Tensor]] = {}
+
+    @staticmethod
+    def _plan(captured: KerasGraph, split: GraphSplit, devices: Optional[Sequence[str]], chunks: int,
+              checkpoint: str, schedule: str, available: List[str]) -> Split:
+        units = graph_units(split.graph)
+        bounds = list(split.starts) + [len(split.graph.nodes)]
+        balance = [sum(1 for u in units if bounds[j] <= u.start < bounds[j + 1]) for j in range(split.stages)]
+        return validate_split(len(units), balance, devices, chunks, checkpoint, available=available,
+                              canonical=canonical_device, accelerators=[d for d in available if "/GPU" in d],
+                              hint=HINT, schedule=schedule)
+
+    def _layers_of(self, j: int) -> List[Any]:
+        """The layers stage j calls first (a shared layer's variables go where it first runs)."""
+        return layers_called_first(self.captured, self.graph_split, j)
+
+    def _place(self) -> None:
+        for layers, device in zip(self._stage_layers, self.plan.devices):
+            place_variables(layers, device)
 
     @property
     def balance(self) -> List[int]:
-        """Layers per group."""
+        """Layers (graph units) per stage."""
         return self.plan.balance
 
     @property
     def devices(self) -> Tuple[str, ...]:
-        """One device per group."""
+        """One device per stage."""
         return self.plan.devices
 
+    @property
+    def split_points(self) -> Tuple[str, ...]:
+        """The names of the layers where stages 1..n-1 begin (what to pass as ``split_points=``)."""
+        return self.graph_split.split_points
+
+    def describe(self) -> str:
+        """The stages, their devices and layers, and per boundary each tensor crossing it with its shape and size."""
+        return describe_split(self.captured, self.graph_split, self.plan.devices)
+
     def build(self, input_shape: Any) -> None:
-        """Create each layer's variables under ``tf.device`` of its group."""
+        """Create (a list of layers) or move (a built model) each layer's variables under ``tf.device`` of its stage."""
+        if all(layer.built for layer in self.captured.layers):
+            self._place()
+            self.built = True
+            return
         shape = tuple(input_shape)
         for r, device in zip(self.plan.ranges, self.plan.devices):
             with tf.device(device):
                 for index in r:
-                    layer = self.split_layers[index]
+                    layer = self.captured.layers[index]
                     if not layer.built:
                         layer.build(shape)
-                    shape = tuple(layer.compute_output_spec(keras.KerasTensor(shape)).shape)
+                    spec = layer.compute_output_spec(keras.KerasTensor(shape))
+                    shape = tuple(spec.shape)
+                    self.captured.specs[self.captured.graph.nodes[index].outputs[0]] = spec  # for describe()
         self.built = True
 
-    def _stage(self, j: int, training: Any) -> Callable[[tf.Tensor], tf.Tensor]:
-        def run(x: tf.Tensor) -> tf.Tensor:
-            for index in self.plan.ranges[j]:
-                x = self.split_layers[index](x, training=training)
-            return x
+    def _stage(self, j: int, training: Any) -> Callable[..., Tuple[tf.Tensor, ...]]:
+        reads, sends, nodes = self.graph_split.reads[j], self.graph_split.sends[j], self.graph_split.stage_range(j)
+
+        def run(*tensors: tf.Tensor) -> Tuple[tf.Tensor, ...]:
+            values = dict(zip(reads, tensors))
+            self.captured.run(nodes, values, training)
+            return tuple(values[v] for v in sends)
         return run
 
-    def call(self, inputs: tf.Tensor, training: Any = None) -> tf.Tensor:
-        """Run the micro-batches through the groups in the clock-tick order of the core's schedule."""
-        parts = self._split(inputs)
+    def call(self, inputs: Any, training: Any = None) -> Any:
+        """Run the micro-batches through the stages in the clock-tick order of the core's schedule."""
+        split = self.graph_split
+        parts = self._split(self.captured.flat_inputs(inputs))
         m, n = len(parts), self.plan.stages
-        outputs: Dict[Tuple[int, int], tf.Tensor] = {}
+        values = [dict(zip(split.graph.inputs, part)) for part in parts]  # per micro-batch: value -> tensor
         record = self.recorder(self.plan.devices) if tf.executing_eagerly() else None
 
         def cell(i: int, j: int) -> None:
-            source = parts[i] if j == 0 else outputs[(i, j - 1)]
             fn = self._stage(j, training)
             if self.plan.checkpointed(i) and training:
-                fn = tf.recompute_grad(fn)
+                fn = _recomputed(fn)
             if record is not None:
                 fn = _timed_backward(fn, i, j, record)
             with tf.device(self.plan.devices[j]):
-                outputs[(i, j)] = fn(source)
+                # Each value this stage reads is copied onto its device once, whichever stage made it.
+                outputs = fn(*[tf.identity(values[i][v]) for v in split.reads[j]])
+            values[i].update(zip(split.sends[j], outputs))
 
         run_ticks(one_process_ticks(self.plan.schedule, m, n, "F"), cell, n, "F", parallel=False, record=record)
         with tf.device(self.plan.devices[-1]):
-            return outputs[(0, n - 1)] if m == 1 else tf.concat([outputs[(i, n - 1)] for i in range(m)], axis=0)
+            flat = [values[0][v] if m == 1 else tf.concat([values[i][v] for i in range(m)], axis=0)
+                    for v in split.graph.outputs]
+        return self.captured.pack_outputs(flat)
 
-    def _split(self, inputs: tf.Tensor) -> List[tf.Tensor]:
+    def _split(self, inputs: List[tf.Tensor]) -> List[List[tf.Tensor]]:
+        """Per micro-batch, its rows of every model input."""
         m = self.plan.chunks
         if m == 1:
             return [inputs]
-        batch = inputs.shape[0]
+        batch = inputs[0].shape[0]
         if batch is not None:
-            return list(tf.split(inputs, micro_batch_sizes(int(batch), m), axis=0))
-        # Unknown batch while tracing (e.g. fit's last, smaller batch): sizes as graph values.
-        rows = tf.shape(inputs)[0]
-        tf.debugging.assert_greater_equal(rows, m, message=str(ChunksError(
-            f"the batch is smaller than chunks (chunks: {m}); use chunks <= batch or a larger batch")))
-        base, extra = rows // m, rows % m
-        sizes = tf.stack([base + tf.cast(i < extra, rows.dtype) for i in range(m)])
-        return list(tf.split(inputs, sizes, num=m, axis=0))
+            sizes: Any = micro_batch_sizes(int(batch), m)
+        else:
+            # Unknown batch while tracing (e.g. fit's last, smaller batch): sizes as graph values.
+            rows = tf.shape(inputs[0])[0]
+            tf.debugging.assert_greater_equal(rows, m, message=str(ChunksError(
+                f"the batch is smaller than chunks (chunks: {m}); use chunks <= batch or a larger batch")))
+            base, extra = rows // m, rows % m
+            sizes = tf.stack([base + tf.cast(i < extra, rows.dtype) for i in range(m)])
+        pieces = [tf.split(x, sizes, num=m, axis=0) for x in inputs]
+        return [[piece[i] for piece in pieces] for i in range(m)]
 
     def compute_output_shape(self, input_shape: Any) -> Any:
+        if self.captured.model is not None:
+            return self.captured.model.compute_output_shape(input_shape)
         shape = tuple(input_shape)
-        for layer in self.split_layers:
+        for layer in self.captured.layers:
             shape = tuple(layer.compute_output_spec(keras.KerasTensor(shape)).shape)
         return shape
 
+    def save_weights(self, filepath: str, overwrite: bool = True, **kwargs: Any) -> None:
+        """Save as the model given would (a model's file loads into the unsplit model and back)."""
+        if self.captured.model is None:
+            return super().save_weights(filepath, overwrite=overwrite, **kwargs)
+        return self.captured.model.save_weights(filepath, overwrite=overwrite, **kwargs)
 
-def _timed_backward(fn: Callable[[tf.Tensor], tf.Tensor], i: int, j: int, record: RecordFn) -> Callable[[tf.Tensor], tf.Tensor]:
+    def load_weights(self, filepath: str, **kwargs: Any) -> None:
+        """Load a file saved by the model given, or by this split of it."""
+        if self.captured.model is None:
+            return super().load_weights(filepath, **kwargs)
+        return self.captured.model.load_weights(filepath, **kwargs)
+
+
+def _recomputed(fn: Callable[..., Tuple[tf.Tensor, ...]]) -> Callable[..., Tuple[tf.Tensor, ...]]:
+    """``tf.recompute_grad(fn)`` over floating-point values only: integer and boolean inputs and outputs
+    (token ids, masks) carry no gradient, and a traced ``recompute_grad`` cannot make one for them; the
+    non-float outputs are taken from the forward call (the backward's recomputation does not need them)."""
+
+    def run(*xs: tf.Tensor) -> Tuple[tf.Tensor, ...]:
+        where = [k for k, x in enumerate(xs) if x.dtype.is_floating]
+        others: List[List[Any]] = []
+
+        def floats_only(*floats: tf.Tensor) -> Tuple[tf.Tensor, ...]:
+            args = list(xs)
+            for k, x in zip(where, floats):
+                args[k] = x
+            ys = fn(*args)
+            if not others:
+                others.append([None if y.dtype.is_floating else y for y in ys])
+            return tuple(y for y in ys if y.dtype.is_floating)
+
+        floats = iter(tf.recompute_grad(floats_only)(*[xs[k] for k in where]))
+        return tuple(next(floats) if y is None else y for y in others[0])
+
+    return run
+
+
+def _timed_backward(fn: Callable[..., Tuple[tf.Tensor, ...]], i: int, j: int,
+                    record: RecordFn) -> Callable[..., Tuple[tf.Tensor, ...]]:
     """``fn`` whose gradient, when eager, is timed as the backward cell (i, j) of the timeline."""
 
     @tf.custom_gradient
-    def timed(x: tf.Tensor) -> Any:
+    def timed(*xs: tf.Tensor) -> Any:
+        floats = [x for x in xs if x.dtype.is_floating]
         with tf.GradientTape() as tape:
-            tape.watch(x)
-            y = fn(x)
+            tape.watch(floats)
+            ys = fn(*xs)
 
-        def grad(dy: tf.Tensor, variables: Optional[List[tf.Variable]] = None) -> Any:
+        def grad(*dys: tf.Tensor, variables: Optional[List[tf.Variable]] = None) -> Any:
             start = time.perf_counter()
-            grads = tape.gradient(y, [x] + list(variables or []), output_gradients=dy)
+            pairs = [(y, dy) for y, dy in zip(ys, dys) if y.dtype.is_floating]
+            grads = tape.gradient([y for y, _ in pairs], floats + list(variables or []),
+                                  output_gradients=[dy for _, dy in pairs])
             record("B", i, j, start, time.perf_counter())
-            return grads[0], grads[1:]
+            by_input = iter(grads[:len(floats)])
+            return [next(by_input) if x.dtype.is_floating else None for x in xs], grads[len(floats):]
 
-        return y, grad
+        return ys, grad
 
     return timed

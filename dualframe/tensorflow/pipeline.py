@@ -3,8 +3,6 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-import keras
-
 from dualframe.tensorflow.model_parallel import ModelParallel
 
 
@@ -25,8 +23,10 @@ class Pipeline(ModelParallel):
         >>> pipe.fit(x, y, batch_size=32)                          # doctest: +SKIP
 
     Args:
-        layers: the layers, in order; each takes and returns one tensor.
-        balance: layers per group.
+        layers: a functional ``keras.Model``, a ``keras.Sequential`` or a list of layers (each taking and
+            returning one tensor).
+        balance: layers per group; or, as keywords, ``split_points=``, ``stages=`` with ``sample=``/``by=``
+            (see ``ModelParallel``).
         devices: one device per group; None: the visible GPUs, else ``"/CPU:0"`` repeated.
         chunks: micro-batches per mini-batch; a batch must have at least ``chunks`` rows.
         checkpoint: ``"except_last"`` (default), ``"always"`` or ``"never"``. Recomputation reruns the
@@ -40,7 +40,7 @@ class Pipeline(ModelParallel):
         BalanceError, DeviceError, ChunksError, StrategyError, ScheduleError: before any variable is made.
     """
 
-    def __init__(self, layers: Sequence[keras.layers.Layer], balance: Sequence[int],
+    def __init__(self, layers: Any, balance: Optional[Sequence[int]] = None,
                  devices: Optional[Sequence[str]] = None, chunks: int = 1, checkpoint: str = "except_last",
                  schedule: str = "gpipe", **kwargs: Any) -> None:
         super().__init__(layers, balance, devices, chunks=chunks, checkpoint=checkpoint, schedule=schedule, **kwargs)

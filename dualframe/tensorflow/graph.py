@@ -1,0 +1,244 @@
+"""Capturing a Keras 3 model as the core's ``Graph``, and running a range of its nodes the way ``Functional`` does.
+
+A functional ``keras.Model`` is read from its own graph: every call of a layer (a Keras ``Node``, with
+the ``KerasTensor`` arguments it was called with) becomes a ``GraphNode`` whose scope and unit are
+the layer's name; ``InputLayer``s are nodes that run nothing, so that ``balance=`` counts
+``len(model.layers)``. Nodes come in the order ``Functional`` runs them (deepest first; within a
+depth, ``model.operations`` order), which is ``model.layers`` order when no layer is shared. A layer
+called twice is two nodes with the same scope (the core refuses it as a split point); a nested
+``keras.Model`` is one leaf node (it runs whole; its layers cannot begin a stage). A
+``keras.Sequential`` or a list of layers is a chain: one node per layer, each taking one tensor.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from dualframe.errors import TraceError
+from dualframe.pipeline.graph import Graph, GraphNode
+
+# Keras has no public name for a functional model's class (a subclass calling Model(inputs, outputs)
+# is one too); its nodes and their arguments below are equally internal, read as Functional reads them.
+from keras.src.models.functional import Functional
+
+CHAIN_INPUT = "input"
+
+
+@dataclass(frozen=True)
+class Call:
+    """How to run one node: the operation, and its Keras arguments (None: one positional tensor, a chain)."""
+
+    operation: Any
+    arguments: Any = None
+    keys: Tuple[int, ...] = ()  # id() of each KerasTensor argument, aligned with GraphNode.inputs
+
+    def __call__(self, values: Dict[str, Any], node: GraphNode, training: Any) -> List[Any]:
+        kwargs: Dict[str, Any] = {}
+        # As Functional: pass training only to operations that take it (layers; not keras.ops).
+        if training is not None and "training" in getattr(self.operation, "_call_context_args", ()):
+            kwargs["training"] = training
+        if self.arguments is None:
+            outputs = self.operation(values[node.inputs[0]], **kwargs)
+        else:
+            args, call_kwargs = self.arguments.fill_in({key: values[v] for key, v in zip(self.keys, node.inputs)})
+            outputs = self.operation(*args, **call_kwargs, **kwargs)
+        return list(keras.tree.flatten(outputs))
+
+
+@dataclass(frozen=True)
+class KerasGraph:
+    """A Keras model as the core's ``Graph`` plus what runs each node.
+
+    Example:
+        >>> x = keras.Input((4,), name="x")
+        >>> model = keras.Model(x, keras.layers.Dense(2, name="head")(keras.layers.Dense(3, name="body")(x)))
+        >>> captured = capture(model)
+        >>> [node.scope for node in captured.graph.nodes], captured.graph.outputs
+        (['x', 'body', 'head'], ('head',))
+
+    Attributes:
+        graph: nodes in execution order, values named by the layer that makes them (``"dense@1"``: its
+            second call in this model; ``"lstm#0"``: its first output).
+        calls: per node, how to run it (None for an ``InputLayer``).
+        layers: the model's layers (``model.layers``, or the list given), in weight order.
+        model: the model given (functional or Sequential), or None for a list of layers.
+        specs: per value, its symbolic tensor (shape with the batch first, dtype) when known.
+        nested: per nested model, the names of the layers inside it (they cannot begin a stage).
+    """
+
+    graph: Graph
+    calls: Tuple[Optional[Call], ...]
+    layers: Tuple[Any, ...]
+    model: Any
+    specs: Dict[str, Any]
+    nested: Dict[str, Tuple[str, ...]]
+
+    @property
+    def functional(self) -> bool:
+        """Whether the graph was read from a functional model (else: a chain of layers)."""
+        return isinstance(self.model, Functional)
+
+    def run(self, nodes: range, values: Dict[str, Any], training: Any = None) -> None:
+        """Run ``nodes`` in order, reading their inputs from ``values`` and adding their outputs to it."""
+        for k in nodes:
+            call, node = self.calls[k], self.graph.nodes[k]
+            if call is not None:
+                values.update(zip(node.outputs, call(values, node, training)))
+
+    def flat_inputs(self, inputs: Any) -> List[Any]:
+        """The caller's inputs as one tensor per model input, in ``graph.inputs`` order."""
+        if not self.functional:
+            return [inputs]
+        # Functional's own standardisation: a dict by input names, a single tensor, dtype casts.
+        return list(self.model._standardize_inputs(inputs))
+
+    def pack_outputs(self, flat: Sequence[Any]) -> Any:
+        """One tensor per ``graph.outputs`` back into the model's output structure."""
+        if not self.functional:
+            return flat[0]
+        struct = self.model.output
+        if isinstance(struct, list) and len(struct) == 1:
+            return flat[0]
+        return keras.tree.pack_sequence_as(struct, list(flat))
+
+    def bytes_per_sample(self, value: str) -> Optional[int]:
+        """Bytes of one sample's ``value`` from its static shape; None when a dimension is unknown."""
+        spec = self.specs.get(value)
+        if spec is None or any(d is None for d in spec.shape[1:]):
+            return None
+        return int(np.prod(spec.shape[1:], dtype=np.int64)) * tf.as_dtype(spec.dtype).size
+
+
+def capture(model: Any) -> KerasGraph:
+    """Read a functional ``keras.Model``, a ``keras.Sequential`` or a list of layers into a ``KerasGraph``.
+
+    Raises:
+        TraceError: a subclassed model (its ``call`` is Python that cannot be read), or a functional
+            model whose inputs are not ``keras.Input`` tensors.
+        TypeError: a list holding something that is not a Keras layer.
+    """
+    if isinstance(model, Functional):
+        return _capture_functional(model)
+    if isinstance(model, keras.Sequential):
+        return _chain(list(model.layers), model)
+    if isinstance(model, keras.Model):
+        raise TraceError(
+            f"{type(model).__name__} is a subclassed keras.Model: its call() is Python code dualframe cannot read "
+            "as a graph; build the model with the functional API (keras.Model(inputs, outputs)) or pass a list of "
+            "layers, each taking and returning one tensor")
+    if isinstance(model, keras.layers.Layer) or isinstance(model, (str, bytes)) or not isinstance(model, Sequence):
+        raise TypeError(f"split a functional keras.Model, a keras.Sequential or a list of Keras layers "
+                        f"(got {type(model).__name__})")
+    for index, layer in enumerate(model):
+        if not isinstance(layer, keras.layers.Layer):
+            raise TypeError(f"every layer must be a keras Layer (layers[{index}]: {type(layer).__name__})")
+    return _chain(list(model), None)
+
+
+def _chain(layers: List[Any], model: Optional[Any]) -> KerasGraph:
+    """One node per layer, each reading the previous one's output (a layer listed twice: two units)."""
+    nodes, previous, seen = [], CHAIN_INPUT, set()
+    for index, layer in enumerate(layers):
+        name = layer.name if layer.name not in seen else f"{layer.name}@{index}"
+        unit = name if index == 0 or layers[index - 1].name != layer.name else f"{layer.name}@{index}"
+        seen.add(layer.name)
+        nodes.append(GraphNode(name, layer.name, (previous,), (name,), unit=unit))
+        previous = name
+    return KerasGraph(Graph((CHAIN_INPUT,), tuple(nodes), (previous,)), tuple(Call(layer) for layer in layers),
+                      tuple(layers), model, {}, {})
+
+
+def _ordered_nodes(model: Any) -> List[Any]:
+    """The model's Keras nodes in the order Functional runs them: deepest first, then operation order."""
+    op_index = {id(op): k for k, op in enumerate(model.operations)}
+    keyed = [(-depth, op_index[id(node.operation)], node.operation._inbound_nodes.index(node), node)
+             for depth, nodes in model._nodes_by_depth.items() for node in nodes if node.operation is not None]
+    return [entry[-1] for entry in sorted(keyed, key=lambda entry: entry[:3])]
+
+
+def _capture_functional(model: Any) -> KerasGraph:
+    names: Dict[int, str] = {}
+    specs: Dict[str, Any] = {}
+    inputs = []
+    for index, kt in enumerate(model.inputs):
+        op = kt._keras_history.operation
+        if not isinstance(op, keras.layers.InputLayer):
+            raise TraceError(f"model input {index} ({kt.name}) is not a keras.Input: dualframe splits models whose "
+                             "inputs are keras.Input tensors")
+        names[id(kt)], specs[op.name] = op.name, kt
+        inputs.append(op.name)
+    ordered = _ordered_nodes(model)
+    calls_of: Dict[int, int] = {}
+    for node in ordered:
+        calls_of[id(node.operation)] = calls_of.get(id(node.operation), 0) + 1
+    seen: Dict[int, int] = {}
+    nodes: List[GraphNode] = []
+    calls: List[Optional[Call]] = []
+    nested: Dict[str, Tuple[str, ...]] = {}
+    for node in ordered:
+        op = node.operation
+        if node.is_input:
+            nodes.append(GraphNode(op.name, op.name, (), (), unit=op.name))
+            calls.append(None)
+            continue
+        c = seen[id(op)] = seen.get(id(op), -1) + 1
+        base = op.name if calls_of[id(op)] == 1 else f"{op.name}@{c}"
+        keys, reads = [], []
+        for kt in node.arguments.keras_tensors:
+            if id(kt) not in names:
+                raise TraceError(f"layer {op.name!r} reads {kt.name}, which no layer of the model produces "
+                                 "(a tensor from outside the model?); make it a model input")
+            if id(kt) not in keys:
+                keys.append(id(kt))
+                reads.append(names[id(kt)])
+        outputs = [base] if len(node.outputs) == 1 else [f"{base}#{t}" for t in range(len(node.outputs))]
+        for kt, value in zip(node.outputs, outputs):
+            names[id(kt)], specs[value] = value, kt
+        leaf = isinstance(op, keras.Model)
+        if leaf:
+            nested[op.name] = tuple(layer.name for layer in _layers_inside(op))
+        nodes.append(GraphNode(base, op.name, tuple(reads), tuple(outputs), leaf=leaf, unit=op.name))
+        calls.append(Call(op, node.arguments, tuple(keys)))
+    graph = Graph(tuple(inputs), tuple(nodes), tuple(names[id(kt)] for kt in model.outputs))
+    return KerasGraph(graph, tuple(calls), tuple(model.layers), model, specs, nested)
+
+
+def _layers_inside(model: Any) -> List[Any]:
+    found = []
+    for layer in model.layers:
+        found.append(layer)
+        if isinstance(layer, keras.Model):
+            found.extend(_layers_inside(layer))
+    return found
+
+
+def place_variables(layers: Sequence[Any], device: str) -> None:
+    """Move the variables of built ``layers`` onto ``device`` (a functional model built them where it ran).
+
+    Keras has no public way to move a built variable: each one's TensorFlow variable is made anew under
+    ``tf.device`` with the same value, name and settings (``Variable._initialize``), the Keras variable
+    itself (what optimizers, checkpoints and ``model.weights`` hold) stays the same object.
+    """
+    want = tf.DeviceSpec.from_string(device)
+    for layer in layers:
+        for variable in layer.weights:
+            have = tf.DeviceSpec.from_string(variable.value.device)
+            if (have.device_type, have.device_index) != (want.device_type, want.device_index):
+                with tf.device(device):
+                    variable._initialize(tf.identity(variable.value))
+
+
+def layers_called_first(captured: KerasGraph, split: Any, j: int) -> List[Any]:
+    """The layers stage ``j`` of ``split`` calls before any earlier stage (it holds their variables), in node order."""
+    seen = {id(call.operation) for k in range(split.starts[j]) if (call := captured.calls[k]) is not None}
+    found: List[Any] = []
+    for k in split.stage_range(j):
+        call = captured.calls[k]
+        if call is not None and id(call.operation) not in seen and isinstance(call.operation, keras.layers.Layer):
+            seen.add(id(call.operation))
+            found.append(call.operation)
+    return found

@@ -1,0 +1,130 @@
+"""TensorFlow DistributedPipeline of a functional Keras model (residual blocks) on 2 processes, against one process.
+# timeout: 400
+
+Cut at a block's output, one tensor crosses; cut inside a block, two do (the skip and the main
+path), packed into one message. A model a process pipeline cannot carry yet (several outputs) is
+refused on every rank before any communication.
+"""
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import dualframe.tensorflow as hvd
+from dualframe.errors import StrategyError
+from dualframe.tensorflow.distributed_pipeline import DistributedPipeline
+
+STEPS, BATCH, CHUNKS = 3, 10, 4
+hvd.init()
+
+
+def make_model(seed=7):
+    """input -> dense -> 2 residual blocks -> head, seeded so every rank and the reference agree (9 layers)."""
+    init = keras.initializers.GlorotUniform
+    x = keras.Input((6,), name="x")
+    h = keras.layers.Dense(16, kernel_initializer=init(seed), name="d0")(x)
+    for b in range(2):
+        f = keras.layers.Dense(16, activation="tanh", kernel_initializer=init(seed + 10 * b + 1), name=f"b{b}_fc1")(h)
+        f = keras.layers.Dense(16, kernel_initializer=init(seed + 10 * b + 2), name=f"b{b}_fc2")(f)
+        h = keras.layers.Add(name=f"b{b}_add")([h, f])
+    return keras.Model(x, keras.layers.Dense(3, kernel_initializer=init(seed + 99), name="head")(h))
+
+
+def batches():
+    rng = np.random.RandomState(11)
+    return [(rng.randn(BATCH, 6).astype("float32"), rng.randn(BATCH, 3).astype("float32")) for _ in range(STEPS)]
+
+
+def reference(data):
+    model, optimizer, losses = make_model(), keras.optimizers.SGD(0.1, momentum=0.9), []
+    for x, y in data:
+        with tf.GradientTape() as tape:
+            loss = keras.losses.MeanSquaredError()(y, model(x))
+        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+        losses.append(float(loss))
+    return losses, model.get_weights()
+
+
+@pytest.mark.parametrize("schedule, balance", [("gpipe", [5, 4]), ("1f1b", [5, 4]), ("1f1b", [3, 6])])
+def test_functional_model_trains_as_one_process(schedule, balance):
+    data = batches()
+    expected_losses, expected_weights = reference(data)
+    pipe = DistributedPipeline(make_model(), balance=balance, chunks=CHUNKS, schedule=schedule, loss_fn="mse")
+    assert pipe.layers[0].packed_out == (balance == [3, 6] and pipe.is_first)  # d0 and b0_fc1 cross at [3, 6]
+    optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
+    for step, (x, y) in enumerate(data):
+        loss = pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None)
+        assert loss == pytest.approx(expected_losses[step], abs=1e-5), f"step {step}"
+        pipe.apply_gradients(optimizer)
+    merged = pipe.gather_weights()
+    assert len(merged) == len(expected_weights)
+    for got, want in zip(merged, expected_weights):
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+
+
+def test_inference_and_set_weights_take_the_full_model():
+    other = make_model(seed=99)
+    pipe = DistributedPipeline(make_model(), balance=[5, 4], chunks=3, loss_fn="mse")
+    pipe.set_weights(other.get_weights())
+    x = np.random.RandomState(3).randn(7, 6).astype("float32")
+    out = pipe(x)
+    if pipe.is_last:
+        np.testing.assert_allclose(out.numpy(), other(x).numpy(), atol=1e-6, rtol=0)
+
+
+def test_a_model_with_two_outputs_is_refused_on_every_rank():
+    model = make_model()
+    two = keras.Model(model.input, [model.output, model.get_layer("b1_add").output])
+    with pytest.raises(StrategyError, match=r"the model has 2 outputs \(one is carried\)"):
+        DistributedPipeline(two, balance=[5, 4], chunks=2, loss_fn="mse")
+    # Both ranks refused alike, so a pipeline still works afterwards.
+    x, y = batches()[0]
+    pipe = DistributedPipeline(make_model(), balance=[5, 4], chunks=2, loss_fn="mse")
+    assert pipe.train_step(x, y) == pytest.approx(reference([(x, y)])[0][0], abs=1e-5)
+
+
+T, VOCAB = 6, 30
+
+
+def make_encoder():
+    """(tokens, padding mask) -> embedding -> 2 attention blocks reading one attention mask -> logits."""
+    keras.utils.set_random_seed(5)
+    tokens = keras.Input((T,), dtype="int32", name="tokens")
+    mask = keras.Input((T,), dtype="bool", name="mask")
+    attention = keras.layers.Reshape((1, T), name="attention_mask")(mask)
+    h = keras.layers.Embedding(VOCAB, 8, name="embed")(tokens)
+    for b in range(2):
+        a = keras.layers.MultiHeadAttention(2, 4, name=f"b{b}_mha")(h, h, attention_mask=attention)
+        h = keras.layers.LayerNormalization(name=f"b{b}_ln")(keras.layers.Add(name=f"b{b}_add")([h, a]))
+    h = keras.layers.GlobalAveragePooling1D(name="pool")(h)
+    return keras.Model({"tokens": tokens, "mask": mask}, keras.layers.Dense(3, name="head")(h))
+
+
+def encoder_batches():
+    rng = np.random.RandomState(4)
+    out = []
+    for _ in range(STEPS):
+        lengths = rng.randint(2, T + 1, size=BATCH)
+        inputs = {"tokens": rng.randint(1, VOCAB, size=(BATCH, T)).astype("int32"),
+                  "mask": np.arange(T)[None, :] < lengths[:, None]}
+        out.append((inputs, rng.randn(BATCH, 3).astype("float32")))
+    return out
+
+
+def test_encoder_with_two_inputs_and_a_mask_crossing_trains_as_one_process():
+    data = encoder_batches()
+    model, optimizer, expected = make_encoder(), keras.optimizers.SGD(0.1), []
+    for x, y in data:
+        with tf.GradientTape() as tape:
+            loss = keras.losses.MeanSquaredError()(y, model(x))
+        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+        expected.append(float(loss))
+    # inputs, mask, embedding, block 0 (3 layers) | block 1, pool, head: the states and the bool mask cross, packed
+    pipe = DistributedPipeline(make_encoder(), balance=[7, 5], chunks=3, schedule="1f1b", loss_fn="mse")
+    optimizer = keras.optimizers.SGD(0.1)
+    for step, (x, y) in enumerate(data):
+        loss = pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None)
+        assert loss == pytest.approx(expected[step], abs=1e-5), f"step {step}"
+        pipe.apply_gradients(optimizer)
+    for got, want in zip(pipe.gather_weights(), model.get_weights()):
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
