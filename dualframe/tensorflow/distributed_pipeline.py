@@ -1,14 +1,15 @@
-"""DistributedPipeline for TensorFlow/Keras 3: a list of layers split over processes, one stage per rank, GPipe or 1F1B.
+"""DistributedPipeline for TensorFlow/Keras 3: layers or a functional model split over processes, one stage per rank.
 
 The TensorFlow twin of ``dualframe.torch.DistributedPipeline``, built on the same core: arguments
 checked by ``dualframe.pipeline.layout``, per-rank action lists from ``dualframe.pipeline.schedule``, the
 walk, timing and per-step agreement from ``dualframe.pipeline.walk``. The framework parts are the
-stage's GradientTape work (``pipeline_work``) and the Horovod transport (``pipeline_transport``).
+stage's GradientTape work (``pipeline_work``; a functional model: ``graph_stage_work``, walked along the
+graph's edges by ``dualframe.pipeline.graph_walk`` as torch's is) and the Horovod transport (``pipeline_transport``).
 """
 from __future__ import annotations
 
 import itertools
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import keras
 import numpy as np
@@ -24,9 +25,11 @@ from dualframe.tensorflow.optimizer import DistributedOptimizer
 from dualframe.tensorflow.pipeline_transport import TFWire, point_to_point, process_sets
 from dualframe.tensorflow.pipeline_work import StageFunctions, TFStageWork, fusable
 from dualframe.launch.topology import detect
-from dualframe.pipeline.graph import graph_units
+from dualframe.pipeline.graph import GraphSplit, graph_units
+from dualframe.pipeline.graph_walk import GraphPipelineStage, edge_process_sets
 from dualframe.tensorflow.graph import KerasGraph, capture
-from dualframe.tensorflow.graph_stage import model_inputs, process_stages
+from dualframe.tensorflow.graph_stage import process_stages
+from dualframe.tensorflow.graph_stage_work import TFGraphStageWork
 
 _IDS = itertools.count()
 
@@ -70,13 +73,16 @@ class DistributedPipeline(StageView):
 
     Args:
         layers: a ``keras.Sequential`` or a list of layers, each taking and returning one tensor; or a
-            functional ``keras.Model`` cut where one tensor crosses from each stage to the next.
+            functional ``keras.Model`` cut anywhere: each value goes from the rank that makes it straight to
+            every rank that reads it (model inputs from stage 0, model outputs to the last stage, which
+            computes the loss), one exact byte message per pair of stages and micro-batch.
         balance: layers per stage, e.g. ``[3, 2]`` (a functional model: ``len(model.layers)`` in execution
             order, as ``ModelParallel``); one stage per rank of a pipeline.
         chunks: micro-batches per mini-batch.
         schedule: ``"gpipe"`` or ``"1f1b"`` (at most ``stages`` micro-batches' tapes alive).
         loss_fn: ``loss_fn(targets, outputs)`` in Keras order (``keras.losses.MeanSquaredError()`` or
-            ``"mse"``); per-row results are averaged.
+            ``"mse"``); per-row results are averaged. ``outputs`` is what the model returns (a list or dict
+            for several outputs).
         devices: one TF device per stage (default: the process's default placement).
         data_parallel: replicas of the pipeline (default: processes // stages); checked against the world.
         timeout: seconds to wait for a neighbouring stage before raising PeerLostError.
@@ -102,19 +108,31 @@ class DistributedPipeline(StageView):
         layout = layout_pipeline(len(all_layers), balance, chunks, schedule, loss_fn, devices, data_parallel, timeout,
                                  _world_size())
         ranges, self.captured = layout.ranges, captured
-        if captured is not None:  # a functional model: one GraphStage per stage, a chain checked on every rank
-            all_layers = process_stages(captured, [len(r) for r in layout.ranges])
+        self.split: Optional[GraphSplit] = None
+        if captured is not None:  # a functional model: one GraphStage per stage, the same cut on every rank
+            self.split, all_layers = process_stages(captured, [len(r) for r in layout.ranges])
             ranges = [range(k, k + 1) for k in range(len(all_layers))]
         self.chunks, self.schedule, self.grid = chunks, layout.schedule, layout.grid
         self.loss_fn, self.timeout = loss_fn, timeout
         # From here on, Horovod: every argument above is checked on every rank.
-        sets = process_sets(pipeline_process_sets(layout.grid.replicas * layout.grid.stages, layout.grid.stages))
+        world = layout.grid.replicas * layout.grid.stages
+        needed = pipeline_process_sets(world, layout.grid.stages)
+        if self.split is not None:  # a value skipping stages goes straight to its reader: that pair needs a set too
+            needed += [g for g in edge_process_sets(self.split, layout.grid.pipeline_groups)
+                       if g not in needed and len(g) < world]
+        sets = process_sets(needed)
         prefix = f"dpipe{next(_IDS)}"
         j = layout.grid.position(int(hvd.rank()))[1]
         self.device = layout.devices[j] if layout.devices else None
         self.direct = point_to_point(self.device, chunks, prefix)  # None: messages go as Horovod broadcasts
         # Names without step numbers: each is a traced tf.function (see pipeline_transport).
-        self.role = PipelineStage(layout, TFWire(), int(hvd.rank()), sets, prefix, step_names=False, direct=self.direct)
+        self.role: PipelineStage[Any]
+        if self.split is not None:
+            self.role = GraphPipelineStage(layout, TFWire(), int(hvd.rank()), sets, prefix, step_names=False,
+                                           direct=self.direct, split=self.split)
+        else:
+            self.role = PipelineStage(layout, TFWire(), int(hvd.rank()), sets, prefix, step_names=False,
+                                      direct=self.direct)
         self.layer_indices = ranges[j]
         self.layers = [all_layers[index] for index in ranges[j]]
         self._all_layers = all_layers
@@ -170,16 +188,33 @@ class DistributedPipeline(StageView):
         """``optimizer.apply_gradients`` on the last step's gradients and the stage's variables."""
         optimizer.apply_gradients([(g, v) for g, v in zip(self.gradients, self.trainable_variables) if g is not None])
 
-    def _run(self, actions: Sequence[Action], inputs: Any, targets: Any, train: bool) -> Tuple[TFStageWork, StepRecord]:
-        if inputs is not None and self.is_first and self.captured is not None:
-            inputs = model_inputs(self.captured, inputs)  # several model inputs travel packed into one tensor
-        inputs = None if inputs is None or not self.is_first else tf.convert_to_tensor(inputs)
+    def _run(self, actions: Sequence[Action], inputs: Any, targets: Any, train: bool) -> Tuple[Any, StepRecord]:
         targets = None if targets is None or not self.is_last else tf.convert_to_tensor(targets)
+        if self.split is not None:
+            return self._run_graph(actions, inputs, targets, train)
+        inputs = None if inputs is None or not self.is_first else tf.convert_to_tensor(inputs)
         sizes = self.role.agree(inputs, targets, train)
         micro_inputs = tf.split(inputs, sizes) if inputs is not None else []
         micro_targets = tf.split(targets, sizes) if train and targets is not None else []
         work = TFStageWork(self.layers, self.is_first, self.is_last, self.loss_fn if train else None,
                            micro_targets, [s / sum(sizes) for s in sizes], self.device, self._functions, fusable(actions))
+        return work, self.role.step(actions, micro_inputs, work, train)
+
+    def _run_graph(self, actions: Sequence[Action], inputs: Any, targets: Any,
+                   train: bool) -> Tuple[TFGraphStageWork, StepRecord]:
+        assert self.split is not None and self.captured is not None
+        values: Dict[str, Any] = {}
+        if self.is_first and inputs is not None:
+            flat = [tf.convert_to_tensor(v) for v in self.captured.flat_inputs(inputs)]
+            values = dict(zip(self.split.graph.inputs, flat))
+        key = next(iter(values.values())) if values else None  # its shape keys the step (its rows: the batch)
+        sizes = self.role.agree(key, targets, train)
+        parts = {name: tf.split(value, sizes) for name, value in values.items()}
+        micro_inputs = [{name: part[i] for name, part in parts.items()} for i in range(len(sizes))] if values else []
+        micro_targets = tf.split(targets, sizes) if train and targets is not None else []
+        work: Any = TFGraphStageWork(self.layers[0], self.split, self.stage_index, self.captured,
+                                self.loss_fn if train else None, micro_targets, [s / sum(sizes) for s in sizes],
+                                self.device)
         return work, self.role.step(actions, micro_inputs, work, train)
 
     def train_step(self, inputs: Any, targets: Any) -> float:
@@ -196,11 +231,15 @@ class DistributedPipeline(StageView):
         self.peak_live = max(self.peak_live, work.peak_live)
         return self.role.mean_loss(work.loss_sum)
 
-    def __call__(self, inputs: Any) -> Optional[tf.Tensor]:
-        """Inference through the pipeline (no gradients): the output on the last stage, None elsewhere."""
+    def __call__(self, inputs: Any) -> Any:
+        """Inference through the pipeline (no gradients): the model's output on the last stage, None elsewhere."""
         forwards = [Action("F", i) for i in range(self.chunks)]
         work, _ = self._run(forwards, inputs, None, train=False)
-        return tf.concat(work.outputs, axis=0) if self.is_last else None
+        if not self.is_last:
+            return None
+        if self.captured is None or self.split is None:
+            return tf.concat(work.outputs, axis=0)
+        return self.captured.pack_outputs([tf.concat(list(parts), axis=0) for parts in zip(*work.outputs)])
 
     def timings(self) -> List[str]:
         """Every rank's ``timing()`` line in rank order, then each replica's pipeline bubble, on every rank.

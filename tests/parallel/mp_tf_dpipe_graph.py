@@ -2,8 +2,7 @@
 # timeout: 400
 
 Cut at a block's output, one tensor crosses; cut inside a block, two do (the skip and the main
-path), packed into one message. A model a process pipeline cannot carry yet (several outputs) is
-refused on every rank before any communication.
+path), packed into one byte message. Skips over a stage and several outputs: mp_tf_graph_pipeline.py.
 """
 import keras
 import numpy as np
@@ -11,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import dualframe.tensorflow as hvd
-from dualframe.errors import StrategyError
+from dualframe.pipeline.graph_walk import edge_values
 from dualframe.tensorflow.distributed_pipeline import DistributedPipeline
 
 STEPS, BATCH, CHUNKS = 3, 10, 4
@@ -50,7 +49,9 @@ def test_functional_model_trains_as_one_process(schedule, balance):
     data = batches()
     expected_losses, expected_weights = reference(data)
     pipe = DistributedPipeline(make_model(), balance=balance, chunks=CHUNKS, schedule=schedule, loss_fn="mse")
-    assert pipe.layers[0].packed_out == (balance == [3, 6] and pipe.is_first)  # d0 and b0_fc1 cross at [3, 6]
+    crossing = {(0, 1): ("b0_fc1", "d0") if balance == [3, 6] else ("b0_add",)}  # two values cross at [3, 6]
+    assert pipe.role.edge_links.keys() == {1 - pipe.stage_index}
+    assert {(0, 1): edge_values(pipe.split, 0, 1)} == crossing
     optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
     for step, (x, y) in enumerate(data):
         loss = pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None)
@@ -70,17 +71,6 @@ def test_inference_and_set_weights_take_the_full_model():
     out = pipe(x)
     if pipe.is_last:
         np.testing.assert_allclose(out.numpy(), other(x).numpy(), atol=1e-6, rtol=0)
-
-
-def test_a_model_with_two_outputs_is_refused_on_every_rank():
-    model = make_model()
-    two = keras.Model(model.input, [model.output, model.get_layer("b1_add").output])
-    with pytest.raises(StrategyError, match=r"the model has 2 outputs \(one is carried\)"):
-        DistributedPipeline(two, balance=[5, 4], chunks=2, loss_fn="mse")
-    # Both ranks refused alike, so a pipeline still works afterwards.
-    x, y = batches()[0]
-    pipe = DistributedPipeline(make_model(), balance=[5, 4], chunks=2, loss_fn="mse")
-    assert pipe.train_step(x, y) == pytest.approx(reference([(x, y)])[0][0], abs=1e-5)
 
 
 T, VOCAB = 6, 30

@@ -333,60 +333,74 @@ def gated():
     return keras.Model(x, keras.layers.Dense(2, name="head")(gate))
 
 
-@pytest.mark.parametrize("make, balance, x", [
-    (lambda: resnet(bn=False), [4, 5, 6], tf.random.normal((5, 8, 8, 3), seed=6)),  # two tensors cross at 0|1
-    (gated, [3, 3], tf.random.normal((5, 4), seed=7)),                                 # a bool beside a float
-])
-def test_process_stages_pass_one_packed_message_and_equal_the_model(make, balance, x):
-    """What DistributedPipeline's stages run, chained in one process: outputs and gradients equal the model's."""
+def walk_in_one_process(model, balance, inputs, chunks=1):
+    """DistributedPipeline's stages of ``model``, run in one process along the graph's edges (GPipe order):
+    the model's outputs, loss and variable gradients (in ``model.trainable_variables`` order), and the edges."""
+    from dualframe.pipeline.graph_walk import edge_pairs
     from dualframe.tensorflow.graph import capture
     from dualframe.tensorflow.graph_stage import process_stages
+    from dualframe.tensorflow.graph_stage_work import TFGraphStageWork
 
-    model = make()
-    stages = process_stages(capture(model), balance)
-    assert stages[0].packed_out and not stages[-1].packed_out
-    with tf.GradientTape() as tape:
-        tape.watch(x)
-        h = x
-        for stage in stages:
-            h = stage(h, training=True)
-        loss = loss_of(h)
-    got = (h, loss, tape.gradient(loss, [x] + [v for s in stages for v in s.trainable_weights]))
-    assert [v.path for s in stages for v in s.weights] == [v.path for v in model.weights]
-    assert_same(got, run(model, x))
-
-
-def test_process_stages_refuse_what_one_message_cannot_carry():
-    from dualframe.tensorflow.graph import capture
-    from dualframe.tensorflow.graph_stage import process_stages
-
-    with pytest.raises(StrategyError, match=r"the model has 2 outputs \(one is carried\)"):
-        process_stages(capture(encoder()), [13, 14])
-    with pytest.raises(StrategyError, match=r"stem skips stage 1 on its way to stage 2"):
-        process_stages(capture(resnet(bn=False)), [3, 1, 11])
-    single = encoder()
-    single = keras.Model(single.input, single.output[0])
-    with pytest.raises(StrategyError, match=r"attention_mask skips stage 1 on its way to stage 2"):
-        process_stages(capture(single), [9, 9, 9])
-
-
-def test_process_stages_of_an_encoder_pack_its_two_inputs_and_the_mask_beside_the_states():
-    from dualframe.tensorflow.graph import capture
-    from dualframe.tensorflow.graph_stage import model_inputs, process_stages
-
-    model = encoder()
-    model = keras.Model(model.input, model.output[0])
     captured = capture(model)
-    stages = process_stages(captured, [11, 16])  # inputs, mask, embedding, block 0 | blocks 1, 2, head
-    assert stages[0].packed_in and stages[0].sends == ("attention_mask", "b0_ln2")  # the bool mask rides along
-    inputs = encoder_batch(5)
-    with tf.GradientTape() as tape:
-        h = model_inputs(captured, inputs)
-        for stage in stages:
-            h = stage(h, training=True)
-        loss = loss_of(h)
-    got = (h, loss, tape.gradient(loss, [v for s in stages for v in s.trainable_weights]))
-    assert_same(got, run(model, inputs))
+    split, stages = process_stages(captured, balance)
+    rows = tf.nest.flatten(inputs)[0].shape[0]
+    sizes = micro_batch_sizes(rows, chunks)
+    micro = rows_of(dict(zip(split.graph.inputs, captured.flat_inputs(inputs))), sizes)
+    works = [TFGraphStageWork(stage, split, j, captured, lambda _, out: loss_of(out), [None] * chunks,
+                              [s / rows for s in sizes]) for j, stage in enumerate(stages)]
+    forward, backward = {}, {}
+    for i in range(chunks):
+        for j, work in enumerate(works):
+            received = {p: forward[(p, j, i)] for p in work.incoming}
+            if j == 0:
+                received[-1] = micro[i]
+            forward.update({(j, c, i): m for c, m in work.forward(i, received).items()})
+    for i in range(chunks):
+        for j in reversed(range(len(works))):
+            grads = {c: backward[(j, c, i)] for c in works[j].outgoing}
+            backward.update({(p, j, i): m for p, m in works[j].backward(i, grads).items()})
+    by_path = {v.path: g for stage, work in zip(stages, works) for v, g in zip(stage.trainable_weights, work.gradients)}
+    assert [v.path for s in stages for v in s.weights] == [v.path for v in model.weights]
+    return works[-1].loss_sum, [by_path[v.path] for v in model.trainable_variables], edge_pairs(split)
+
+
+@pytest.mark.parametrize("make, balance, x, edges", [
+    (lambda: resnet(bn=False), [3, 1, 11], tf.random.normal((5, 8, 8, 3), seed=6), [(0, 1), (0, 2), (1, 2)]),
+    (gated, [3, 3], tf.random.normal((5, 4), seed=7), [(0, 1)]),                       # a bool beside a float
+    (encoder, [9, 9, 9], None, [(0, 1), (0, 2), (1, 2)]),  # two outputs, the mask skips stage 1, two int/bool inputs
+])
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_process_stages_along_edges_equal_the_model(make, balance, x, edges, chunks):
+    """What DistributedPipeline's stages run and send, in one process: loss and gradients equal the model's."""
+    model = make()
+    x = encoder_batch(6) if x is None else x
+    loss, grads, got_edges = walk_in_one_process(model, balance, x, chunks)
+    assert got_edges == edges
+    rows = tf.nest.flatten(x)[0].shape[0]
+    want_loss, want_grads = 0.0, [0.0] * len(grads)
+    for part, size in zip(rows_of(x, micro_batch_sizes(rows, chunks)), micro_batch_sizes(rows, chunks)):
+        _, l, g = run(model, part)
+        g = g[len([v for v in tf.nest.flatten(part) if v.dtype.is_floating]):]
+        want_loss += float(l) * size / rows
+        want_grads = [a + tf.convert_to_tensor(b) * size / rows for a, b in zip(want_grads, g)]
+    np.testing.assert_allclose(loss, want_loss, atol=1e-5, rtol=0)
+    for a, b in zip(grads, want_grads):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
+
+
+def test_messages_carry_every_dtype_exactly():
+    from dualframe.tensorflow.graph_stage_work import pack, unpack
+
+    values = [tf.constant([[2 ** 53 + 1, -7]], tf.int64), tf.constant([True, False, True]),
+              tf.constant(np.arange(7, dtype=np.uint8)), tf.random.normal((2, 3, 1)), tf.constant(2 ** 31 - 1, tf.int32),
+              tf.constant([1.5, -2.25], tf.bfloat16), tf.zeros((0, 4))]
+    message = pack(values, [f"v{k}" for k in range(len(values))])
+    assert message.dtype == tf.uint8
+    for got, want in zip(unpack(message), values):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_array_equal(got.numpy(), want.numpy())
+    with pytest.raises(StrategyError, match=r"value 'n' crosses between process stages but is a int"):
+        pack([3], ["n"])
 
 
 def test_fit_with_dict_inputs_and_two_outputs_equals_the_unsplit_model():

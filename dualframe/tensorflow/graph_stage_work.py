@@ -1,0 +1,158 @@
+"""One process stage of a graph split in TensorFlow: one packed byte message per edge (the core's GraphStageWork).
+
+The twin of ``dualframe.torch.graph_stage_work``, with the same message layout: a forward message
+from stage p to stage c holds every value c reads from p (``edge_values``); the backward message
+holds their gradients in the same layout (zeros where a value has none, e.g. a padding mask or token
+ids). A message is a flat ``uint8`` tensor: an int64 header (count, then per tensor its dtype code,
+ndim and dims) followed by each tensor's bytes, padded to 8, so every dtype travels exactly
+(int64 ids, bool masks) and a value's shape may change between steps.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+import tensorflow as tf
+
+from dualframe.errors import StrategyError
+from dualframe.pipeline.graph import GraphSplit
+from dualframe.pipeline.graph_walk import edge_values, stage_edges
+from dualframe.pipeline.link import MAX_DIMS
+from dualframe.tensorflow.graph import KerasGraph
+from dualframe.tensorflow.graph_stage import GraphStage
+from dualframe.tensorflow.pipeline_transport import DTYPES, tf_dtype_code
+from dualframe.tensorflow.pipeline_work import Gradients, _dense
+
+_FIELDS = 2 + MAX_DIMS  # per tensor: dtype code, ndim, dims
+
+
+def pack(tensors: Sequence[Any], names: Sequence[str]) -> tf.Tensor:
+    """The tensors as one flat uint8 message (see the module docstring).
+
+    Example:
+        >>> ids = tf.constant([2 ** 40 + 1], tf.int64)
+        >>> [int(t[0]) for t in unpack(pack([ids, tf.constant([True])], ["ids", "mask"]))]
+        [1099511627777, 1]
+
+    Raises:
+        StrategyError: a value that is not a tensor, or one of more than ``MAX_DIMS`` dimensions: cut elsewhere.
+    """
+    header = [len(tensors)]
+    parts = []
+    for name, t in zip(names, tensors):
+        if not tf.is_tensor(t):
+            raise StrategyError(f"value {name!r} crosses between process stages but is a {type(t).__name__}, not a "
+                                "tensor; choose a cut where only tensors cross")
+        if t.shape.rank > MAX_DIMS:
+            raise StrategyError(f"value {name!r} has {t.shape.rank} dimensions; a message carries at most {MAX_DIMS}")
+        header += [tf_dtype_code(t.dtype), t.shape.rank, *t.shape, *([0] * (MAX_DIMS - t.shape.rank))]
+        data = np.ascontiguousarray(t.numpy()).reshape(-1).view(np.uint8)
+        parts += [data, np.zeros((-data.size) % 8, np.uint8)]
+    head = np.asarray(header, np.int64).view(np.uint8)
+    return tf.constant(np.concatenate([head, *parts]))
+
+
+def unpack(message: Any) -> List[tf.Tensor]:
+    """The tensors of a ``pack`` message (fresh tensors, same dtypes and shapes)."""
+    raw = np.asarray(message.numpy() if tf.is_tensor(message) else message, np.uint8)
+    count = int(raw[:8].view(np.int64)[0])
+    header = raw[:8 * (1 + _FIELDS * count)].view(np.int64).tolist()
+    offset, out = 8 * (1 + _FIELDS * count), []
+    for k in range(count):
+        code, ndim, *dims = header[1 + _FIELDS * k:1 + _FIELDS * (k + 1)]
+        dtype, shape = np.dtype(DTYPES[code].as_numpy_dtype), tuple(dims[:ndim])
+        size = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+        out.append(tf.convert_to_tensor(raw[offset:offset + size].copy().view(dtype).reshape(shape)))
+        offset += size + (-size) % 8
+    return out
+
+
+class TFGraphStageWork:
+    """Forward and backward of stage j of a graph split on micro-batch i, each micro-batch under its own tape.
+
+    The last stage gathers the model's outputs (its own and those sent to it), rebuilds the model's
+    output structure and turns it into the loss, weighted by the micro-batch's share of rows. The
+    stage's variable gradients are summed over the step's micro-batches in ``gradients`` (aligned with
+    ``stage.trainable_weights``).
+
+    Example:
+        >>> work = TFGraphStageWork(stage, split, 1, captured, loss, [y0], [1.0])   # doctest: +SKIP
+        >>> messages = work.forward(0, {0: message}); work.backward(0, {})          # doctest: +SKIP
+    """
+
+    def __init__(self, stage: GraphStage, split: GraphSplit, j: int, captured: KerasGraph,
+                 loss_fn: Optional[Callable[[Any, Any], Any]], targets: Sequence[Any], weights: Sequence[float],
+                 device: Optional[str] = None) -> None:
+        self.stage, self.split, self.j, self.captured, self.device = stage, split, j, captured, device
+        self.loss_fn, self.targets, self.weights = loss_fn, list(targets), list(weights)
+        self.last = j == split.stages - 1
+        edges = stage_edges(split, j)
+        self.incoming = {p: edge_values(split, p, j) for p in edges.sources}
+        self.outgoing = {c: edge_values(split, j, c) for c in edges.targets}
+        # i -> (tape, received tensors by source, sent tensors by target, loss or None)
+        self._saved: Dict[int, Tuple[Any, Dict[int, List[Any]], Dict[int, List[Any]], Any]] = {}
+        self.gradients: Gradients = []
+        self.outputs: List[List[Any]] = []
+        self.loss_sum = 0.0
+        self.peak_live = 0
+
+    def forward(self, i: int, received: Mapping[int, Any]) -> Dict[int, tf.Tensor]:
+        training = self.loss_fn is not None
+        values: Dict[str, Any] = dict(received.get(-1, {}))
+        held: Dict[int, List[Any]] = {p: unpack(received[p]) for p in self.incoming}
+        loss = None
+        tape = tf.GradientTape() if training else None
+        with tf.device(self.device), (tape if tape is not None else nullcontext()):
+            for p, names in self.incoming.items():
+                if tape is not None:
+                    tape.watch([t for t in held[p] if t.dtype.is_floating])
+                values.update(zip(names, held[p]))
+            self.stage.run(values, training)
+            if self.last and training:
+                assert self.loss_fn is not None
+                outputs = self.captured.pack_outputs([values[v] for v in self.split.graph.outputs])
+                loss = tf.reduce_mean(self.loss_fn(self.targets[i], outputs))
+                loss = loss * tf.cast(self.weights[i], loss.dtype)
+        messages = {c: pack([values[v] for v in names], names) for c, names in self.outgoing.items()}
+        if not training:
+            if self.last:
+                self.outputs.append([values[v] for v in self.split.graph.outputs])
+            return messages
+        if loss is not None:
+            self.loss_sum += float(loss)
+        self._saved[i] = (tape, held, {c: [values[v] for v in names] for c, names in self.outgoing.items()}, loss)
+        self.peak_live = max(self.peak_live, len(self._saved))
+        return messages
+
+    def backward(self, i: int, grads: Mapping[int, Any]) -> Dict[int, tf.Tensor]:
+        tape, held, sent, loss = self._saved.pop(i)
+        roots: Dict[int, Tuple[Any, Any]] = {}  # a value sent to two stages: both gradients add up
+        for c, message in grads.items():
+            for t, g in zip(sent[c], unpack(message)):
+                if t.dtype.is_floating:
+                    root, total = roots.get(id(t), (t, None))
+                    roots[id(t)] = (root, g if total is None else total + g)
+        sources = [t for tensors in held.values() for t in tensors if t.dtype.is_floating]
+        variables = list(self.stage.trainable_weights)
+        with tf.device(self.device):
+            if loss is not None:
+                found = tape.gradient(loss, variables + sources)
+            elif roots:
+                found = tape.gradient([r for r, _ in roots.values()], variables + sources,
+                                      output_gradients=[tf.cast(g, r.dtype) for r, g in roots.values()])
+            else:  # nothing this stage sends carries a gradient
+                found = [None] * (len(variables) + len(sources))
+        self._add(found[:len(variables)])
+        by_id = {id(t): g for t, g in zip(sources, found[len(variables):])}
+        return {p: pack([tf.zeros_like(t) if by_id.get(id(t)) is None else tf.convert_to_tensor(by_id[id(t)])
+                         for t in tensors], self.incoming[p])
+                for p, tensors in held.items()}
+
+    def _add(self, gradients: Sequence[Any]) -> None:
+        """Add one micro-batch's variable gradients to the step's sums (None: not connected to the loss)."""
+        new = _dense(gradients)
+        if not self.gradients:
+            self.gradients = new
+            return
+        self.gradients = [a if b is None else b if a is None else a + b for a, b in zip(self.gradients, new)]
