@@ -135,7 +135,8 @@ def resolve_process_sets(hvd: Any, registry: Any, needed: Sequence[Sequence[int]
     if missing and not dynamic_process_sets():
         raise StrategyError(
             f"Horovod was started without the process sets this pipeline needs (missing: {missing}); "
-            f"start it with hvd.init(process_sets=dualframe.pipeline_process_sets(hvd.size(), stages)) "
+            f"start it with hvd.init(process_sets=dualframe.pipeline_process_sets(hvd.size(), stages)) (a graph split: "
+            f"pipeline_process_sets(hvd.size(), stages, graph=True)) "
             f"or run with HOROVOD_DYNAMIC_PROCESS_SETS=1"
         )
     for group in missing:

@@ -448,17 +448,21 @@ def check_link_order(lists: Sequence[Sequence[Action]]) -> None:
                 )
 
 
-def pipeline_process_sets(world_size: int, stages: int) -> List[List[int]]:
+def pipeline_process_sets(world_size: int, stages: int, graph: bool = False) -> List[List[int]]:
     """The groups of ranks a pipeline of ``stages`` over ``world_size`` ranks communicates in.
 
     Neighbouring pairs of each pipeline (activations, gradients), each whole pipeline (the step's
-    agreement, the loss) and each stage's replicas (gradient averaging). Groups of one rank and the
+    agreement, the loss) and each stage's replicas (gradient averaging). With ``graph``, every pair
+    of stages of a pipeline too: a graph split sends a value skipping stages straight to its reader
+    (``dualframe.pipeline.graph_walk``), whichever pairs the cut makes. Groups of one rank and the
     whole world (Horovod's global set) are left out, as are repeats. Declare them at start-up:
     ``hvd.init(process_sets=pipeline_process_sets(hvd_size, 2))``.
 
     Example:
         >>> pipeline_process_sets(4, 2)
         [[0, 1], [2, 3], [0, 2], [1, 3]]
+        >>> pipeline_process_sets(3, 3, graph=True)
+        [[0, 1], [1, 2], [0, 2]]
     """
     # Imported here: dualframe.strategy validates schedule names against this module's registry.
     from dualframe.strategy import RankGrid
@@ -467,6 +471,8 @@ def pipeline_process_sets(world_size: int, stages: int) -> List[List[int]]:
     candidates: List[List[int]] = []
     for group in grid.pipeline_groups:
         candidates += [[a, b] for a, b in zip(group, group[1:])]
+        if graph:
+            candidates += [[group[p], group[c]] for c in range(len(group)) for p in range(c - 1)]
     candidates += grid.pipeline_groups + grid.stage_groups
     chosen: List[List[int]] = []
     for ranks in candidates:

@@ -17,8 +17,8 @@ from dualframe.pipeline.schedule import pipeline_process_sets
 from dualframe.tensorflow.distributed_pipeline import DistributedPipeline
 
 STEPS, BATCH, CHUNKS = 3, 10, 4
-# The neighbour pairs, plus the skip edge's pair: stage 0 sends to stage 2 directly.
-hvd.init(process_sets=pipeline_process_sets(3, 3) + [[0, 2]])
+# The neighbour pairs, plus every skip pair (graph=True): stage 0 sends to stage 2 directly.
+hvd.init(process_sets=pipeline_process_sets(3, 3, graph=True))
 BALANCE = [3, 4, 1]  # x, stem, b1 | mask, b1_mask, b2, aux | head (model.layers in execution order)
 
 

@@ -67,8 +67,8 @@ def batches():
 
 @pytest.fixture(scope="module", autouse=True)
 def started():
-    # The neighbour pairs and whole pipeline, plus the skip edge's pair: stage 0 sends to stage 2 directly.
-    hvd.init(process_sets=pipeline_process_sets(3, 3) + [[0, 2]])
+    # The neighbour pairs and whole pipeline, plus every skip pair (graph=True): stage 0 sends to stage 2 directly.
+    hvd.init(process_sets=pipeline_process_sets(3, 3, graph=True))
     assert hvd.size() == 3
 
 
