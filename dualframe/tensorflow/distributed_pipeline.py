@@ -136,8 +136,9 @@ class DistributedPipeline(StageView):
         self.layer_indices = ranges[j]
         self.layers = [all_layers[index] for index in ranges[j]]
         self._all_layers = all_layers
-        # One trace per training flag and (relaxed) input shape, kept across steps (see pipeline_work).
-        self._functions = StageFunctions(self.layers, self.is_first, loss_fn)
+        # One trace per training flag and (relaxed) input shape, kept across steps (see pipeline_work);
+        # a graph's stage runs eagerly under a tape per micro-batch (graph_stage_work).
+        self._functions = StageFunctions(self.layers, self.is_first, loss_fn) if self.split is None else None
         self.gradients: List[Optional[tf.Tensor]] = []
         self.peak_live = 0
 
