@@ -2,6 +2,7 @@
 # A test cluster on one machine: N nodes as network namespaces, with sshd, Open MPI and Slurm.
 #
 #   bash scripts/cluster.sh install          # Debian packages it needs, when missing (root, apt-get)
+#   bash scripts/cluster.sh probe            # exit 0 when network namespaces can be made here
 #   bash scripts/cluster.sh up               # 2 nodes: dfn1, dfn2 (DUALFRAME_CLUSTER_NODES=4 for 4)
 #   bash scripts/cluster.sh exec dfn1 CMD    # run CMD on node dfn1 (its network, its host name)
 #   bash scripts/cluster.sh status           # what is up; exit 0 when the whole cluster answers
@@ -188,7 +189,7 @@ cmd_up() {
     if cmd_status >/dev/null 2>&1 && [ "$(cat "$STATE/nodes")" = "$(node_names)" ]; then say "already up"; return 0; fi
     say "a partial or different cluster is there: taking it down first"; cmd_down
   fi
-  mkdir -p "$STATE"; chmod 755 "$STATE"
+  mkdir -p "$STATE/work"; chmod 755 "$STATE"; chmod 1777 "$STATE/work"   # work: shared by all nodes
   node_names > "$STATE/nodes"
   ip netns add "$HUB"
   ip -n "$HUB" link add br0 type bridge
@@ -271,11 +272,20 @@ cmd_status() {
   return $ok
 }
 
+# Exit 0 when this machine lets us make network namespaces (root, and a kernel/container that allows it).
+cmd_probe() {
+  [ "$(id -u)" = 0 ] || { echo "not root"; return 1; }
+  local name=dfprobe$$
+  ip netns add $name 2>/dev/null || { echo "network namespaces cannot be made here (ip netns add failed)"; return 1; }
+  ip netns del $name
+}
+
 case ${1:-} in
   install) cmd_install ;;
+  probe) cmd_probe ;;
   up) cmd_up ;;
   down) cmd_down ;;
   status) cmd_status ;;
   exec) shift; [ $# -ge 2 ] || die "usage: cluster.sh exec NODE COMMAND..."; need_root exec; on_node "$@" ;;
-  *) sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2 ;;
+  *) sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2 ;;
 esac

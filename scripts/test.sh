@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # Run dualframe's whole test suite, bootstrapping whatever is missing first.
 #
-# Four pytest runs, because TensorFlow and torch never load in the same process:
+# Five pytest runs, because TensorFlow and torch never load in the same process:
 #   tests/core        framework-neutral logic (no framework imported)
 #   tests/torch       single-process PyTorch tests
 #   tests/tensorflow  single-process TensorFlow/Keras tests
 #   tests/parallel    multi-process tests, each file under horovodrun --gloo and under mpirun
+#   tests/cluster     jobs across the nodes of a test cluster on this machine (scripts/cluster.sh):
+#                     as root it installs the cluster's Debian packages when missing, brings the
+#                     cluster up, and takes it down on exit even when tests fail; without root, or
+#                     where network namespaces cannot be made, it is skipped with the reason
 # Extra arguments go to every pytest run (e.g. -k pipeline).
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -16,9 +20,23 @@ failed=()
 passed=0
 failed_n=0
 log=$(mktemp)
-trap 'rm -f "$log"' EXIT
-for suite in core torch tensorflow parallel; do
+cluster_up=0
+trap 'rm -f "$log"; [ $cluster_up = 0 ] || bash scripts/cluster.sh down' EXIT
+trap 'exit 130' INT TERM
+for suite in core torch tensorflow parallel cluster; do
   [ -d "tests/$suite" ] || continue
+  if [ $suite = cluster ]; then
+    if ! why=$(bash scripts/cluster.sh probe); then
+      echo "=== tests/cluster: skipped: $why (the test cluster needs root and network namespaces) ==="
+      continue
+    fi
+    cluster_up=1
+    if ! { bash scripts/cluster.sh install && bash scripts/cluster.sh up; }; then
+      echo "=== tests/cluster: the test cluster did not come up (above) ==="
+      failed+=(cluster); continue
+    fi
+    export DUALFRAME_CLUSTER_REQUIRED=1   # from here a cluster that stops answering fails, never skips
+  fi
   echo "=== tests/$suite ==="
   .venv/bin/python -m pytest -p no:cacheprovider -q -ra "tests/$suite" "$@" 2>&1 | tee "$log"
   rc=${PIPESTATUS[0]}
