@@ -94,6 +94,9 @@ PrintMotd no
 X11Forwarding no
 MaxStartups 100
 MaxSessions 100
+# A session whose client is gone (its node cut off) ends, with what it started (orted, task services).
+ClientAliveInterval 5
+ClientAliveCountMax 3
 EOF
   cat > "$STATE/ssh/ssh_config" <<EOF
 Host *
@@ -103,6 +106,7 @@ Host *
   BatchMode yes
   LogLevel ERROR
   ConnectTimeout 5
+  # A node cut off ends its ssh within 15 s: mpirun and horovodrun then see their remote side gone.
   ServerAliveInterval 5
   ServerAliveCountMax 3
 EOF

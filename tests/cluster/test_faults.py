@@ -1,0 +1,133 @@
+"""A node lost mid-training ends the job within 60 s, non-zero, with a message naming the lost node or rank.
+
+tests/cluster/fault_worker.py trains on 2 ranks, one per node; once it runs, the test cuts node dfn2
+off (its eth0 set down: the cable pulled) or SIGKILLs dfn2's training process (the node's processes
+killed), and measures from then to the end of the job. What ends it:
+
+* cut off, mpirun / horovodrun: the launcher's ssh to dfn2 stops answering its keepalives (15 s with
+  the cluster's ssh_config) and the launcher ends the job; Horovod's stall check names the missing
+  rank first (``HOROVOD_STALL_CHECK_TIME_SECONDS=5``). dualframe's stall timeout is set above the ssh
+  keepalive on purpose: a survivor that ends itself first makes mpirun wait on the lost node's daemon
+  (Open MPI 4.1 then hangs in its abort).
+* cut off, srun: the survivor's stall timeout (10 s) ends its rank, ``--kill-on-bad-exit`` the step.
+* killed: the launcher sees its child die on dfn2 and names rank 1 (and the node).
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from _cluster import HOROVODRUN, MCA, ROOT, exported, on_node, require, worker_env
+from dualframe.launch.commands import horovodrun_command, mpirun_command
+
+WORKER = ROOT / "tests" / "cluster" / "fault_worker.py"
+LIMIT_S = 60.0
+#: Per (launcher, fault): what the output must say about the lost node or rank.
+EXPECTED = {
+    # Open MPI 4.1 names neither node nor rank here (a gap, in docs/guide.md): its ssh to dfn2 failed.
+    ("mpirun", "cut"): r"ORTE was unable to reliably start one or more daemons",
+    ("mpirun", "kill"): r"process rank 1 with PID \d+ on node dfn2 exited on signal 9 \(Killed\)",
+    ("horovodrun", "cut"): r"Process 1 exit with status code \d+",
+    # horovodrun sees rank 1 through its ssh, which reports the killed command as 255.
+    ("horovodrun", "kill"): r"The first process to do so was:\s*Process name: 1",
+    ("srun", "cut"): r"dualframe: rank 0/2 \(pid \d+ on dfn1\) stalled",
+    ("srun", "kill"): r"srun: error: dfn2: task 1: Killed",
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cluster():
+    require()
+
+
+def command(launcher: str, env: dict) -> list:
+    program = [sys.executable, str(WORKER)]
+    if launcher == "mpirun":
+        line = mpirun_command(2, program, hosts="dfn1:1,dfn2:1", export=(), as_root=True)
+        at = line.index("--bind-to")
+        return line[:at] + MCA + exported(env) + line[at:]
+    if launcher == "srun":
+        return ["srun", "--mpi=pmix", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+                *program]
+    return horovodrun_command(2, program, hosts="dfn1:1,dfn2:1", gloo=True, horovodrun=HOROVODRUN)
+
+
+def node_pids(node: str, pattern: str) -> list:
+    """Processes in ``node``'s namespace whose command line matches ``pattern``."""
+    found = []
+    for pid in subprocess.run(["ip", "netns", "pids", node], capture_output=True, text=True).stdout.split():
+        try:
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if re.search(pattern, cmdline):
+            found.append(int(pid))
+    return found
+
+
+def inject(fault: str) -> None:
+    if fault == "cut":
+        subprocess.run(["ip", "-n", "dfn2", "link", "set", "eth0", "down"], check=True)
+    else:
+        for pid in node_pids("dfn2", r"fault_worker\.py"):
+            os.kill(pid, signal.SIGKILL)
+
+
+def heal() -> None:
+    """dfn2 back on the network, and nothing of the job left on it (the next case starts clean)."""
+    subprocess.run(["ip", "-n", "dfn2", "link", "set", "eth0", "up"], check=True)
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        left = node_pids("dfn2", r"fault_worker\.py|orted|task_fn|sshd: root@")
+        if not left:
+            break
+        time.sleep(1)
+    for pid in node_pids("dfn2", r"fault_worker\.py|orted|task_fn|sshd: root@"):
+        os.kill(pid, signal.SIGKILL)  # started by this test's job in the test cluster's namespace
+
+
+CASES = [(launcher, fault) for launcher in ("mpirun", "horovodrun", "srun") for fault in ("cut", "kill")]
+
+
+@pytest.mark.parametrize("launcher, fault", CASES, ids=[f"{launcher}-{fault}" for launcher, fault in CASES])
+def test_a_lost_node_ends_the_job(launcher, fault):
+    stall = "10" if launcher == "srun" else "40"
+    env = worker_env(DUALFRAME_STALL_TIMEOUT=stall, HOROVOD_STALL_CHECK_TIME_SECONDS="5")
+    process = subprocess.Popen(["bash", str(ROOT / "scripts" / "cluster.sh"), "exec", "dfn1", *command(launcher, env)],
+                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)
+    lines: list = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(process.stdout.readline, "")), daemon=True)
+    reader.start()
+    fault_at = None
+    try:
+        deadline = time.time() + 180
+        while fault_at is None and time.time() < deadline and process.poll() is None:
+            if re.search(r"dualframe-test: step [2-9]\d on 2 ranks", "".join(lines)):
+                inject(fault)
+                fault_at = time.time()
+            time.sleep(0.2)
+        process.wait(timeout=LIMIT_S + 30 if fault_at else 1)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        ended = time.time()
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        heal()
+        reader.join(timeout=10)
+    output = "".join(lines)
+    assert fault_at, f"{launcher}: training never started:\n{output[-6000:]}"
+    elapsed = ended - fault_at
+    assert process.returncode not in (0, None, -signal.SIGKILL), f"{launcher} {fault}: exit {process.returncode}:\n{output[-6000:]}"
+    assert elapsed < LIMIT_S, f"{launcher} {fault}: the job ended {elapsed:.0f} s after the fault:\n{output[-6000:]}"
+    assert re.search(EXPECTED[launcher, fault], output), (
+        f"{launcher} {fault}: nothing names the lost node or rank ({EXPECTED[launcher, fault]!r}):\n{output[-6000:]}")
