@@ -144,7 +144,7 @@ write_slurm() {
     echo "SlurmdPidFile=$dir/slurmd-%n.pid"
     echo "SlurmctldLogFile=$dir/slurmctld.log"
     echo "SlurmdLogFile=$dir/slurmd-%n.log"
-    echo "SlurmdTimeout=30"
+    echo "SlurmdTimeout=20"
     echo "KillWait=5"
     echo "MessageTimeout=10"
     for node in $(node_names); do

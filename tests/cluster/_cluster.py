@@ -79,3 +79,18 @@ def pytest_program(worker: pathlib.Path, timeout: int) -> List[str]:
     """The worker file under pytest, as every rank runs it."""
     return [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", f"--timeout={timeout}",
             "--rootdir", str(ROOT), str(worker)]
+
+
+def wait_slurm_idle(timeout: float = 90) -> None:
+    """Wait until every Slurm node is idle again (a node cut off comes back when its slurmd answers)."""
+    deadline, states = time.time() + timeout, ""
+    while time.time() < deadline:
+        code, states, _ = on_node("dfn1", ["sinfo", "-h", "-N", "-o", "%N %t"], os.environ, 30)
+        lines = states.split()
+        if code == 0 and lines and all(state == "idle" for state in lines[1::2]):
+            return
+        for node, state in zip(lines[::2], lines[1::2]):
+            if state.startswith("down"):  # back on the network: the administrator's resume, not a wait
+                on_node("dfn1", ["scontrol", "update", f"NodeName={node}", "State=RESUME"], os.environ, 30)
+        time.sleep(2)
+    pytest.fail(f"Slurm nodes not idle after {timeout:.0f} s:\n{states}")

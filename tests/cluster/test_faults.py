@@ -9,7 +9,9 @@ killed), and measures from then to the end of the job. What ends it:
   rank first (``HOROVOD_STALL_CHECK_TIME_SECONDS=5``). dualframe's stall timeout is set above the ssh
   keepalive on purpose: a survivor that ends itself first makes mpirun wait on the lost node's daemon
   (Open MPI 4.1 then hangs in its abort).
-* cut off, srun: the survivor's stall timeout (10 s) ends its rank, ``--kill-on-bad-exit`` the step.
+* cut off, srun: slurmctld marks dfn2 down (``SlurmdTimeout=20`` in the test cluster) and ends the
+  step, naming the node; dualframe's stall timeout (10 s would end it first, naming only the waiting
+  rank) is set above that here.
 * killed: the launcher sees its child die on dfn2 and names rank 1 (and the node).
 """
 from __future__ import annotations
@@ -24,7 +26,7 @@ import time
 
 import pytest
 
-from _cluster import HOROVODRUN, MCA, ROOT, exported, on_node, require, worker_env
+from _cluster import HOROVODRUN, MCA, ROOT, exported, require, wait_slurm_idle, worker_env
 from dualframe.launch.commands import horovodrun_command, mpirun_command
 
 WORKER = ROOT / "tests" / "cluster" / "fault_worker.py"
@@ -37,7 +39,7 @@ EXPECTED = {
     ("horovodrun", "cut"): r"Process 1 exit with status code \d+",
     # horovodrun sees rank 1 through its ssh, which reports the killed command as 255.
     ("horovodrun", "kill"): r"The first process to do so was:\s*Process name: 1",
-    ("srun", "cut"): r"dualframe: rank 0/2 \(pid \d+ on dfn1\) stalled",
+    ("srun", "cut"): r"srun: error: Node failure on dfn2",
     ("srun", "kill"): r"srun: error: dfn2: task 1: Killed",
 }
 
@@ -91,6 +93,7 @@ def heal() -> None:
         time.sleep(1)
     for pid in node_pids("dfn2", r"fault_worker\.py|orted|task_fn|sshd: root@"):
         os.kill(pid, signal.SIGKILL)  # started by this test's job in the test cluster's namespace
+    wait_slurm_idle()
 
 
 CASES = [(launcher, fault) for launcher in ("mpirun", "horovodrun", "srun") for fault in ("cut", "kill")]
@@ -98,7 +101,7 @@ CASES = [(launcher, fault) for launcher in ("mpirun", "horovodrun", "srun") for 
 
 @pytest.mark.parametrize("launcher, fault", CASES, ids=[f"{launcher}-{fault}" for launcher, fault in CASES])
 def test_a_lost_node_ends_the_job(launcher, fault):
-    stall = "10" if launcher == "srun" else "40"
+    stall = "50" if launcher == "srun" else "40"
     env = worker_env(DUALFRAME_STALL_TIMEOUT=stall, HOROVOD_STALL_CHECK_TIME_SECONDS="5")
     process = subprocess.Popen(["bash", str(ROOT / "scripts" / "cluster.sh"), "exec", "dfn1", *command(launcher, env)],
                                cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -125,6 +128,8 @@ def test_a_lost_node_ends_the_job(launcher, fault):
         heal()
         reader.join(timeout=10)
     output = "".join(lines)
+    if os.environ.get("DUALFRAME_TEST_SHOW"):
+        print(output)
     assert fault_at, f"{launcher}: training never started:\n{output[-6000:]}"
     elapsed = ended - fault_at
     assert process.returncode not in (0, None, -signal.SIGKILL), f"{launcher} {fault}: exit {process.returncode}:\n{output[-6000:]}"

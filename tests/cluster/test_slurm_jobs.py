@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from _cluster import ROOT, SHARED, on_node, require, worker_env
+from _cluster import ROOT, SHARED, on_node, require, wait_slurm_idle, worker_env
 
 TIMEOUT = 300
 #: Per script: sbatch's overrides of its #SBATCH lines, and the script's own arguments.
@@ -29,6 +29,7 @@ JOBS = {
 @pytest.fixture(scope="module", autouse=True)
 def cluster():
     require()
+    wait_slurm_idle()
 
 
 def sbatch(script: str, tmp_name: str) -> str:
