@@ -154,7 +154,9 @@ write_slurm() {
     echo "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP"
   } > "$dir/slurm.conf"
   for node in $(node_names); do mkdir -p "$dir/spool-$node"; done
-  printf 'CgroupPlugin=cgroup/v1\nIgnoreSystemd=yes\n' > "$dir/cgroup.conf"
+  # slurmd reads cgroup.conf even with proctrack/linuxproc; name the hierarchy this machine has.
+  local cgroup=cgroup/v1; [ -f /sys/fs/cgroup/cgroup.controllers ] && cgroup=cgroup/v2
+  printf 'CgroupPlugin=%s\nIgnoreSystemd=yes\n' "$cgroup" > "$dir/cgroup.conf"
 }
 
 start_node() {
