@@ -96,7 +96,7 @@ MaxStartups 100
 MaxSessions 100
 # A session whose client is gone (its node cut off) ends, with what it started (orted, task services).
 ClientAliveInterval 5
-ClientAliveCountMax 3
+ClientAliveCountMax 6
 EOF
   cat > "$STATE/ssh/ssh_config" <<EOF
 Host *
@@ -106,9 +106,9 @@ Host *
   BatchMode yes
   LogLevel ERROR
   ConnectTimeout 5
-  # A node cut off ends its ssh within 15 s: mpirun and horovodrun then see their remote side gone.
+  # A node cut off ends its ssh within 30 s (15 s lost sessions under load): mpirun and horovodrun then see it gone.
   ServerAliveInterval 5
-  ServerAliveCountMax 3
+  ServerAliveCountMax 6
 EOF
   # horovodrun and mpirun call plain `ssh`: this one, first on PATH in `on_node`, reads the cluster's config.
   printf '#!/bin/sh\nexec /usr/bin/ssh -F %s "$@"\n' "$STATE/ssh/ssh_config" > "$STATE/bin/ssh"

@@ -4,7 +4,7 @@ tests/cluster/fault_worker.py trains on 2 ranks, one per node; once it runs, the
 off (its eth0 set down: the cable pulled) or SIGKILLs dfn2's training process (the node's processes
 killed), and measures from then to the end of the job. What ends it:
 
-* cut off, mpirun / horovodrun: the launcher's ssh to dfn2 stops answering its keepalives (15 s with
+* cut off, mpirun / horovodrun: the launcher's ssh to dfn2 stops answering its keepalives (30 s with
   the cluster's ssh_config) and the launcher ends the job; Horovod's stall check names the missing
   rank first (``HOROVOD_STALL_CHECK_TIME_SECONDS=5``). dualframe's stall timeout is set above the ssh
   keepalive on purpose: a survivor that ends itself first makes mpirun wait on the lost node's daemon
@@ -96,12 +96,13 @@ def heal() -> None:
     wait_slurm_idle()
 
 
-CASES = [(launcher, fault) for launcher in ("mpirun", "horovodrun", "srun") for fault in ("cut", "kill")]
+#: mpirun's "kill" is the crash phase of test_resume.py (rank 1 on dfn2 SIGKILLed after a checkpoint).
+CASES = [("mpirun", "cut"), ("horovodrun", "cut"), ("horovodrun", "kill"), ("srun", "cut"), ("srun", "kill")]
 
 
 @pytest.mark.parametrize("launcher, fault", CASES, ids=[f"{launcher}-{fault}" for launcher, fault in CASES])
 def test_a_lost_node_ends_the_job(launcher, fault):
-    stall = "50" if launcher == "srun" else "40"
+    stall = "50" if launcher == "srun" else "55"
     env = worker_env(DUALFRAME_STALL_TIMEOUT=stall, HOROVOD_STALL_CHECK_TIME_SECONDS="5")
     process = subprocess.Popen(["bash", str(ROOT / "scripts" / "cluster.sh"), "exec", "dfn1", *command(launcher, env)],
                                cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
