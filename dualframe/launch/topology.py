@@ -65,6 +65,17 @@ def _cross(rank: int, size: int, local_size: int) -> "tuple[int, int]":
     return 0, 1
 
 
+def _open_mpi_cross(env: Mapping[str, str], rank: int, size: int, local_size: int) -> "tuple[int, int]":
+    # `mpirun --map-by node` deals the ranks round-robin over the nodes (rank r on node r % nodes),
+    # which rank // local_size gets wrong; Open MPI says so in its MCA variables.
+    nodes = env.get("OMPI_MCA_orte_num_nodes", "")
+    policy = env.get("OMPI_MCA_rmaps_base_mapping_policy", "").split(":")[0].lower()
+    if policy == "node" and nodes.isdigit() and 0 < int(nodes) and size % int(nodes) == 0 \
+            and size // int(nodes) == local_size:
+        return rank % int(nodes), int(nodes)
+    return _cross(rank, size, local_size)
+
+
 def _slurm_tasks_per_node(value: str, node: int) -> int:
     """Parse SLURM_TASKS_PER_NODE such as ``"2(x3),1"`` and return node ``node``'s count."""
     counts: List[int] = []
@@ -103,7 +114,7 @@ def detect(environ: Optional[Mapping[str, str]] = None) -> Topology:
         rank, size = _int(env, "OMPI_COMM_WORLD_RANK"), _int(env, "OMPI_COMM_WORLD_SIZE")
         local_rank = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", rank)
         local_size = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", size)
-        return Topology(rank, size, local_rank, local_size, *_cross(rank, size, local_size), "mpirun")
+        return Topology(rank, size, local_rank, local_size, *_open_mpi_cross(env, rank, size, local_size), "mpirun")
     if "PMI_RANK" in env:
         rank, size = _int(env, "PMI_RANK"), _int(env, "PMI_SIZE")
         local_rank = _int(env, "MPI_LOCALRANKID", rank)

@@ -20,6 +20,14 @@ def test_open_mpi_variables_derive_the_node():
     assert detect_topology(env) == Topology(5, 8, 1, 4, 1, 2, "mpirun")
 
 
+def test_open_mpi_map_by_node_deals_ranks_round_robin_over_the_nodes():
+    # What `mpirun -np 4 -H n1:2,n2:2 --map-by node` sets (seen on the test cluster): rank 1 is on n2.
+    env = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+           "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "OMPI_MCA_orte_num_nodes": "2", "OMPI_MCA_rmaps_base_mapping_policy": "node"}
+    assert detect_topology(env) == Topology(1, 4, 0, 2, 1, 2, "mpirun")
+    assert detect_topology(dict(env, OMPI_MCA_rmaps_base_mapping_policy="slot")).cross_rank == 0  # block: 0, 1 on n1
+
+
 def test_pmi_variables():
     env = {"PMI_RANK": "2", "PMI_SIZE": "4", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "2"}
     assert detect_topology(env) == Topology(2, 4, 0, 2, 1, 2, "pmi")
