@@ -54,8 +54,7 @@ def test_ranks_are_spread_over_the_nodes_and_know_where_they_stand():
     # The core reads the same from the launcher's variables, before any init.
     assert (TOPOLOGY.rank, TOPOLOGY.size, TOPOLOGY.local_rank, TOPOLOGY.local_size) == (
         rank, len(names), local_rank, len(same_host))
-    if names == sorted(names):  # block layout (node by node): the core's cross rank is the node index
-        assert (TOPOLOGY.cross_rank, TOPOLOGY.cross_size) == (order.index(mine), len(order))
+    assert (TOPOLOGY.cross_rank, TOPOLOGY.cross_size) == (order.index(mine), len(order))  # the node's index
 
 
 def make_model(seed):

@@ -1,7 +1,8 @@
 """tests/cluster/mp_cluster_torch.py on 2 nodes of the test cluster, under mpirun -H, horovodrun -H and srun.
 
 One launcher call per case, started on node dfn1 (as from a cluster's first node): 4 ranks, 2 per node,
-under mpirun (the hybrid's replicas across nodes) and srun (cyclic: its stages across nodes); 2 ranks,
+under mpirun (``--map-by node``: the hybrid's stages across nodes) and srun (block: its replicas across
+nodes); 2 ranks,
 1 per node, under horovodrun with Gloo and with MPI (the pipeline's stages on different nodes).
 """
 from __future__ import annotations
@@ -25,21 +26,21 @@ def cluster():
 def command(case: str, env: dict) -> list:
     program = pytest_program(WORKER, TIMEOUT)
     if case == "mpirun":
-        # Block layout: ranks 0, 1 on dfn1 (replica 0), ranks 2, 3 on dfn2 (replica 1).
+        # --map-by node: ranks 0, 2 on dfn1 (stage 0 of both replicas), ranks 1, 3 on dfn2 (stage 1).
         line = mpirun_command(4, program, hosts="dfn1:2,dfn2:2", export=(), as_root=True)
         at = line.index("--bind-to")
+        line[line.index("--map-by") + 1] = "node"
         return line[:at] + MCA + exported(env) + line[at:]
     if case == "srun":
-        # Cyclic: ranks 0, 2 on dfn1 (stage 0 of both replicas), ranks 1, 3 on dfn2 (stage 1).
-        return ["srun", "--mpi=pmix", "--nodes=2", "--ntasks=4", "--ntasks-per-node=2", "--distribution=cyclic",
-                "--kill-on-bad-exit=1", *program]
+        # Block: ranks 0, 1 on dfn1 (replica 0), ranks 2, 3 on dfn2 (replica 1).
+        return ["srun", "--mpi=pmix", "--nodes=2", "--ntasks=4", "--ntasks-per-node=2", "--kill-on-bad-exit=1", *program]
     gloo = case == "horovodrun-gloo"
     return horovodrun_command(2, program, hosts="dfn1:1,dfn2:1", gloo=gloo, horovodrun=HOROVODRUN)
 
 
 #: Each case's hybrid layout, and the tests that pass on every rank: topology and data parallelism,
 #: then the hybrid (gpipe, 1f1b) on 4 ranks or the pipeline (gpipe, 1f1b per transport) on 2.
-CASES = {"mpirun": ("replicas", 4), "srun": ("stages", 4), "horovodrun-gloo": ("", 4), "horovodrun-mpi": ("", 6)}
+CASES = {"mpirun": ("stages", 4), "srun": ("replicas", 4), "horovodrun-gloo": ("", 4), "horovodrun-mpi": ("", 6)}
 
 
 @pytest.mark.parametrize("case", list(CASES))

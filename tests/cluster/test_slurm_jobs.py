@@ -7,6 +7,7 @@ losses are compared with one process training the same model (torch, in this tes
 """
 from __future__ import annotations
 
+import concurrent.futures
 import re
 
 import pytest
@@ -26,10 +27,22 @@ JOBS = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def cluster():
+@pytest.fixture(scope="module")
+def outputs():
+    """The three jobs submitted at once (4 CPUs a node fit them all): sbatch --wait polls the job's
+    state about every 10 s or more, so one after the other costs ~40 s each however short the job."""
     require()
     wait_slurm_idle()
+    with concurrent.futures.ThreadPoolExecutor(len(JOBS)) as pool:
+        futures = {script: pool.submit(sbatch, script, script.split(".")[0]) for script in JOBS}
+    return {script: future.exception() or future.result() for script, future in futures.items()}
+
+
+def output_of(outputs, script: str) -> str:
+    result = outputs[script]
+    if isinstance(result, BaseException):
+        raise result
+    return result
 
 
 def sbatch(script: str, tmp_name: str) -> str:
@@ -77,16 +90,16 @@ def reference_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: in
     return loss.item()
 
 
-def test_data_parallel_script_on_two_nodes():
-    text = sbatch("slurm_data_parallel.sh", "dp")
+def test_data_parallel_script_on_two_nodes(outputs):
+    text = output_of(outputs, "slurm_data_parallel.sh")
     srun_line(text, 2, 1)
     assert "training on 2 process(es)" in text, text[-3000:]
     accuracy = float(re.search(r"final test accuracy: ([\d.]+)", text).group(1))
     assert accuracy > 0.4, text[-3000:]  # 10 classes: chance is 0.1
 
 
-def test_pipeline_script_stages_on_two_nodes_equal_one_process():
-    text = sbatch("slurm_pipeline.sh", "pipeline")
+def test_pipeline_script_stages_on_two_nodes_equal_one_process(outputs):
+    text = output_of(outputs, "slurm_pipeline.sh")
     srun_line(text, 2, 1)
     torch.manual_seed(0)  # torch_examples/pipeline_processes.py's model and data, width 16, 2 blocks
     model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1))
@@ -94,8 +107,8 @@ def test_pipeline_script_stages_on_two_nodes_equal_one_process():
     assert final_loss(text) == pytest.approx(reference_loss(model, x, x[:, :1].sin(), 6), abs=2e-5), text[-3000:]
 
 
-def test_hybrid_script_two_replicas_by_two_stages_equal_one_process():
-    text = sbatch("slurm_hybrid_split.sh", "hybrid")
+def test_hybrid_script_two_replicas_by_two_stages_equal_one_process(outputs):
+    text = output_of(outputs, "slurm_hybrid_split.sh")
     srun_line(text, 4, 2)
     assert "# 2 replicas x 2 stages" in text and "2 replicas x 2 stages, 1f1b" in text, text[-3000:]
     torch.manual_seed(0)  # torch_examples/hybrid.py's model and data, width 16
@@ -105,6 +118,7 @@ def test_hybrid_script_two_replicas_by_two_stages_equal_one_process():
 
 
 def test_dualframe_run_chooses_srun_inside_an_allocation():
+    require()
     command = ["srun", "--nodes=1", "--ntasks=1", "python", "-m", "dualframe", "run", "--dry-run", "-np", "4", "train.py"]
     code, printed, _ = on_node("dfn1", command, worker_env(), 120)
     assert code == 0, printed
