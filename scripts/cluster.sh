@@ -76,6 +76,12 @@ cmd_install() {
   return 0
 }
 
+# Directories outside $STATE that up makes when missing, listed so down removes exactly those.
+made_dir() {
+  [ -d "$1" ] && return 0
+  mkdir -p "$1" && echo "$1" >> "$STATE/made-dirs"
+}
+
 write_ssh() {
   mkdir -p "$STATE/bin" "$STATE/ssh"
   ssh-keygen -q -t ed25519 -N '' -f "$STATE/ssh/id_ed25519" -C dualframe-cluster
@@ -113,7 +119,7 @@ EOF
   # horovodrun and mpirun call plain `ssh`: this one, first on PATH in `on_node`, reads the cluster's config.
   printf '#!/bin/sh\nexec /usr/bin/ssh -F %s "$@"\n' "$STATE/ssh/ssh_config" > "$STATE/bin/ssh"
   chmod 755 "$STATE/bin/ssh"
-  mkdir -p /run/sshd   # sshd's privilege-separation directory
+  made_dir /run/sshd   # sshd's privilege-separation directory
 }
 
 write_slurm() {
@@ -167,6 +173,7 @@ start_node() {
   ip -n "$node" link set lo up
   ip -n "$node" addr add "$NET.$i/24" dev eth0
   ip -n "$node" link set eth0 up
+  made_dir /etc/netns
   mkdir -p "/etc/netns/$node" "$STATE/tmp/$node"
   chmod 1777 "$STATE/tmp/$node"
   {
@@ -258,7 +265,10 @@ cmd_down() {
     rm -rf "/etc/netns/$node"
   done
   ip netns list | grep -qw "^$HUB" && ip netns del "$HUB"
-  rmdir /etc/netns 2>/dev/null || true
+  local made
+  if [ -f "$STATE/made-dirs" ]; then
+    while read -r made; do rmdir "$made" 2>/dev/null || true; done < "$STATE/made-dirs"
+  fi
   rm -rf "$STATE"
   say "down"
 }
