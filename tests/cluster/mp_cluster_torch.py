@@ -25,6 +25,8 @@ NODES = int(os.environ.get("DUALFRAME_TEST_NODES", "2"))
 LAYOUT = os.environ.get("DUALFRAME_TEST_LAYOUT", "replicas")
 GLOO = "HOROVOD_GLOO_RENDEZVOUS_ADDR" in os.environ
 STEPS, BATCH, TOL = 4, 8, 1e-5
+#: A neighbour's silence this long is a lost stage (45 s by default; a loaded CI box can exceed it).
+PEER_TIMEOUT = 150.0
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -121,7 +123,8 @@ def test_pipeline_stages_on_different_nodes_equal_one_process(transport, schedul
     monkeypatch.setenv("DUALFRAME_PIPELINE_TRANSPORT", transport)
     model, data = pipeline_model(), pipeline_data(10)
     losses, state = reference_run(model, data)
-    pipe = DistributedPipeline(copy.deepcopy(model), balance=[3, 2], chunks=4, schedule=schedule, loss_fn=nn.MSELoss())
+    pipe = DistributedPipeline(copy.deepcopy(model), balance=[3, 2], chunks=4, schedule=schedule, loss_fn=nn.MSELoss(),
+                               timeout=PEER_TIMEOUT)
     assert (pipe.direct is not None) is (transport == "mpi")
     optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
     for step, (x, y) in enumerate(data):
@@ -142,7 +145,7 @@ def test_pipeline_stages_on_different_nodes_equal_one_process(transport, schedul
 def test_hybrid_two_replicas_by_two_stages_equals_one_process(schedule):
     names = hosts()
     pipe = DistributedPipeline(pipeline_model(), balance=[3, 2], chunks=4, schedule=schedule,
-                               loss_fn=nn.MSELoss(), data_parallel=2)
+                               loss_fn=nn.MSELoss(), data_parallel=2, timeout=PEER_TIMEOUT)
     where = {(r // 2, r % 2): names[r] for r in range(4)}  # (replica, stage) -> host
     if LAYOUT == "replicas":  # a replica's two stages share a node; the replicas' gradients cross nodes
         assert where[0, 0] == where[0, 1] != where[1, 0] == where[1, 1], where
