@@ -1,89 +1,31 @@
 """TensorFlow collectives over horovod.tensorflow, implementing the core's Collectives protocol."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+from typing import List, Sequence
 
 import tensorflow as tf
 
 from dualframe._deps import require
-from dualframe.errors import NotInitializedError, StrategyError
-from dualframe.strategy import REDUCE_OPS
+from dualframe.collectives import HorovodCollectives
 
 hvd = require("horovod.tensorflow", "Horovod for TensorFlow (horovod.tensorflow)")
 
-#: Core op names -> Horovod's op constants.
-OPS: Dict[str, object] = {
-    "average": hvd.Average, "sum": hvd.Sum, "adasum": hvd.Adasum,
-    "min": hvd.Min, "max": hvd.Max, "product": hvd.Product,
-}
-assert set(OPS) == set(REDUCE_OPS)
 
-
-def op_of(op: object) -> object:
-    """Horovod's op for a core op name or a Horovod op constant."""
-    if isinstance(op, str):
-        if op.lower() not in OPS:
-            raise StrategyError(f"unknown op {op!r}; choose one of {', '.join(REDUCE_OPS)}")
-        return OPS[op.lower()]
-    if op in OPS.values():
-        return op
-    raise StrategyError(f"unknown op {op!r}; use one of hvd.Average, hvd.Sum, hvd.Adasum, hvd.Min, hvd.Max")
-
-
-def check_initialized(what: str) -> None:
-    """Raise NotInitializedError naming ``what`` unless Horovod is running."""
-    if not hvd.is_initialized():
-        raise NotInitializedError(f"{what} needs dualframe.tensorflow.init() first (call hvd.init() at the top of the script)")
-
-
-class TFCollectives:
-    """Horovod collectives on TensorFlow tensors (the core's Collectives protocol).
+class TFCollectives(HorovodCollectives[tf.Tensor]):
+    """Horovod collectives on TensorFlow tensors (the core's Collectives protocol, written once in
+    ``dualframe.collectives``).
 
     Example:
         >>> from dualframe.tensorflow.collectives import TFCollectives  # doctest: +SKIP
-        >>> c = TFCollectives(); c.init()                                # doctest: +SKIP
-        >>> c.allreduce(tf.ones(2), op="sum")                            # doctest: +SKIP
+        >>> c = TFCollectives(); c.init()                           # doctest: +SKIP
+        >>> c.allreduce(tf.ones(2), op="sum")                       # doctest: +SKIP
     """
 
-    def init(self, process_sets: Any = None) -> None:
-        """Start Horovod once; later calls do nothing.
-
-        ``process_sets``: lists of ranks, Horovod's ``hvd.ProcessSet`` objects (passed on as they are:
-        Horovod gives them their ids) or ``"dynamic"``, as ``horovod.tensorflow.init`` takes them.
-        """
-        if not hvd.is_initialized():
-            if process_sets == "dynamic":
-                hvd.init(process_sets="dynamic")
-            elif process_sets:
-                hvd.init(process_sets=[ranks if isinstance(ranks, hvd.ProcessSet) else hvd.ProcessSet(list(ranks))
-                                       for ranks in process_sets])
-            else:
-                hvd.init()
-
-    def is_initialized(self) -> bool:
-        return bool(hvd.is_initialized())
-
-    def rank(self) -> int:
-        check_initialized("rank()")
-        return int(hvd.rank())
-
-    def size(self) -> int:
-        check_initialized("size()")
-        return int(hvd.size())
-
-    def allreduce(self, tensor: tf.Tensor, op: str = "average", name: Optional[str] = None) -> tf.Tensor:
-        check_initialized("allreduce")
-        return hvd.allreduce(tensor, name=name, op=op_of(op))
-
-    def broadcast(self, tensor: tf.Tensor, root_rank: int, name: Optional[str] = None) -> tf.Tensor:
-        check_initialized("broadcast")
-        return hvd.broadcast(tensor, root_rank, name=name)
-
-    def allgather(self, tensor: tf.Tensor, name: Optional[str] = None) -> tf.Tensor:
-        check_initialized("allgather")
-        return hvd.allgather(tensor, name=name)
+    def __init__(self) -> None:
+        super().__init__(hvd, "dualframe.tensorflow")
 
     def barrier(self) -> None:
+        """Wait until every rank gets here."""
         # horovod.tensorflow 0.28 has no barrier; functions.barrier is the one-number allreduce (imported
         # here because functions imports this module).
         from dualframe.tensorflow.functions import barrier
@@ -112,6 +54,10 @@ class TFCaster:
 
 
 collectives = TFCollectives()
+#: Core op names -> Horovod's op constants.
+OPS = collectives.ops
+op_of = collectives.op_of
+check_initialized = collectives.check_initialized
 
 # Under a launcher, a rank that fails or stalls ends the whole job, naming itself and the cause.
 from dualframe.reliability import failure as _failure  # noqa: E402

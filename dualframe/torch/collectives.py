@@ -1,43 +1,19 @@
 """PyTorch collectives over horovod.torch, implementing the core's Collectives protocol."""
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from typing import List, Sequence
 
 import torch
 
 from dualframe._deps import require
-from dualframe.errors import NotInitializedError, StrategyError
-from dualframe.strategy import REDUCE_OPS
+from dualframe.collectives import HorovodCollectives
 
 hvd = require("horovod.torch", "Horovod for PyTorch (horovod.torch)")
 
-#: Core op names -> Horovod's op constants.
-OPS: Dict[str, object] = {
-    "average": hvd.Average, "sum": hvd.Sum, "adasum": hvd.Adasum,
-    "min": hvd.Min, "max": hvd.Max, "product": hvd.Product,
-}
-assert set(OPS) == set(REDUCE_OPS)
 
-
-def op_of(op: object) -> object:
-    """Horovod's op for a core op name or a Horovod op constant."""
-    if isinstance(op, str):
-        if op.lower() not in OPS:
-            raise StrategyError(f"unknown op {op!r}; choose one of {', '.join(REDUCE_OPS)}")
-        return OPS[op.lower()]
-    if op in OPS.values():
-        return op
-    raise StrategyError(f"unknown op {op!r}; use one of hvd.Average, hvd.Sum, hvd.Adasum, hvd.Min, hvd.Max")
-
-
-def check_initialized(what: str) -> None:
-    """Raise NotInitializedError naming ``what`` unless Horovod is running."""
-    if not hvd.is_initialized():
-        raise NotInitializedError(f"{what} needs dualframe.torch.init() first (call hvd.init() at the top of the script)")
-
-
-class TorchCollectives:
-    """Horovod collectives on torch tensors (the core's Collectives protocol).
+class TorchCollectives(HorovodCollectives[torch.Tensor]):
+    """Horovod collectives on torch tensors (the core's Collectives protocol, written once in
+    ``dualframe.collectives``).
 
     Example:
         >>> from dualframe.torch.collectives import TorchCollectives  # doctest: +SKIP
@@ -45,40 +21,8 @@ class TorchCollectives:
         >>> c.allreduce(torch.ones(2), op="sum")                       # doctest: +SKIP
     """
 
-    def init(self, process_sets: Optional[Sequence[Sequence[int]]] = None) -> None:
-        """Start Horovod once; later calls do nothing."""
-        if not hvd.is_initialized():
-            if process_sets:
-                hvd.init(process_sets=[hvd.ProcessSet(list(ranks)) for ranks in process_sets])
-            else:
-                hvd.init()
-
-    def is_initialized(self) -> bool:
-        return bool(hvd.is_initialized())
-
-    def rank(self) -> int:
-        check_initialized("rank()")
-        return int(hvd.rank())
-
-    def size(self) -> int:
-        check_initialized("size()")
-        return int(hvd.size())
-
-    def allreduce(self, tensor: torch.Tensor, op: str = "average", name: Optional[str] = None) -> torch.Tensor:
-        check_initialized("allreduce")
-        return hvd.allreduce(tensor, name=name, op=op_of(op))
-
-    def broadcast(self, tensor: torch.Tensor, root_rank: int, name: Optional[str] = None) -> torch.Tensor:
-        check_initialized("broadcast")
-        return hvd.broadcast(tensor, root_rank, name=name)
-
-    def allgather(self, tensor: torch.Tensor, name: Optional[str] = None) -> torch.Tensor:
-        check_initialized("allgather")
-        return hvd.allgather(tensor, name=name)
-
-    def barrier(self) -> None:
-        check_initialized("barrier")
-        hvd.barrier()
+    def __init__(self) -> None:
+        super().__init__(hvd, "dualframe.torch")
 
 
 class TorchBatchOps:
@@ -102,6 +46,10 @@ class TorchCaster:
 
 
 collectives = TorchCollectives()
+#: Core op names -> Horovod's op constants.
+OPS = collectives.ops
+op_of = collectives.op_of
+check_initialized = collectives.check_initialized
 
 # Under a launcher, a rank that fails or stalls ends the whole job, naming itself and the cause.
 from dualframe.torch.failure import install as _install_failure_hooks  # noqa: E402

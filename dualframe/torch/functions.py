@@ -4,44 +4,21 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, TypeVar, Union, cast
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, TypeVar, cast
 
 import torch
 
-from dualframe.errors import StrategyError, TopologyError
-from dualframe.launch.topology import detect
+from dualframe.collectives import ProcessSetsArg
+from dualframe.errors import StrategyError
 from dualframe.torch import dp_checks
-from dualframe.torch.collectives import check_initialized, hvd
+from dualframe.torch.collectives import check_initialized, collectives, hvd
 from dualframe.torch.optimizer import DistributedOptimizer
 
 F = TypeVar("F", bound=Callable[..., Any])
-ProcessSetsArg = Union[None, str, Sequence[Any]]
-
-
-def _process_sets(process_sets: ProcessSetsArg, world_size: int) -> Any:
-    if process_sets is None or process_sets == "dynamic":
-        return process_sets
-    if isinstance(process_sets, str) or not isinstance(process_sets, Sequence):
-        raise StrategyError(
-            f"process_sets must be a list of hvd.ProcessSet or rank lists, or 'dynamic' (process_sets: {process_sets!r})"
-        )
-    converted = []
-    for k, entry in enumerate(process_sets):
-        ranks = entry.ranks if isinstance(entry, hvd.ProcessSet) else entry
-        if ranks is None or not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
-            raise StrategyError(f"process_sets[{k}] must list integer ranks (process_sets[{k}]: {entry!r})")
-        bad = [r for r in ranks if not 0 <= r < world_size]
-        if bad or len(set(ranks)) != len(ranks) or not ranks:
-            raise StrategyError(
-                f"process_sets[{k}] must list distinct ranks in [0, {world_size}) (ranks: {list(ranks)}, "
-                f"world size: {world_size})"
-            )
-        converted.append(entry if isinstance(entry, hvd.ProcessSet) else hvd.ProcessSet(list(ranks)))
-    return converted
 
 
 def init(comm: Any = None, process_sets: ProcessSetsArg = None) -> None:
-    """Start Horovod (Horovod's ``init``); later calls do nothing.
+    """Start Horovod (Horovod's ``init``); later calls do nothing (``dualframe.collectives.HorovodCollectives.init``).
 
     Args:
         comm: an mpi4py communicator or a list of ranks, as in Horovod.
@@ -50,14 +27,7 @@ def init(comm: Any = None, process_sets: ProcessSetsArg = None) -> None:
     Raises:
         StrategyError: a process set names a rank outside the job, before Horovod starts.
     """
-    if hvd.is_initialized():
-        return
-    try:
-        world_size = detect().size
-    except TopologyError:
-        world_size = 1 << 30  # unreadable launcher variables: leave the check to Horovod
-    sets = _process_sets(process_sets, world_size)
-    hvd.init(comm=comm, process_sets=sets)
+    collectives.init(process_sets, comm=comm)
 
 
 def needs_init(function: F) -> F:

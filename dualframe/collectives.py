@@ -1,0 +1,161 @@
+"""Horovod's collectives written once for both adapters: the op-name table, the init check, the one ``init``.
+
+Each adapter hands in its Horovod module (``horovod.torch`` or ``horovod.tensorflow``, never
+imported here) and its package name for the error text; ``HorovodCollectives`` then implements
+the core's ``Collectives`` protocol (``dualframe.backend``) on that framework's tensors.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Generic, List, Optional, Sequence, TypeVar, Union
+
+from dualframe.errors import NotInitializedError, StrategyError, TopologyError
+from dualframe.launch.topology import detect
+from dualframe.strategy import REDUCE_OPS
+
+T = TypeVar("T")
+ProcessSetsArg = Union[None, str, Sequence[Any]]
+
+#: Core op names -> the attribute of Horovod's op constant.
+OP_CONSTANTS: Dict[str, str] = {
+    "average": "Average", "sum": "Sum", "adasum": "Adasum", "min": "Min", "max": "Max", "product": "Product",
+}
+assert set(OP_CONSTANTS) == set(REDUCE_OPS)
+
+
+def horovod_ops(hvd: Any) -> Dict[str, object]:
+    """Core op names -> ``hvd``'s op constants."""
+    return {name: getattr(hvd, constant) for name, constant in OP_CONSTANTS.items()}
+
+
+def check_process_sets(hvd: Any, process_sets: ProcessSetsArg, world_size: int) -> Any:
+    """What ``hvd.init(process_sets=...)`` takes for rank lists, ``hvd.ProcessSet`` objects or ``"dynamic"``.
+
+    Rank lists become ``hvd.ProcessSet`` objects; given ones pass as they are (Horovod gives them
+    their ids); None and ``"dynamic"`` pass unchanged.
+
+    Raises:
+        StrategyError: not a list nor ``"dynamic"``, or a set naming a rank outside ``[0, world_size)``,
+            twice, or none.
+    """
+    if process_sets is None or process_sets == "dynamic":
+        return process_sets
+    if isinstance(process_sets, str) or not isinstance(process_sets, Sequence):
+        raise StrategyError(
+            f"process_sets must be a list of hvd.ProcessSet or rank lists, or 'dynamic' (process_sets: {process_sets!r})"
+        )
+    converted = []
+    for k, entry in enumerate(process_sets):
+        ranks = entry.ranks if isinstance(entry, hvd.ProcessSet) else entry
+        if ranks is None or not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
+            raise StrategyError(f"process_sets[{k}] must list integer ranks (process_sets[{k}]: {entry!r})")
+        bad = [r for r in ranks if not 0 <= r < world_size]
+        if bad or len(set(ranks)) != len(ranks) or not ranks:
+            raise StrategyError(
+                f"process_sets[{k}] must list distinct ranks in [0, {world_size}) (ranks: {list(ranks)}, "
+                f"world size: {world_size})"
+            )
+        converted.append(entry if isinstance(entry, hvd.ProcessSet) else hvd.ProcessSet(list(ranks)))
+    return converted
+
+
+class HorovodCollectives(Generic[T]):
+    """The core's ``Collectives`` over one framework's Horovod module.
+
+    Args:
+        hvd: ``horovod.torch`` or ``horovod.tensorflow``.
+        package: the adapter's package, named in errors (``"dualframe.torch"``).
+
+    Example:
+        >>> import horovod.torch as hvd                                  # doctest: +SKIP
+        >>> collectives = HorovodCollectives(hvd, "dualframe.torch")     # doctest: +SKIP
+        >>> collectives.init(); collectives.allreduce(torch.ones(2), op="sum")  # doctest: +SKIP
+    """
+
+    def __init__(self, hvd: Any, package: str) -> None:
+        self.hvd, self.package = hvd, package
+        self.ops = horovod_ops(hvd)
+
+    def op_of(self, op: object) -> object:
+        """Horovod's op for a core op name or a Horovod op constant.
+
+        Raises:
+            StrategyError: neither a core op name nor one of Horovod's constants.
+        """
+        if isinstance(op, str):
+            if op.lower() not in self.ops:
+                raise StrategyError(f"unknown op {op!r}; choose one of {', '.join(REDUCE_OPS)}")
+            return self.ops[op.lower()]
+        if op in self.ops.values():
+            return op
+        raise StrategyError(f"unknown op {op!r}; use one of hvd.Average, hvd.Sum, hvd.Adasum, hvd.Min, hvd.Max")
+
+    def check_initialized(self, what: str) -> None:
+        """Raise NotInitializedError naming ``what`` unless Horovod is running."""
+        if not self.hvd.is_initialized():
+            raise NotInitializedError(
+                f"{what} needs {self.package}.init() first (call hvd.init() at the top of the script)")
+
+    def init(self, process_sets: ProcessSetsArg = None, comm: Any = None) -> None:
+        """Start Horovod once; later calls do nothing.
+
+        Args:
+            process_sets: rank lists, ``hvd.ProcessSet`` objects or ``"dynamic"`` (see ``check_process_sets``),
+                checked against the launcher's world size before Horovod starts.
+            comm: an mpi4py communicator or a list of ranks, as in Horovod.
+
+        Raises:
+            StrategyError: a process set names a rank outside the job, before Horovod starts.
+        """
+        if self.hvd.is_initialized():
+            return
+        try:
+            world_size = detect().size
+        except TopologyError:
+            world_size = 1 << 30  # unreadable launcher variables: leave the check to Horovod
+        sets = check_process_sets(self.hvd, process_sets, world_size)
+        self.hvd.init(comm=comm, process_sets=sets)
+
+    def is_initialized(self) -> bool:
+        """True once Horovod runs."""
+        return bool(self.hvd.is_initialized())
+
+    def world_size(self) -> int:
+        """Processes in the job: Horovod's size once it runs, the launcher's before (to check arguments first)."""
+        return int(self.hvd.size()) if self.hvd.is_initialized() else detect().size
+
+    def rank(self) -> int:
+        """This process's rank in the job."""
+        self.check_initialized("rank()")
+        return int(self.hvd.rank())
+
+    def size(self) -> int:
+        """Number of processes in the job."""
+        self.check_initialized("size()")
+        return int(self.hvd.size())
+
+    def allreduce(self, tensor: T, op: str = "average", name: Optional[str] = None) -> T:
+        """Reduce ``tensor`` over all ranks with the core op name (``"average"``, ``"sum"`` ...)."""
+        self.check_initialized("allreduce")
+        return self.hvd.allreduce(tensor, name=name, op=self.op_of(op))  # type: ignore[no-any-return]
+
+    def broadcast(self, tensor: T, root_rank: int, name: Optional[str] = None) -> T:
+        """Return root_rank's ``tensor`` on every rank."""
+        self.check_initialized("broadcast")
+        return self.hvd.broadcast(tensor, root_rank, name=name)  # type: ignore[no-any-return]
+
+    def allgather(self, tensor: T, name: Optional[str] = None) -> T:
+        """Concatenate every rank's ``tensor`` along the first axis."""
+        self.check_initialized("allgather")
+        return self.hvd.allgather(tensor, name=name)  # type: ignore[no-any-return]
+
+    def allgather_object(self, obj: Any, name: Optional[str] = None) -> List[Any]:
+        """Every rank's ``obj`` (picklable), as a list indexed by rank; ``[obj]`` in a one-process job."""
+        self.check_initialized("allgather_object")
+        if int(self.hvd.size()) == 1:
+            return [obj]
+        return list(self.hvd.allgather_object(obj, name=name))
+
+    def barrier(self) -> None:
+        """Wait until every rank gets here."""
+        self.check_initialized("barrier")
+        self.hvd.barrier()
