@@ -1,9 +1,31 @@
-"""The Protocols each framework adapter implements; the core plans against these, never a framework."""
+"""The one protocol each framework adapter implements: every seam the core crosses into a framework, declared here.
+
+An adapter exposes one ``Backend`` object (``dualframe.torch.backend.BACKEND``,
+``dualframe.tensorflow.backend.BACKEND``) composing the parts below; core procedures (the
+process pipeline's opening, stage checkpoints) take it as a parameter. ``dualframe.testing.conformance``
+checks any backend against these declarations with numbers, so the two adapters cannot drift.
+
+The seams, by who crosses them:
+
+* ``Collectives``: Horovod on the framework's tensors (``dualframe.collectives`` writes it once).
+* ``TensorCaster``: dtype names and casts (fp16 compression, ``dualframe.dp.compression``).
+* ``BatchOps``: cutting a batch into micro-batches and joining outputs (process pipelines).
+* ``Placement``: the framework's device for a stage (process pipelines).
+* ``Wire``, ``Waiter``, ``PointToPoint``: a pipeline link's messages (``dualframe.pipeline.link``).
+* ``StageWork``: a stage's forward and backward on one micro-batch (``dualframe.pipeline.walk``).
+* ``gather_bytes``/``broadcast_bytes`` and ``StageCodec``: checkpoint files
+  (``dualframe.reliability.stage_checkpoint``).
+* ``PlanProbe``: measuring a model for the planner (``dualframe.plan.probe``).
+"""
 from __future__ import annotations
 
-from typing import Any, List, Optional, Protocol, Sequence, TypeVar, runtime_checkable
+from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple, TypeVar, runtime_checkable
 
 T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
+
+#: A message's dims and dtype code (an index in ``dualframe.pipeline.layout.DTYPE_NAMES``).
+Shape = Tuple[Tuple[int, ...], int]
 
 
 @runtime_checkable
@@ -16,11 +38,14 @@ class Collectives(Protocol[T]):
         >>> collectives.allreduce(torch.ones(3), op="sum")  # doctest: +SKIP
     """
 
-    def init(self, process_sets: Optional[Sequence[Sequence[int]]] = None) -> None:
-        """Start Horovod (idempotent)."""
+    def init(self, process_sets: Any = None, comm: Any = None) -> None:
+        """Start Horovod (idempotent); ``process_sets``: rank lists, ProcessSet objects or ``"dynamic"``."""
 
     def is_initialized(self) -> bool:
         """True once ``init`` has run."""
+
+    def world_size(self) -> int:
+        """Processes in the job, before ``init`` too (from the launcher's variables)."""
 
     def rank(self) -> int:
         """This process's rank in the job."""
@@ -36,6 +61,9 @@ class Collectives(Protocol[T]):
 
     def allgather(self, tensor: T, name: Optional[str] = None) -> T:
         """Concatenate every rank's ``tensor`` along the first axis."""
+
+    def allgather_object(self, obj: Any, name: Optional[str] = None) -> List[Any]:
+        """Every rank's picklable ``obj``, as a list indexed by rank."""
 
     def barrier(self) -> None:
         """Wait until every rank gets here."""
@@ -65,10 +93,147 @@ class BatchOps(Protocol[T]):
 
 @runtime_checkable
 class Placement(Protocol):
-    """Naming and checking the devices a framework can place layers on."""
+    """Naming the devices a framework can place a stage on."""
 
     def available_devices(self) -> List[str]:
-        """Device names usable here, in the framework's spelling (``"cuda:0"``, ``"/GPU:0"``)."""
+        """Device names usable here, in the framework's spelling (``"cuda:0"``, ``"/GPU:0"``), CPU first."""
 
-    def validate_device(self, device: str) -> Any:
-        """Return the framework's device object for ``device``; raise DeviceError if unusable."""
+    def device(self, name: Optional[str]) -> Any:
+        """What the framework places a stage with for device ``name`` (None: the framework's default)."""
+
+
+class Waiter(Protocol[T_co]):
+    """What ``wait_for`` needs of a transport: wait for an operation, read its result, explain a failure."""
+
+    def done(self, handle: Any, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the operation; whether it finished."""
+
+    def result(self, handle: Any) -> T_co:
+        """The finished operation's tensor (raises what the operation raised)."""
+
+    def stopped(self, error: BaseException) -> Optional[str]:
+        """A one-line reason when ``error`` means the transport stopped (a peer failed); None otherwise."""
+
+
+class Wire(Waiter[T], Protocol[T]):
+    """The framework's calls a link needs: tensors, Horovod's asynchronous broadcast and allreduce, and waiting."""
+
+    def tensor(self, values: Sequence[float], code: int) -> T:
+        """A 1-d tensor of ``values`` with the dtype of code ``code`` (on the host)."""
+
+    def empty(self, shape: Tuple[int, ...], code: int) -> T:
+        """A buffer of ``shape`` to receive into (on the stage's device)."""
+
+    def describe(self, tensor: T) -> Shape:
+        """The tensor's dims and dtype code; StrategyError for a dtype a message cannot carry."""
+
+    def values(self, tensor: T) -> List[Any]:
+        """The tensor's elements as Python numbers (flattened)."""
+
+    def broadcast(self, tensor: T, root_rank: int, name: str, process_set: Any) -> Any:
+        """Start Horovod's broadcast of ``tensor`` from ``root_rank`` in ``process_set``; return a handle."""
+
+    def allreduce(self, tensor: T, op: str, name: str, process_set: Any) -> Any:
+        """Start Horovod's allreduce (``op``: ``"sum"`` or ``"average"``) in ``process_set``; return a handle."""
+
+
+class PointToPoint(Waiter[T], Protocol[T]):
+    """Direct messages between two ranks (MPI's nonblocking send and receive), numbered by ``message_tag``."""
+
+    def send(self, tensor: T, dest: int, tag: int) -> Any:
+        """Start sending ``tensor`` to rank ``dest``; return a handle (the tensor must stay alive until done)."""
+
+    def receive(self, buffer: T, source: int, tag: int) -> Any:
+        """Start receiving into ``buffer`` from rank ``source``; return a handle whose result is the buffer."""
+
+
+class StageWork(Protocol[T]):
+    """The stage's computation on one micro-batch (the framework's part of ``dualframe.pipeline.walk``)."""
+
+    def forward(self, i: int, x: T) -> Optional[T]:
+        """Run the stage on micro-batch i's input; return what goes to the next stage (None on the last)."""
+
+    def backward(self, i: int, grad: Optional[T]) -> Optional[T]:
+        """Backward of micro-batch i from its output's gradient (None on the last stage: from the loss).
+
+        Returns the gradient of the stage's input (None on the first stage)."""
+
+
+class StagePart(Protocol):
+    """What a stage checkpoint reads of a process pipeline (both adapters' ``DistributedPipeline``)."""
+
+    stage_index: int
+    stages: int
+    stage_ranks: List[int]
+    stage_process_set: Any
+
+
+class StageCodec(Protocol):
+    """A stage checkpoint's file format, for one pipeline stage (and its optimizer): the adapter's part.
+
+    The procedure (folders, the agreed step, who writes, RNG gathering, barriers) is the core's
+    ``dualframe.reliability.stage_checkpoint.save_stage`` / ``load_stage``.
+    """
+
+    suffix: str
+
+    def rng_bytes(self) -> bytes:
+        """This process's RNG states, serialised (gathered over the stage's replicas)."""
+
+    def encode(self, header: Dict[str, Any], rngs: List[bytes]) -> bytes:
+        """The stage's file: its tensors, ``header`` (step, epoch, data_position, extra, stage, stages), ``rngs``."""
+
+    def decode(self, data: bytes, where: str) -> Tuple[Dict[str, Any], List[Any], Any]:
+        """(header, RNG states by stage rank, content) of a stage file; CheckpointError naming ``where``."""
+
+    def apply(self, content: Any) -> None:
+        """Load the decoded ``content`` into the stage (and its optimizer)."""
+
+    def set_rng(self, state: Any) -> None:
+        """Restore one of the RNG states ``decode`` returned."""
+
+    def load_merged(self, path: str) -> Any:
+        """Load this stage's part of the merged full-model file ``path``; return its TrainingState."""
+
+
+@runtime_checkable
+class PlanProbe(Protocol):
+    """The planner's measuring of one framework's model (``dualframe.torch.plan_probe`` / ``tensorflow.plan_probe``)."""
+
+    def profile(self, target: Any, input_shape: Tuple[int, ...], input_dtype: str, source: str) -> Any:
+        """The ModelProfile of ``target`` (a builder, a model or a saved model's path); None if not this framework's."""
+
+    def visible_devices(self) -> List[Dict[str, Any]]:
+        """The devices this process can see, as the planner's hardware records."""
+
+
+@runtime_checkable
+class Backend(Protocol[T]):
+    """One framework, as the core uses it: the object each adapter exposes as ``BACKEND``.
+
+    Example:
+        >>> from dualframe.torch.backend import BACKEND                  # doctest: +SKIP
+        >>> from dualframe.testing.conformance import check_backend      # doctest: +SKIP
+        >>> check_backend(BACKEND)                                       # doctest: +SKIP
+    """
+
+    name: str
+    collectives: Collectives[T]
+    caster: TensorCaster[T]
+    batches: BatchOps[T]
+    placement: Placement
+
+    def wire(self, device: Any) -> Wire[T]:
+        """The pipeline wire whose receive buffers live on ``device`` (a ``placement.device``)."""
+
+    def point_to_point(self, device: Any, chunks: int, name: str) -> Optional[PointToPoint[T]]:
+        """MPI point-to-point when every rank has it, else None (a collective over every rank)."""
+
+    def process_sets(self, needed: Sequence[Sequence[int]]) -> Dict[Tuple[int, ...], Any]:
+        """Horovod process sets for the rank groups ``needed`` (and the global one), by sorted ranks."""
+
+    def gather_bytes(self, data: bytes, name: str, process_set: Any = None) -> List[bytes]:
+        """Every rank's ``data`` (of ``process_set``, default all) in rank order; ``[data]`` outside a distributed job."""
+
+    def broadcast_bytes(self, data: Optional[bytes], root_rank: int, name: str, process_set: Any = None) -> bytes:
+        """``root_rank``'s ``data`` on every rank (of ``process_set``); ``b""`` when the root has none."""

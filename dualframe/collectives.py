@@ -100,7 +100,7 @@ class HorovodCollectives(Generic[T]):
 
         Args:
             process_sets: rank lists, ``hvd.ProcessSet`` objects or ``"dynamic"`` (see ``check_process_sets``),
-                checked against the launcher's world size before Horovod starts.
+                checked against the launcher's world size before Horovod starts (under a launcher).
             comm: an mpi4py communicator or a list of ranks, as in Horovod.
 
         Raises:
@@ -109,11 +109,15 @@ class HorovodCollectives(Generic[T]):
         if self.hvd.is_initialized():
             return
         try:
-            world_size = detect().size
+            topology = detect()
+            # Without a launcher (one process, or ranks started by hand) Horovod alone knows the world.
+            world_size = topology.size if topology.launcher != "none" else 1 << 30
         except TopologyError:
             world_size = 1 << 30  # unreadable launcher variables: leave the check to Horovod
-        sets = check_process_sets(self.hvd, process_sets, world_size)
-        self.hvd.init(comm=comm, process_sets=sets)
+        arguments = {"process_sets": check_process_sets(self.hvd, process_sets, world_size)}
+        if comm is not None:
+            arguments["comm"] = comm
+        self.hvd.init(**arguments)
 
     def is_initialized(self) -> bool:
         """True once Horovod runs."""

@@ -124,8 +124,9 @@ class GraphPipelineStage(PipelineStage[T]):
     """
 
     def __init__(self, layout: Any, wire: Any, rank: int, sets: Dict[Tuple[int, ...], Any], prefix: str,
-                 step_names: bool = True, direct: Optional[Any] = None, *, split: GraphSplit) -> None:
-        super().__init__(layout, wire, rank, sets, prefix, step_names, direct)
+                 step_names: bool = True, direct: Optional[Any] = None, device: Any = None, backend: Any = None,
+                 *, split: GraphSplit) -> None:
+        super().__init__(layout, wire, rank, sets, prefix, step_names, direct, device, backend)
         self.edges = stage_edges(split, self.index)
         ranks = self.pipeline_ranks
         self.edge_links: Dict[int, StageLink[T]] = {}

@@ -13,68 +13,23 @@ afterwards both sides know it. Every wait is bounded: a neighbour that died or h
 ``PeerLostError`` naming it, instead of a silent hang.
 
 This module owns that bookkeeping (``StageLink``) and the bounded wait (``wait_for``); the
-framework hands in the few tensor and Horovod calls it needs (a ``Wire``).
+framework hands in the few tensor and Horovod calls it needs (a ``Wire``, declared with ``Waiter``
+and ``PointToPoint`` in ``dualframe.backend``).
 """
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Generic, List, Mapping, Optional, Protocol, Sequence, Tuple, TypeVar
+from typing import Any, Dict, Generic, List, Mapping, Optional, Sequence, Tuple, TypeVar
 
+from dualframe.backend import PointToPoint, Shape, Waiter, Wire
 from dualframe.errors import StrategyError
 from dualframe.pipeline.layout import DTYPE_NAMES, MAX_DIMS, PeerLostError
 
 T = TypeVar("T")
-T_co = TypeVar("T_co", covariant=True)
-Shape = Tuple[Tuple[int, ...], int]  # dims and dtype code (an index in DTYPE_NAMES)
 
 #: A forward message's header: [ndim, dims x MAX_DIMS, dtype code].
 HEADER_LENGTH = MAX_DIMS + 2
 INT64 = DTYPE_NAMES.index("int64")
-
-
-class Waiter(Protocol[T_co]):
-    """What ``wait_for`` needs of a transport: wait for an operation, read its result, explain a failure."""
-
-    def done(self, handle: Any, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds for the operation; whether it finished."""
-
-    def result(self, handle: Any) -> T_co:
-        """The finished operation's tensor (raises what the operation raised)."""
-
-    def stopped(self, error: BaseException) -> Optional[str]:
-        """A one-line reason when ``error`` means the transport stopped (a peer failed); None otherwise."""
-
-
-class Wire(Waiter[T], Protocol[T]):
-    """The framework's calls a link needs: tensors, Horovod's asynchronous broadcast and allreduce, and waiting."""
-
-    def tensor(self, values: Sequence[float], code: int) -> T:
-        """A 1-d tensor of ``values`` with the dtype of code ``code`` (on the host)."""
-
-    def empty(self, shape: Tuple[int, ...], code: int) -> T:
-        """A buffer of ``shape`` to receive into (on the stage's device)."""
-
-    def describe(self, tensor: T) -> Shape:
-        """The tensor's dims and dtype code; StrategyError for a dtype a message cannot carry."""
-
-    def values(self, tensor: T) -> List[Any]:
-        """The tensor's elements as Python numbers (flattened)."""
-
-    def broadcast(self, tensor: T, root_rank: int, name: str, process_set: Any) -> Any:
-        """Start Horovod's broadcast of ``tensor`` from ``root_rank`` in ``process_set``; return a handle."""
-
-    def allreduce(self, tensor: T, op: str, name: str, process_set: Any) -> Any:
-        """Start Horovod's allreduce (``op``: ``"sum"`` or ``"average"``) in ``process_set``; return a handle."""
-
-
-class PointToPoint(Waiter[T], Protocol[T]):
-    """Direct messages between two ranks (MPI's nonblocking send and receive), numbered by ``message_tag``."""
-
-    def send(self, tensor: T, dest: int, tag: int) -> Any:
-        """Start sending ``tensor`` to rank ``dest``; return a handle (the tensor must stay alive until done)."""
-
-    def receive(self, buffer: T, source: int, tag: int) -> Any:
-        """Start receiving into ``buffer`` from rank ``source``; return a handle whose result is the buffer."""
 
 
 #: Message numbers per micro-batch: its activation, its gradient, its activation's shape header.

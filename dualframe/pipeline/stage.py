@@ -7,12 +7,13 @@ every framework: agree on the batch (``stage_runner.step_agreement``), walk the 
 """
 from __future__ import annotations
 
+import itertools
 from typing import Any, Dict, Generic, List, Optional, Sequence, Tuple, TypeVar
 
-from dualframe.pipeline.schedule import Action
-from dualframe.pipeline.link import PointToPoint, StageLink, Wire
-from dualframe.pipeline.walk import (RecordBook, StageWork, StepRecord, pipeline_bubble, read_agreement, step_agreement,
-                                    walk)
+from dualframe.backend import Backend, PointToPoint, StageWork, Wire
+from dualframe.pipeline.schedule import Action, pipeline_process_sets
+from dualframe.pipeline.link import StageLink
+from dualframe.pipeline.walk import RecordBook, StepRecord, pipeline_bubble, read_agreement, step_agreement, walk
 from dualframe.pipeline.layout import DTYPE_NAMES, StageLayout
 
 T = TypeVar("T")
@@ -53,6 +54,8 @@ class PipelineStage(Generic[T]):
         prefix: the pipeline's name in its Horovod operations.
         step_names: whether operation names carry the step number (see ``StageLink``).
         direct: MPI point-to-point for the activations and gradients (see ``StageLink``); None: Horovod broadcasts.
+        device: the framework's device of this stage (``Placement.device``), kept for the adapter.
+        backend: the adapter's ``Backend`` (its batch split and collectives); None where only ``step`` runs.
 
     Example:
         >>> stage = PipelineStage(layout, wire, hvd.rank(), sets, "dpipe0")        # doctest: +SKIP
@@ -62,9 +65,11 @@ class PipelineStage(Generic[T]):
     """
 
     def __init__(self, layout: StageLayout, wire: "Wire[T]", rank: int, sets: Dict[Tuple[int, ...], Any],
-                 prefix: str, step_names: bool = True, direct: "Optional[PointToPoint[T]]" = None) -> None:
+                 prefix: str, step_names: bool = True, direct: "Optional[PointToPoint[T]]" = None,
+                 device: Any = None, backend: "Optional[Backend[T]]" = None) -> None:
         grid = layout.grid
-        self.layout, self.wire, self.rank = layout, wire, rank
+        self.layout, self.wire, self.rank, self.direct, self.device = layout, wire, rank, direct, device
+        self.backend = backend
         self.replica, self.index = grid.position(rank)
         self.stages, self.actions = grid.stages, layout.actions[self.index]
         self.pipeline_ranks = grid.pipeline_groups[self.replica]
@@ -107,6 +112,16 @@ class PipelineStage(Generic[T]):
         self._key = (shape, code)
         return sizes
 
+    def micro_batches(self, inputs: Optional[T], targets: Optional[T], sizes: Sequence[int],
+                      train: bool) -> Tuple[List[T], List[T]]:
+        """The agreed micro-batches: the inputs' on the first stage, the targets' on the last when training; [] elsewhere."""
+        if self.backend is None:
+            raise ValueError("micro_batches needs a stage opened with open_stage (it splits with the backend)")
+        split = self.backend.batches.split
+        micro_inputs = split(inputs, sizes) if self.is_first and inputs is not None else []
+        micro_targets = split(targets, sizes) if self.is_last and train and targets is not None else []
+        return micro_inputs, micro_targets
+
     def step(self, actions: Sequence[Action], micro_inputs: Sequence[T], work: "StageWork[T]",
              train: bool) -> StepRecord:
         """Walk ``actions`` on the agreed batch, exchanging messages with the neighbours; keep its record."""
@@ -131,6 +146,49 @@ class PipelineStage(Generic[T]):
         book = self.records
         return (f"replica {self.replica} stage {self.index} (rank {self.rank}): step "
                 f"{book.mean_wall() * 1e3:.1f} ms, busy {book.mean_busy() * 1e3:.1f} ms, idle {book.mean_bubble():.1%}")
+
+
+_IDS = itertools.count()
+
+
+def open_stage(backend: "Backend[T]", layout: StageLayout, step_names: bool = True,
+               split: Any = None) -> "PipelineStage[T]":
+    """This rank's stage of a checked pipeline layout, opened over ``backend``: the first communication.
+
+    Declares (or finds) the pipeline's process sets, places the stage on its device, agrees on the
+    transport (MPI point-to-point or Horovod broadcasts, a collective) and names the pipeline
+    ``dpipe<k>``, the same ``k`` on every rank (pipelines are built in the same order everywhere).
+
+    Args:
+        backend: the adapter's ``Backend``.
+        layout: ``layout_pipeline``'s checked arguments (every rank checked them before this call).
+        step_names: see ``StageLink`` (TensorFlow passes False).
+        split: a graph's ``GraphSplit``: a ``GraphPipelineStage`` whose values go along the graph's
+            edges, each edge's pair of ranks with a process set too; None: a chain of stages.
+
+    Example:
+        >>> role = open_stage(BACKEND, layout_pipeline(4, [2, 2], 4, world_size=2))  # doctest: +SKIP
+        >>> role.index, role.device                                                  # doctest: +SKIP
+    """
+    grid = layout.grid
+    world = grid.replicas * grid.stages
+    needed = pipeline_process_sets(world, grid.stages)
+    if split is not None:  # a value skipping stages goes straight to its reader: that pair needs a set too
+        from dualframe.pipeline.graph_walk import edge_process_sets
+
+        needed += [g for g in edge_process_sets(split, grid.pipeline_groups) if g not in needed and len(g) < world]
+    sets = backend.process_sets(needed)
+    rank = backend.collectives.rank()
+    j = grid.position(rank)[1]
+    device = backend.placement.device(layout.devices[j] if layout.devices else None)
+    prefix = f"dpipe{next(_IDS)}"
+    direct = backend.point_to_point(device, layout.chunks, prefix)  # None: messages go as Horovod broadcasts
+    if split is not None:
+        from dualframe.pipeline.graph_walk import GraphPipelineStage
+
+        return GraphPipelineStage(layout, backend.wire(device), rank, sets, prefix, step_names, direct, device,
+                                  backend, split=split)
+    return PipelineStage(layout, backend.wire(device), rank, sets, prefix, step_names, direct, device, backend)
 
 
 class StageView:
@@ -207,3 +265,14 @@ class StageView:
         """What ``timing_report`` needs from this rank: (replica, ``timing()``, mean busy s, mean step s)."""
         book = self.records
         return self.replica, self.timing(), book.mean_busy(), book.mean_wall()
+
+    def timings(self) -> List[str]:
+        """Every rank's ``timing()`` line in rank order, then each replica's pipeline bubble, on every rank.
+
+        A collective: call it on every rank.
+        """
+        backend = self.role.backend
+        if backend is None:
+            raise ValueError("timings() needs a stage opened with open_stage (it gathers over the backend)")
+        name = f"{self.role.link.prefix}.timings"
+        return timing_report(backend.collectives.allgather_object(self.timing_facts(), name=name))

@@ -4,7 +4,8 @@ A stage process runs its list from ``dualframe.pipeline.schedule`` in order. ``F
 (from the inputs on the first stage, from the previous stage otherwise), runs the stage and sends
 the output on; ``B i`` takes the output's gradient (from the next stage; the last stage starts from
 its loss), runs backward and sends the input's gradient back. The framework supplies the work
-(``StageWork``) and the transport (``StageLinks``); this module only walks and times.
+(``StageWork``, declared in ``dualframe.backend``) and the transport (``StageLinks``); this module
+only walks and times.
 """
 from __future__ import annotations
 
@@ -12,24 +13,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Protocol, Sequence, Tuple, TypeVar
 
+from dualframe.backend import StageWork
 from dualframe.errors import ChunksError, StrategyError
 from dualframe.pipeline.layout import MAX_DIMS
 from dualframe.pipeline.microbatch import micro_batch_sizes
 from dualframe.pipeline.schedule import FORWARD, Action
 
 T = TypeVar("T")
-
-
-class StageWork(Protocol[T]):
-    """The stage's computation on one micro-batch (the framework's part)."""
-
-    def forward(self, i: int, x: T) -> Optional[T]:
-        """Run the stage on micro-batch i's input; return what goes to the next stage (None on the last)."""
-
-    def backward(self, i: int, grad: Optional[T]) -> Optional[T]:
-        """Backward of micro-batch i from its output's gradient (None on the last stage: from the loss).
-
-        Returns the gradient of the stage's input (None on the first stage)."""
 
 
 class StageLinks(Protocol[T]):

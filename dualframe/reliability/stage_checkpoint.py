@@ -4,8 +4,10 @@ A process pipeline saves each stage's part into ``{directory}/stage-{j}`` (one w
 first rank of the stage's data-parallel group), each folder a :class:`CheckpointDir` with its own
 manifest. A job killed in the middle of a save can leave some stages one checkpoint ahead of others,
 so loads and merges use the newest step that EVERY stage holds and that verifies, never each
-folder's newest alone. The adapters (``dualframe.torch.stage_checkpoint``,
-``dualframe.tensorflow.stage_checkpoint``) serialise the tensors; this module picks folders and steps.
+folder's newest alone. This module owns the procedure (``save_stage``, ``load_stage``: folders,
+steps, who writes, RNG gathering, barriers) over the adapter's ``Backend``; the adapters
+(``dualframe.torch.stage_checkpoint``, ``dualframe.tensorflow.stage_checkpoint``) hand in a
+``StageCodec`` that serialises the tensors.
 
 Index names: ``j`` stage, ``n`` stages.
 """
@@ -16,10 +18,14 @@ import re
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
-from dualframe.reliability.checkpoint import CheckpointDir, CheckpointEntry, CheckpointError
+from dualframe.backend import Backend, StageCodec, StagePart
+from dualframe.reliability.checkpoint import (CheckpointDir, CheckpointEntry, CheckpointError, TrainingState,
+                                              check_json_values)
 
 #: Name of stage j's folder inside a pipeline checkpoint folder.
 STAGE_FOLDER = "stage-{j}"
+#: Prefix of the Horovod operations of a stage checkpoint.
+NAME = "dualframe.reliability.stage_checkpoint"
 _STAGE_RE = re.compile(r"^stage-(\d+)$")
 
 
@@ -162,3 +168,84 @@ def check_part(saved: Tuple[Optional[int], Optional[int]], expected: Tuple[int, 
     if tuple(saved) != tuple(expected):
         raise CheckpointError(f"{where} holds stage {saved[0]} of {saved[1]}, this rank holds stage {expected[0]} "
                               f"of {expected[1]}; load a pipeline with the same number of stages")
+
+
+def writes(part: StagePart, rank: int) -> bool:
+    """Whether ``rank`` writes and reads its stage's folder: the first rank of the stage's data-parallel group."""
+    return rank == part.stage_ranks[0]
+
+
+def save_stage(backend: "Backend[Any]", codec: StageCodec, directory: str, part: StagePart, *, step: int,
+               epoch: int = 0, data_position: Any = None, extra: Optional[Dict[str, Any]] = None,
+               keep: int = 3) -> Optional[str]:
+    """Save stage ``part.stage_index`` at ``step``: every rank calls it, one rank per stage writes its file.
+
+    Checks the step and the JSON values on every rank before any communication, gathers the RNG
+    states of the stage's replicas, writes ``{directory}/stage-{j}`` atomically on the stage's first
+    rank and ends with a barrier, so once any rank returns every stage's file of ``step`` is complete.
+
+    Args:
+        backend: the adapter's Backend; ``codec``: the stage's file format.
+        directory: the pipeline checkpoint folder (checked by the adapter with ``check_directory``).
+        part: the pipeline (its stage, stages, stage ranks and stage process set).
+
+    Returns:
+        The file this rank wrote, or None on ranks that do not write.
+
+    Raises:
+        CheckpointError: a bad step or a value that is not JSON, before any communication.
+    """
+    j = part.stage_index
+    folder = CheckpointDir(stage_directory(directory, j), keep=keep, suffix=codec.suffix)
+    folder.filename(step)  # validates step
+    check_json_values(epoch=epoch, data_position=data_position, extra=extra)
+    mine = codec.rng_bytes()
+    rngs = backend.gather_bytes(mine, f"{NAME}.rng", part.stage_process_set) \
+        if part.stage_process_set is not None else [mine]
+    path = None
+    collectives = backend.collectives
+    if writes(part, collectives.rank()):
+        header = {"step": step, "epoch": epoch, "data_position": data_position, "extra": extra or {},
+                  "stage": j, "stages": part.stages}
+        path = folder.save(step, codec.encode(header, rngs), meta={"epoch": epoch, "stage": j})
+    if collectives.size() > 1:  # nobody runs ahead while a stage is still writing
+        collectives.barrier()
+    return path
+
+
+def load_stage(backend: "Backend[Any]", codec: StageCodec, directory: str, part: StagePart,
+               restore_rng: bool = True) -> Optional[TrainingState]:
+    """Load stage ``part.stage_index``'s file of the newest step all stages hold; every rank calls it.
+
+    The ranks agree on the step (a save interrupted on some stages is skipped), the stage's first
+    rank reads and verifies its file and hands it to the stage's other replicas; each rank loads it
+    (``codec.apply``) and takes back its own RNG states. Given a file (a merged checkpoint; rank 0's
+    view, shared with every rank), ``codec.load_merged`` takes the stage's part of it.
+
+    Returns:
+        The TrainingState (step, epoch, data_position, extra), or None when no stage holds a checkpoint.
+
+    Raises:
+        CheckpointError: stages without a common step, or a file of another stage or pipeline.
+    """
+    collectives = backend.collectives
+    rank = collectives.rank()
+    if root_sees_file(directory, rank, lambda data: backend.broadcast_bytes(data, 0, f"{NAME}.kind")):
+        return codec.load_merged(directory)  # type: ignore[no-any-return]
+    folder = CheckpointDir(stage_directory(directory, part.stage_index), suffix=codec.suffix)
+
+    def gather(mine: Any) -> List[Any]:
+        return collectives.allgather_object(mine, name=f"{NAME}.steps")
+
+    step = agreed_step(folder, part.stage_index, part.stages, writes(part, rank), gather)
+    if step is None:
+        return None
+    data = read_step(folder, step) if writes(part, rank) else None
+    if part.stage_process_set is not None:
+        data = backend.broadcast_bytes(data, part.stage_ranks[0], f"{NAME}.load", part.stage_process_set)
+    header, states, content = codec.decode(data or b"", folder.directory)
+    check_part((header.get("stage"), header.get("stages")), (part.stage_index, part.stages), folder.directory)
+    codec.apply(content)
+    if restore_rng and len(states) == len(part.stage_ranks):
+        codec.set_rng(states[part.stage_ranks.index(rank)])
+    return TrainingState(header["step"], header["epoch"], header["data_position"], header["extra"])

@@ -23,7 +23,8 @@ import numpy as np
 import tensorflow as tf
 
 from dualframe.reliability.checkpoint import (CheckpointDir, CheckpointError, TrainingState, check_json_values, own_rng_state,
-                                  read_newest, split_gathered)
+                                  read_newest)
+from dualframe.tensorflow.backend import broadcast_bytes, gather_bytes
 from dualframe.tensorflow.collectives import hvd
 from dualframe.tensorflow.failure import eager_guard, guard_train_function
 
@@ -73,29 +74,6 @@ def _set_global_generator(algorithm: int, values: Sequence[int]) -> None:
         generator.reset(saved)
     else:
         tf.random.set_global_generator(tf.random.Generator.from_state(saved, algorithm))
-
-
-def _gather_bytes(data: bytes, name: str) -> List[bytes]:
-    """Every rank's ``data``, in rank order."""
-    if not _distributed():
-        return [data]
-    with eager_guard(name):
-        lengths = hvd.allgather(tf.constant([len(data)], dtype=tf.int64), name=f"{name}.lengths").numpy()
-        joined = hvd.allgather(tf.constant(np.frombuffer(data, dtype=np.uint8)), name=f"{name}.bytes").numpy()
-    return split_gathered(joined.tobytes(), lengths.tolist())
-
-
-def _broadcast_bytes(data: Optional[bytes], root_rank: int, name: str) -> bytes:
-    """Root's ``data`` on every rank (``b""`` when root has none)."""
-    if not _distributed():
-        return data or b""
-    with eager_guard(name):
-        length = hvd.broadcast(tf.constant([len(data or b"")], dtype=tf.int64), root_rank, name=f"{name}.length")
-        size = int(length.numpy()[0])
-        if size == 0:
-            return b""
-        buffer = np.frombuffer(data, dtype=np.uint8) if data else np.zeros(size, dtype=np.uint8)
-        return hvd.broadcast(tf.constant(buffer), root_rank, name=f"{name}.bytes").numpy().tobytes()
 
 
 def _check_common(directory: Any, model: Any, root_rank: Any) -> None:
@@ -157,7 +135,7 @@ def save_checkpoint(directory: str, model: keras.Model, *, step: int, epoch: int
     folder = CheckpointDir(os.fspath(directory), keep=keep, suffix=SUFFIX)
     folder.filename(step)  # validates step
     check_json_values(epoch=epoch, data_position=data_position, extra=extra)
-    rngs = _gather_bytes(json.dumps(rng_state()).encode(), "dualframe.keras_checkpoint.rng")
+    rngs = gather_bytes(json.dumps(rng_state()).encode(), "dualframe.keras_checkpoint.rng")
     path = None
     if _rank() == root_rank:
         header = {"step": step, "epoch": epoch, "data_position": data_position, "extra": extra or {}}
@@ -169,7 +147,8 @@ def save_checkpoint(directory: str, model: keras.Model, *, step: int, epoch: int
 
 
 
-def _assign(what: str, variables: Sequence[Any], arrays: Any, paths: Sequence[str]) -> None:
+def assign_variables(what: str, variables: Sequence[Any], arrays: Any, paths: Sequence[str]) -> None:
+    """Assign ``arrays[f"{what}.{i}"]`` to ``variables``, every count and shape checked before the first assignment."""
     if len(variables) != len(paths):
         raise CheckpointError(f"the checkpoint holds {len(paths)} {what} variables, this model has {len(variables)} "
                               f"(checkpoint: {list(paths)[:4]}..., model: {[v.path for v in variables][:4]}...)")
@@ -202,7 +181,7 @@ def load_checkpoint(directory: str, model: keras.Model, *, root_rank: int = 0,
     """
     _check_common(directory, model, root_rank)
     data = read_newest(os.fspath(directory), SUFFIX) if _rank() == root_rank else None
-    data = _broadcast_bytes(data, root_rank, "dualframe.keras_checkpoint.load")
+    data = broadcast_bytes(data, root_rank, "dualframe.keras_checkpoint.load")
     if not data:
         return None
     try:
@@ -213,9 +192,9 @@ def load_checkpoint(directory: str, model: keras.Model, *, root_rank: int = 0,
         raise CheckpointError(f"{directory} is not a loadable dualframe Keras checkpoint ({error})") from None
     if kind != FORMAT:
         raise CheckpointError(f"{directory} is not a dualframe Keras checkpoint (format must be {FORMAT!r})")
-    _assign("model", list(model.variables), arrays, header["model_paths"])
+    assign_variables("model", list(model.variables), arrays, header["model_paths"])
     if header["optimizer_paths"]:
-        _assign("optimizer", _optimizer_variables(model, True), arrays, header["optimizer_paths"])
+        assign_variables("optimizer", _optimizer_variables(model, True), arrays, header["optimizer_paths"])
     own = own_rng_state(json.loads(arrays["rng"].tobytes()), _rank(), _size()) if restore_rng else None
     if own is not None:
         set_rng_state(own)

@@ -8,7 +8,6 @@ graph's edges by ``dualframe.pipeline.graph_walk`` as torch's is) and the Horovo
 """
 from __future__ import annotations
 
-import itertools
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import keras
@@ -16,22 +15,18 @@ import numpy as np
 import tensorflow as tf
 
 from dualframe.errors import StrategyError
-from dualframe.pipeline.schedule import Action, pipeline_process_sets
-from dualframe.pipeline.stage import PipelineStage, StageView, timing_report
+from dualframe.pipeline.schedule import Action
+from dualframe.pipeline.stage import StageView, open_stage
 from dualframe.pipeline.walk import StepRecord
 from dualframe.pipeline.layout import layout_pipeline
+from dualframe.tensorflow.backend import BACKEND
 from dualframe.tensorflow.collectives import hvd
 from dualframe.tensorflow.optimizer import DistributedOptimizer
-from dualframe.tensorflow.pipeline_transport import TFWire, point_to_point, process_sets
 from dualframe.tensorflow.pipeline_work import StageFunctions, TFStageWork, fusable
-from dualframe.launch.topology import detect
 from dualframe.pipeline.graph import GraphSplit, graph_units
-from dualframe.pipeline.graph_walk import GraphPipelineStage, edge_process_sets
 from dualframe.tensorflow.graph import KerasGraph, capture
 from dualframe.tensorflow.graph_stage import process_stages
 from dualframe.tensorflow.graph_stage_work import TFGraphStageWork
-
-_IDS = itertools.count()
 
 
 def _layers_of(layers: Any) -> List[Any]:
@@ -58,10 +53,6 @@ def _loss_of(loss_fn: Any) -> Any:
         return keras.losses.get(loss_fn)
     except ValueError:
         raise StrategyError(f"unknown Keras loss {loss_fn!r}; use a name such as 'mse' or a callable") from None
-
-
-def _world_size() -> int:
-    return int(hvd.size()) if hvd.is_initialized() else detect().size
 
 
 class DistributedPipeline(StageView):
@@ -106,7 +97,7 @@ class DistributedPipeline(StageView):
         all_layers: List[Any] = _layers_of(layers) if captured is None else list(graph_units(captured.graph))
         loss_fn = _loss_of(loss_fn)
         layout = layout_pipeline(len(all_layers), balance, chunks, schedule, loss_fn, devices, data_parallel, timeout,
-                                 _world_size())
+                                 BACKEND.collectives.world_size())
         ranges, self.captured = layout.ranges, captured
         self.split: Optional[GraphSplit] = None
         if captured is not None:  # a functional model: one GraphStage per stage, the same cut on every rank
@@ -115,24 +106,10 @@ class DistributedPipeline(StageView):
         self.chunks, self.schedule, self.grid = chunks, layout.schedule, layout.grid
         self.loss_fn, self.timeout = loss_fn, timeout
         # From here on, Horovod: every argument above is checked on every rank.
-        world = layout.grid.replicas * layout.grid.stages
-        needed = pipeline_process_sets(world, layout.grid.stages)
-        if self.split is not None:  # a value skipping stages goes straight to its reader: that pair needs a set too
-            needed += [g for g in edge_process_sets(self.split, layout.grid.pipeline_groups)
-                       if g not in needed and len(g) < world]
-        sets = process_sets(needed)
-        prefix = f"dpipe{next(_IDS)}"
-        j = layout.grid.position(int(hvd.rank()))[1]
-        self.device = layout.devices[j] if layout.devices else None
-        self.direct = point_to_point(self.device, chunks, prefix)  # None: messages go as Horovod broadcasts
         # Names without step numbers: each is a traced tf.function (see pipeline_transport).
-        self.role: PipelineStage[Any]
-        if self.split is not None:
-            self.role = GraphPipelineStage(layout, TFWire(), int(hvd.rank()), sets, prefix, step_names=False,
-                                           direct=self.direct, split=self.split)
-        else:
-            self.role = PipelineStage(layout, TFWire(), int(hvd.rank()), sets, prefix, step_names=False,
-                                      direct=self.direct)
+        self.role = open_stage(BACKEND, layout, step_names=False, split=self.split)
+        self.device, self.direct = self.role.device, self.role.direct  # direct None: Horovod broadcasts
+        j = self.role.index
         self.layer_indices = ranges[j]
         self.layers = [all_layers[index] for index in ranges[j]]
         self._all_layers = all_layers
@@ -141,6 +118,11 @@ class DistributedPipeline(StageView):
         self._functions = StageFunctions(self.layers, self.is_first, loss_fn) if self.split is None else None
         self.gradients: List[Optional[tf.Tensor]] = []
         self.peak_live = 0
+
+    @property
+    def all_layers(self) -> List[Any]:
+        """Every layer of the full model, in order (this stage holds ``layers``, those at ``layer_indices``)."""
+        return self._all_layers
 
     @property
     def trainable_variables(self) -> List[tf.Variable]:
@@ -195,8 +177,7 @@ class DistributedPipeline(StageView):
             return self._run_graph(actions, inputs, targets, train)
         inputs = None if inputs is None or not self.is_first else tf.convert_to_tensor(inputs)
         sizes = self.role.agree(inputs, targets, train)
-        micro_inputs = tf.split(inputs, sizes) if inputs is not None else []
-        micro_targets = tf.split(targets, sizes) if train and targets is not None else []
+        micro_inputs, micro_targets = self.role.micro_batches(inputs, targets, sizes, train)
         work = TFStageWork(self.layers, self.is_first, self.is_last, self.loss_fn if train else None,
                            micro_targets, [s / sum(sizes) for s in sizes], self.device, self._functions, fusable(actions))
         return work, self.role.step(actions, micro_inputs, work, train)
@@ -239,12 +220,5 @@ class DistributedPipeline(StageView):
         if not self.is_last:
             return None
         if self.captured is None or self.split is None:
-            return tf.concat(work.outputs, axis=0)
-        return self.captured.pack_outputs([tf.concat(list(parts), axis=0) for parts in zip(*work.outputs)])
-
-    def timings(self) -> List[str]:
-        """Every rank's ``timing()`` line in rank order, then each replica's pipeline bubble, on every rank.
-
-        A collective: call it on every rank.
-        """
-        return timing_report(hvd.allgather_object(self.timing_facts(), name=f"{self.role.link.prefix}.timings"))
+            return BACKEND.batches.concat(work.outputs)
+        return self.captured.pack_outputs([BACKEND.batches.concat(list(parts)) for parts in zip(*work.outputs)])

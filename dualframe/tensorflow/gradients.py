@@ -6,6 +6,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 import tensorflow as tf
 
+from dualframe.dp.settings import ReduceSettings as CoreReduceSettings
 from dualframe.errors import StrategyError
 from dualframe.dp.checks import check_bool, check_compression, check_data_parallel, op_name
 from dualframe.tensorflow.collectives import OPS, check_initialized, hvd
@@ -15,19 +16,14 @@ Gradient = Union[tf.Tensor, tf.IndexedSlices]
 
 
 @dataclass(frozen=True)
-class ReduceSettings:
-    """How gradients are reduced: validated once, in a constructor, before any communication.
+class ReduceSettings(CoreReduceSettings):
+    """The core's reduction settings plus Horovod-TensorFlow's device placement: validated once, before any communication.
 
     Example:
         >>> settings = ReduceSettings.build(compression="fp16", op=hvd.Average)  # doctest: +SKIP
         >>> reduce_gradients(grads, settings)                                     # doctest: +SKIP
     """
 
-    compression: Any
-    op: str
-    sparse_as_dense: bool = False
-    gradient_predivide_factor: float = 1.0
-    process_set: Any = None
     device_dense: str = ""
     device_sparse: str = ""
 
@@ -50,19 +46,15 @@ class ReduceSettings:
         if not isinstance(process_set, hvd.ProcessSet) or process_set.process_set_id is None:
             raise StrategyError(f"process_set must be a registered hvd.ProcessSet (process_set: {process_set!r}); "
                                 f"declare it with hvd.init(process_sets=[...])")
-        return cls(compressor, name, bool(sparse_as_dense), float(gradient_predivide_factor),  # type: ignore[arg-type]
-                   process_set, device_dense, device_sparse)
+        return cls(compression=compressor, op=name, sparse_as_dense=bool(sparse_as_dense),
+                   gradient_predivide_factor=float(gradient_predivide_factor),  # type: ignore[arg-type]
+                   process_set=process_set, backward_passes_per_step=int(backward_passes_per_step),  # type: ignore
+                   device_dense=device_dense, device_sparse=device_sparse)
 
     @property
     def horovod_op(self) -> Any:
         """Horovod's constant for ``op``."""
         return OPS[self.op]
-
-    def scale_factors(self) -> "tuple[float, float]":
-        """(prescale, postscale): the average split around the sum, as Horovod's predivide factor does."""
-        if self.op == "average":
-            return 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
-        return 1.0, 1.0
 
 
 def reduce_gradients(grads: Sequence[Optional[Gradient]], settings: ReduceSettings) -> List[Optional[Gradient]]:

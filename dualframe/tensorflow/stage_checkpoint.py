@@ -18,15 +18,12 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from dualframe.reliability.checkpoint import CheckpointDir, CheckpointError, TrainingState, atomic_write_bytes, check_json_values
-from dualframe.reliability.stage_checkpoint import (agreed_step, check_directory, check_part, read_common, read_step,
-                                        root_sees_file, stage_directory)
+from dualframe.reliability.checkpoint import CheckpointError, TrainingState, atomic_write_bytes, read_newest
+from dualframe.reliability.stage_checkpoint import NAME, check_directory, check_part, load_stage, read_common, save_stage
+from dualframe.tensorflow.backend import BACKEND, broadcast_bytes
 from dualframe.tensorflow.collectives import hvd
 from dualframe.tensorflow.distributed_pipeline import DistributedPipeline
-from dualframe.reliability.checkpoint import read_newest
-from dualframe.tensorflow.checkpoint import FORMAT, SUFFIX, _assign, _broadcast_bytes, rng_state, set_rng_state
-
-_NAME = "dualframe.reliability.stage_checkpoint"
+from dualframe.tensorflow.checkpoint import FORMAT, SUFFIX, assign_variables, rng_state, set_rng_state
 
 
 def _check(directory: Any, pipe: Any, optimizer: Any) -> str:
@@ -40,11 +37,6 @@ def _check(directory: Any, pipe: Any, optimizer: Any) -> str:
         raise CheckpointError("the stage's layers are not built: give the keras.Sequential a keras.Input, or run a "
                               "step, before saving or loading a checkpoint")
     return path
-
-
-def _writes(pipe: DistributedPipeline) -> bool:
-    """The first rank of the stage's data-parallel group writes and reads the stage's folder."""
-    return int(hvd.rank()) == pipe.stage_ranks[0]
 
 
 def stage_variables(pipe: DistributedPipeline) -> List[Any]:
@@ -81,17 +73,54 @@ def _decode(data: bytes, where: str) -> Tuple[Any, Dict[str, Any]]:
     return arrays, header
 
 
-def _stage_rngs(pipe: DistributedPipeline) -> List[Any]:
-    """The RNG states of the ranks holding this stage, in rank order (one allgather among its replicas)."""
-    mine = json.dumps(rng_state()).encode()
-    if pipe.stage_process_set is None:
-        return [json.loads(mine)]
-    lengths = hvd.allgather(tf.constant([len(mine)], tf.int64), name=f"{_NAME}.rng.lengths",
-                            process_set=pipe.stage_process_set).numpy().tolist()
-    joined = hvd.allgather(tf.constant(np.frombuffer(mine, np.uint8)), name=f"{_NAME}.rng.bytes",
-                           process_set=pipe.stage_process_set).numpy().tobytes()
-    starts = np.cumsum([0] + lengths)
-    return [json.loads(joined[a:b]) for a, b in zip(starts[:-1], starts[1:])]
+class KerasStageCodec:
+    """A stage's ``.npz`` in the Keras checkpoint format (the core's ``StageCodec``): variables, optimizer, RNG states.
+
+    Example:
+        >>> save_stage(BACKEND, KerasStageCodec(pipe, optimizer), "ckpt", pipe, step=3)   # doctest: +SKIP
+    """
+
+    suffix = SUFFIX
+
+    def __init__(self, pipe: DistributedPipeline, optimizer: Optional[keras.optimizers.Optimizer]) -> None:
+        self.pipe, self.optimizer = pipe, optimizer
+
+    def rng_bytes(self) -> bytes:
+        return json.dumps(rng_state()).encode()
+
+    def encode(self, header: Dict[str, Any], rngs: List[bytes]) -> bytes:
+        optimizer = self.optimizer
+        optimizer_variables = list(optimizer.variables) if optimizer is not None and optimizer.built else []
+        return _encode({"model": _snapshot(stage_variables(self.pipe)), "optimizer": _snapshot(optimizer_variables)},
+                       dict(header), [json.loads(blob) for blob in rngs])
+
+    def decode(self, data: bytes, where: str) -> Tuple[Dict[str, Any], List[Any], Any]:
+        arrays, header = _decode(data, where)
+        return header, json.loads(arrays["rng"].tobytes()), (arrays, header)
+
+    def apply(self, content: Any) -> None:
+        arrays, header = content
+        assign_variables("model", stage_variables(self.pipe), arrays, header["model_paths"])
+        optimizer = self.optimizer
+        if optimizer is not None and header["optimizer_paths"]:
+            if not optimizer.built:
+                optimizer.build(self.pipe.trainable_variables)
+            assign_variables("optimizer", list(optimizer.variables), arrays, header["optimizer_paths"])
+
+    def set_rng(self, state: Any) -> None:
+        set_rng_state(state)
+
+    def load_merged(self, path: str) -> TrainingState:
+        """Each stage takes its layers' variables from a merged full-model file (rank 0 reads it and broadcasts)."""
+        pipe = self.pipe
+        data = broadcast_bytes(read_newest(path, SUFFIX) if int(hvd.rank()) == 0 else None, 0, f"{NAME}.merged")
+        arrays, header = _decode(data, path)
+        offset = sum(len(layer.variables) for layer in pipe.all_layers[:pipe.layer_indices.start])
+        variables = stage_variables(pipe)
+        paths = header["model_paths"][offset:offset + len(variables)]
+        assign_variables("model", variables,
+                         {f"model.{i}": arrays[f"model.{offset + i}"] for i in range(len(paths))}, paths)
+        return TrainingState(header["step"], header["epoch"], header["data_position"], header["extra"])
 
 
 def save_stage_checkpoint(directory: str, pipe: DistributedPipeline, optimizer: Optional[keras.optimizers.Optimizer] = None,
@@ -114,53 +143,9 @@ def save_stage_checkpoint(directory: str, pipe: DistributedPipeline, optimizer: 
     Raises:
         CheckpointError: a bad argument, found on every rank before any communication or write.
     """
-    folder = CheckpointDir(stage_directory(_check(directory, pipe, optimizer), pipe.stage_index), keep=keep,
-                           suffix=SUFFIX)
-    folder.filename(step)  # validates step
-    check_json_values(epoch=epoch, data_position=data_position, extra=extra)
-    rngs = _stage_rngs(pipe)
-    path = None
-    if _writes(pipe):
-        header = {"step": step, "epoch": epoch, "data_position": data_position, "extra": extra or {},
-                  "stage": pipe.stage_index, "stages": pipe.stages}
-        optimizer_variables = list(optimizer.variables) if optimizer is not None and optimizer.built else []
-        data = _encode({"model": _snapshot(stage_variables(pipe)), "optimizer": _snapshot(optimizer_variables)},
-                       header, rngs)
-        path = folder.save(step, data, meta={"epoch": epoch, "stage": pipe.stage_index})
-    if int(hvd.size()) > 1:  # nobody runs ahead while a stage is still writing
-        hvd.broadcast(tf.zeros([1]), 0, name=f"{_NAME}.saved")
-    return path
-
-
-def _agreed_step(pipe: DistributedPipeline, folder: CheckpointDir) -> Optional[int]:
-    """The newest step every stage's folder holds, the same on every rank (one allgather of step lists)."""
-    def gather(mine: Any) -> List[Any]:
-        return list(hvd.allgather_object(mine, name=f"{_NAME}.steps")) if int(hvd.size()) > 1 else [mine]
-
-    return agreed_step(folder, pipe.stage_index, pipe.stages, _writes(pipe), gather)
-
-
-def _read_part(pipe: DistributedPipeline, folder: CheckpointDir, step: int) -> bytes:
-    """Stage j's bytes of ``step`` on every rank holding stage j (read by the first, broadcast among its replicas)."""
-    data = read_step(folder, step) if _writes(pipe) else b""
-    if pipe.stage_process_set is None:
-        return data
-    root, group = pipe.stage_ranks[0], pipe.stage_process_set
-    size = int(hvd.broadcast(tf.constant([len(data)], tf.int64), root, name=f"{_NAME}.load.length",
-                             process_set=group).numpy()[0])
-    buffer = np.frombuffer(data, np.uint8) if data else np.zeros(size, np.uint8)
-    return hvd.broadcast(tf.constant(buffer), root, name=f"{_NAME}.load.bytes", process_set=group).numpy().tobytes()
-
-
-def _load_merged(path: str, pipe: DistributedPipeline) -> TrainingState:
-    """Each stage takes its layers' variables from a merged full-model file (rank 0 reads it and broadcasts)."""
-    data = _broadcast_bytes(read_newest(path, SUFFIX) if int(hvd.rank()) == 0 else None, 0, f"{_NAME}.merged")
-    arrays, header = _decode(data, path)
-    offset = sum(len(layer.variables) for layer in pipe._all_layers[:pipe.layer_indices.start])
-    variables = stage_variables(pipe)
-    paths = header["model_paths"][offset:offset + len(variables)]
-    _assign("model", variables, {f"model.{i}": arrays[f"model.{offset + i}"] for i in range(len(paths))}, paths)
-    return TrainingState(header["step"], header["epoch"], header["data_position"], header["extra"])
+    path = _check(directory, pipe, optimizer)
+    return save_stage(BACKEND, KerasStageCodec(pipe, optimizer), path, pipe, step=step, epoch=epoch,
+                      data_position=data_position, extra=extra, keep=keep)
 
 
 def load_stage_checkpoint(directory: str, pipe: DistributedPipeline, optimizer: Optional[keras.optimizers.Optimizer] = None,
@@ -187,23 +172,7 @@ def load_stage_checkpoint(directory: str, pipe: DistributedPipeline, optimizer: 
             or a part that does not fit this stage.
     """
     path = _check(directory, pipe, optimizer)
-    if root_sees_file(path, int(hvd.rank()), lambda data: _broadcast_bytes(data, 0, f"{_NAME}.kind")):
-        return _load_merged(path, pipe)
-    folder = CheckpointDir(stage_directory(path, pipe.stage_index), suffix=SUFFIX)
-    step = _agreed_step(pipe, folder)
-    if step is None:
-        return None
-    arrays, header = _decode(_read_part(pipe, folder, step), folder.directory)
-    check_part((header.get("stage"), header.get("stages")), (pipe.stage_index, pipe.stages), folder.directory)
-    _assign("model", stage_variables(pipe), arrays, header["model_paths"])
-    if optimizer is not None and header["optimizer_paths"]:
-        if not optimizer.built:
-            optimizer.build(pipe.trainable_variables)
-        _assign("optimizer", list(optimizer.variables), arrays, header["optimizer_paths"])
-    states = json.loads(arrays["rng"].tobytes())
-    if restore_rng and len(states) == len(pipe.stage_ranks):
-        set_rng_state(states[pipe.stage_ranks.index(int(hvd.rank()))])
-    return TrainingState(header["step"], header["epoch"], header["data_position"], header["extra"])
+    return load_stage(BACKEND, KerasStageCodec(pipe, optimizer), path, pipe, restore_rng)
 
 
 def merge_stage_checkpoints(stages: Union[str, Sequence[str]], output: str) -> str:

@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from dualframe.reliability.checkpoint import (CheckpointDir, CheckpointError, TrainingState,
-                                  check_json_values, own_rng_state, read_newest, split_gathered)
+                                  check_json_values, own_rng_state, read_newest)
+from dualframe.torch.backend import broadcast_bytes, gather_bytes
 from dualframe.torch.collectives import hvd
 
 FORMAT = "dualframe-torch-checkpoint/1"
@@ -27,13 +28,15 @@ def _distributed() -> bool:
     return bool(hvd.is_initialized()) and int(hvd.size()) > 1
 
 
-def _to_bytes(value: Any) -> bytes:
+def to_bytes(value: Any) -> bytes:
+    """``value`` (tensors and plain values) as ``torch.save`` bytes."""
     buffer = io.BytesIO()
     torch.save(value, buffer)
     return buffer.getvalue()
 
 
-def _from_bytes(data: bytes, map_location: Any = "cpu") -> Any:
+def from_bytes(data: bytes, map_location: Any = "cpu") -> Any:
+    """What ``to_bytes`` made, read with ``weights_only=True`` (no arbitrary unpickling)."""
     return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
 
 
@@ -62,31 +65,6 @@ def set_rng_state(state: Dict[str, Any]) -> None:
     random.setstate((python["version"], tuple(int(v) for v in python["state"].tolist()), python["gauss"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _gather_bytes(data: bytes, name: str, process_set: Any = None) -> List[bytes]:
-    """Every rank's ``data`` (of ``process_set``, default all), in rank order (only this rank's outside a distributed job)."""
-    if not _distributed():
-        return [data]
-    group = {} if process_set is None else {"process_set": process_set}
-    payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    lengths = hvd.allgather(torch.tensor([len(data)], dtype=torch.int64), name=f"{name}.lengths", **group)
-    joined = hvd.allgather(payload, name=f"{name}.bytes", **group).numpy().tobytes()
-    return split_gathered(joined, lengths.numpy().tolist())
-
-
-def _broadcast_bytes(data: Optional[bytes], root_rank: int, name: str, process_set: Any = None) -> bytes:
-    """Root's ``data`` on every rank (of ``process_set``, default all; ``b""`` when root has none)."""
-    if not _distributed():
-        return data or b""
-    group = {} if process_set is None else {"process_set": process_set}
-    length = hvd.broadcast(torch.tensor([len(data or b"")], dtype=torch.int64), root_rank, name=f"{name}.length",
-                           **group)
-    size = int(length.item())
-    if size == 0:
-        return b""
-    buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(size, dtype=torch.uint8)
-    return hvd.broadcast(buffer, root_rank, name=f"{name}.bytes", **group).numpy().tobytes()
 
 
 def _check_common(directory: Any, model: Any, optimizer: Any, root_rank: Any) -> None:
@@ -129,7 +107,7 @@ def save_checkpoint(directory: str, model: torch.nn.Module, optimizer: Optional[
     folder = CheckpointDir(os.fspath(directory), keep=keep, suffix=SUFFIX)
     folder.filename(step)  # validates step
     check_json_values(epoch=epoch, data_position=data_position, extra=extra)
-    rngs = _gather_bytes(_to_bytes(rng_state()), "dualframe.reliability.checkpoint.rng")
+    rngs = gather_bytes(to_bytes(rng_state()), "dualframe.reliability.checkpoint.rng")
     writes = (hvd.rank() if hvd.is_initialized() else 0) == root_rank if writer is None else writer
     path = None
     if writes:
@@ -137,9 +115,9 @@ def save_checkpoint(directory: str, model: torch.nn.Module, optimizer: Optional[
             "format": FORMAT, "step": step, "epoch": epoch, "data_position": json.dumps(data_position),
             "extra": json.dumps(extra or {}), "model": model.state_dict(),
             "optimizer": optimizer.state_dict() if optimizer is not None else None,
-            "rng": [_from_bytes(blob) for blob in rngs],
+            "rng": [from_bytes(blob) for blob in rngs],
         }
-        path = folder.save(step, _to_bytes(content), meta={"epoch": epoch})
+        path = folder.save(step, to_bytes(content), meta={"epoch": epoch})
     if _distributed():  # nobody runs ahead of a save in progress
         hvd.broadcast(torch.zeros(1), root_rank, name="dualframe.reliability.checkpoint.saved")
     return path
@@ -168,11 +146,11 @@ def load_checkpoint(directory: str, model: torch.nn.Module, optimizer: Optional[
     _check_common(directory, model, optimizer, root_rank)
     rank = int(hvd.rank()) if hvd.is_initialized() else 0
     data = read_newest(os.fspath(directory), SUFFIX) if rank == root_rank else None
-    data = _broadcast_bytes(data, root_rank, "dualframe.reliability.checkpoint.load")
+    data = broadcast_bytes(data, root_rank, "dualframe.reliability.checkpoint.load")
     if not data:
         return None
     try:
-        content = _from_bytes(data, map_location)
+        content = from_bytes(data, map_location)
     except Exception as error:  # torch refuses anything but tensors and plain values
         raise CheckpointError(f"{directory} is not a loadable dualframe torch checkpoint ({error})") from None
     if not isinstance(content, dict) or content.get("format") != FORMAT:

@@ -8,7 +8,6 @@ replicas of the whole pipeline, the ranks holding the same stage average its gra
 """
 from __future__ import annotations
 
-import itertools
 from collections import OrderedDict
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
@@ -16,33 +15,24 @@ import torch
 from torch import nn
 
 from dualframe.errors import StrategyError
-from dualframe.pipeline.schedule import Action, pipeline_process_sets
-from dualframe.pipeline.stage import PipelineStage, StageView, timing_report
+from dualframe.pipeline.schedule import Action
+from dualframe.pipeline.stage import StageView, open_stage
 from dualframe.pipeline.walk import StepRecord
 from dualframe.pipeline.layout import StageLayout, layout_pipeline
-from dualframe.launch.topology import detect
+from dualframe.torch.backend import BACKEND
 from dualframe.torch.collectives import hvd
-from dualframe.torch.pipeline_transport import TorchWire, point_to_point, process_sets
 from dualframe.torch.pipeline_work import ActivationMeter, TorchStageWork
-from dualframe.pipeline.graph_walk import GraphPipelineStage, edge_process_sets
 from dualframe.torch.distributed_graph import GraphPart
 from dualframe.torch.graph import Leaves
 from dualframe.torch.graph_stage_work import TorchGraphStageWork
 from dualframe.torch.model_parallel import _stage_count, is_graph_split
-
-_IDS = itertools.count()
-
-
-def _world_size() -> int:
-    return int(hvd.size()) if hvd.is_initialized() else detect().size
-
 
 def _layout(module: nn.Module, balance: Sequence[int], chunks: int, schedule: str, loss_fn: Any,
             devices: Optional[Sequence[str]], data_parallel: Optional[int], timeout: float) -> StageLayout:
     if not isinstance(module, nn.Sequential):
         raise StrategyError(f"DistributedPipeline splits an nn.Sequential (module: {type(module).__name__})")
     return layout_pipeline(len(module), balance, chunks, schedule, loss_fn, devices, data_parallel, timeout,
-                           _world_size())
+                           BACKEND.collectives.world_size())
 
 
 class DistributedPipeline(StageView, nn.Module):
@@ -91,7 +81,7 @@ class DistributedPipeline(StageView, nn.Module):
         if is_graph_split(module, split_points, stages):
             n = _stage_count(split_points, balance, stages)
             layout = layout_pipeline(n, [1] * n, chunks, schedule, loss_fn, devices, data_parallel, timeout,
-                                     _world_size())
+                                     BACKEND.collectives.world_size())
             self.graph = GraphPart(module, split_points=split_points, balance=balance, stages=stages, sample=sample,
                                    leaves=leaves)
         else:
@@ -99,21 +89,13 @@ class DistributedPipeline(StageView, nn.Module):
         self.chunks, self.schedule, self.grid = chunks, layout.schedule, layout.grid
         self.loss_fn, self.timeout = loss_fn, timeout
         # From here on, Horovod: every argument above is checked on every rank.
-        needed = pipeline_process_sets(layout.grid.replicas * layout.grid.stages, layout.grid.stages)
-        if self.graph is not None:  # a value skipping stages goes straight to its reader: that pair needs a set too
-            needed += [g for g in edge_process_sets(self.graph.split, layout.grid.pipeline_groups) if g not in needed
-                       and len(g) < layout.grid.replicas * layout.grid.stages]
-        sets = process_sets(needed)
-        j = layout.grid.position(int(hvd.rank()))[1]
-        self.device = torch.device(layout.devices[j] if layout.devices else "cpu")
-        prefix = f"dpipe{next(_IDS)}"
-        self.direct = point_to_point(self.device, chunks, prefix)  # None: messages go as Horovod broadcasts
+        split = self.graph.split if self.graph is not None else None
+        self.role = open_stage(BACKEND, layout, split=split)
+        self.device, self.direct = self.role.device, self.role.direct  # direct None: Horovod broadcasts
+        j = self.role.index
         if self.graph is not None:
-            self.role = GraphPipelineStage(layout, TorchWire(self.device), int(hvd.rank()), sets, prefix,
-                                           direct=self.direct, split=self.graph.split)
             self.stage = self.graph.module(j).to(self.device)
         else:
-            self.role = PipelineStage(layout, TorchWire(self.device), int(hvd.rank()), sets, prefix, direct=self.direct)
             items = list(module._modules.items())
             stage = OrderedDict(items[r] for r in layout.ranges[j])
             self.stage = nn.Sequential(stage).to(self.device)  # type: ignore[arg-type]
@@ -163,16 +145,16 @@ class DistributedPipeline(StageView, nn.Module):
         if self.graph is not None and self.is_first and inputs is not None:
             values, key = self.graph.inputs(inputs)
         sizes = self.role.agree(key, targets, train)
-        micro_targets = list(torch.split(targets.to(self.device), sizes)) if self.is_last and train and targets is not None else []
+        micro_inputs, micro_targets = self.role.micro_batches(
+            inputs.to(self.device) if self.graph is None and self.is_first and inputs is not None else None,
+            targets.to(self.device) if self.is_last and train and targets is not None else None, sizes, train)
         weights = [s / sum(sizes) for s in sizes]
         work: Any
-        micro_inputs: List[Any]
         if self.graph is not None:
             micro_inputs = self.graph.micro_inputs(values, sizes, self.device) if self.is_first else []
             work = TorchGraphStageWork(self.stage, self.graph.split, self.stage_index, self.graph.captured,
                                        self.device, self.loss_fn if train else None, micro_targets, weights, self.meter)
         else:
-            micro_inputs = list(torch.split(inputs.to(self.device), sizes)) if self.is_first and inputs is not None else []
             work = TorchStageWork(self.stage, self.is_first, self.is_last, self.loss_fn if train else None,
                                   micro_targets, weights, self.meter)
         with torch.set_grad_enabled(train), self.meter.counting():
@@ -197,11 +179,4 @@ class DistributedPipeline(StageView, nn.Module):
         work, _ = self._run(forwards, inputs, None, train=False)
         if not self.is_last:
             return None
-        return self.graph.joined_outputs(work.outputs) if self.graph is not None else torch.cat(work.outputs)
-
-    def timings(self) -> List[str]:
-        """Every rank's ``timing()`` line in rank order, then each replica's pipeline bubble, on every rank.
-
-        A collective: call it on every rank.
-        """
-        return timing_report(hvd.allgather_object(self.timing_facts(), name=f"{self.role.link.prefix}.timings"))
+        return self.graph.joined_outputs(work.outputs) if self.graph is not None else BACKEND.batches.concat(work.outputs)

@@ -9,6 +9,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Set,
 
 import torch
 
+from dualframe.dp.settings import ReduceSettings
 from dualframe.errors import StrategyError
 from dualframe.torch import dp_checks
 from dualframe.torch.collectives import OPS, check_initialized, hvd
@@ -98,9 +99,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.process_set = dp_checks.check_process_set(process_set)
         if self.op_name == "adasum":
             dp_checks.check_adasum(self.process_set)
-        self.backward_passes_per_step = backward_passes_per_step
-        self.gradient_predivide_factor = float(gradient_predivide_factor)
-        self.sparse_as_dense = bool(sparse_as_dense)
+        self.settings = ReduceSettings(compression=self._compression, op=self.op_name,
+                                       sparse_as_dense=bool(sparse_as_dense),
+                                       gradient_predivide_factor=float(gradient_predivide_factor),
+                                       process_set=self.process_set, backward_passes_per_step=backward_passes_per_step)
         self._delay: Dict[torch.Tensor, int] = {}
         self._handles: Dict[Key, Pending] = {}
         self._requires_update: Set[torch.Tensor] = set()
@@ -124,6 +126,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
         many = hvd.size() > 1
         self._adasum = self.op_name == "adasum" and many
         self._active = bool(self.process_set.included()) and many and not self._adasum
+
+    # -- the reduction's settings (``dualframe.dp.settings``), read-only ---------------------------
+    @property
+    def backward_passes_per_step(self) -> int:
+        """Backward passes accumulated locally before one reduction (``set_backward_passes_per_step`` changes it)."""
+        return self.settings.backward_passes_per_step
+
+    @property
+    def gradient_predivide_factor(self) -> float:
+        """With ``Average``: the share of the division done before the sum."""
+        return self.settings.gradient_predivide_factor
+
+    @property
+    def sparse_as_dense(self) -> bool:
+        """Whether sparse gradients are reduced as dense tensors."""
+        return self.settings.sparse_as_dense
 
     # -- the wrapped optimizer's data, shared rather than copied ------------------------------
     @property  # type: ignore[override]
@@ -219,12 +237,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return
         self._handles[p] = self._reduce(p)
 
-    def _scale_factors(self) -> Tuple[float, float]:
-        # Horovod's Average already divides by size after the sum; predivide splits it around the sum.
-        if self.op_name == "average":
-            return 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
-        return 1.0, 1.0
-
     def _reduce(self, p: torch.Tensor) -> Pending:
         if p.grad is None:
             # Another rank may have a gradient for it (a branch not taken here): send zeros.
@@ -236,7 +248,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 return hvd.sparse_allreduce_async(tensor, name=name, op=self.op, process_set=self.process_set), None
             tensor = tensor.to_dense()
         compressed, ctx = self._compression.compress(tensor)
-        prescale, postscale = self._scale_factors()
+        prescale, postscale = self.settings.scale_factors()
         handle = hvd.allreduce_async_(compressed, name=name, op=self.op, prescale_factor=prescale,
                                       postscale_factor=postscale, process_set=self.process_set)
         return handle, ctx
@@ -248,7 +260,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             p.grad = grad.to_dense() if grad.is_sparse else grad
             grads.append(p.grad)
         pairs = [self._compression.compress(grad) for grad in grads]
-        prescale, postscale = self._scale_factors()
+        prescale, postscale = self.settings.scale_factors()
         handle = hvd.grouped_allreduce_async_([t for t, _ in pairs], name=self._names.get(group[0]), op=self.op,
                                               prescale_factor=prescale, postscale_factor=postscale,
                                               process_set=self.process_set)
@@ -343,7 +355,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Change how many backward passes are accumulated before a reduction."""
         dp_checks.check_numbers(passes, self.op, self.gradient_predivide_factor)
-        self.backward_passes_per_step = passes
+        self.settings = self.settings.with_passes(passes)
         for p in self._delay:
             self._delay[p] = passes
 

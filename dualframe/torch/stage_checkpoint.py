@@ -4,22 +4,21 @@
 stage's ``state_dict`` (the full model's keys), its optimizer's state, the progress and the RNG
 states of the stage's ranks into ``{directory}/stage-{j}``, atomically through the core's
 :class:`~dualframe.reliability.checkpoint.CheckpointDir`. ``load_stage_checkpoint`` takes every stage back at
-the newest step all stages hold (``dualframe.reliability.stage_checkpoint``). ``merge_stage_checkpoints`` joins
+the newest step all stages hold. The procedure is the core's (``dualframe.reliability.stage_checkpoint``);
+this module gives its file format (``TorchStageCodec``). ``merge_stage_checkpoints`` joins
 the parts into one file ``load_checkpoint`` loads into the unsplit ``nn.Sequential`` or a pipeline.
 """
 from __future__ import annotations
 
 import json
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from dualframe.reliability.checkpoint import CheckpointDir, CheckpointError, TrainingState, atomic_write_bytes, check_json_values
-from dualframe.reliability.stage_checkpoint import (agreed_step, check_directory, check_part, read_common, read_step,
-                                        root_sees_file, stage_directory)
-from dualframe.torch.checkpoint import (FORMAT, SUFFIX, _broadcast_bytes, _from_bytes, _gather_bytes, _to_bytes,
-                                        load_checkpoint, rng_state, set_rng_state)
-from dualframe.torch.collectives import hvd
+from dualframe.reliability.checkpoint import CheckpointError, TrainingState, atomic_write_bytes
+from dualframe.reliability.stage_checkpoint import check_directory, load_stage, read_common, save_stage
+from dualframe.torch.backend import BACKEND
+from dualframe.torch.checkpoint import FORMAT, SUFFIX, from_bytes, load_checkpoint, rng_state, set_rng_state, to_bytes
 from dualframe.torch.distributed_pipeline import DistributedPipeline
 
 
@@ -32,9 +31,44 @@ def _check(directory: Any, pipe: Any, optimizer: Any) -> str:
     return path
 
 
-def _writes(pipe: DistributedPipeline) -> bool:
-    """The first rank of the stage's data-parallel group writes and reads the stage's folder."""
-    return int(hvd.rank()) == pipe.stage_ranks[0]
+class TorchStageCodec:
+    """A stage's ``torch.save`` file (the core's ``StageCodec``): its ``state_dict``, optimizer state and RNG states.
+
+    Example:
+        >>> save_stage(BACKEND, TorchStageCodec(pipe, optimizer), "ckpt", pipe, step=3)   # doctest: +SKIP
+    """
+
+    suffix = SUFFIX
+
+    def __init__(self, pipe: DistributedPipeline, optimizer: Optional[torch.optim.Optimizer],
+                 map_location: Any = "cpu") -> None:
+        self.pipe, self.optimizer, self.map_location = pipe, optimizer, map_location
+
+    def rng_bytes(self) -> bytes:
+        return to_bytes(rng_state())
+
+    def encode(self, header: Dict[str, Any], rngs: List[bytes]) -> bytes:
+        content = dict(header, format=FORMAT, data_position=json.dumps(header["data_position"]),
+                       extra=json.dumps(header["extra"]), model=self.pipe.state_dict(),
+                       optimizer=self.optimizer.state_dict() if self.optimizer is not None else None,
+                       rng=[from_bytes(blob) for blob in rngs])
+        return to_bytes(content)
+
+    def decode(self, data: bytes, where: str) -> Tuple[Dict[str, Any], List[Any], Any]:
+        content = from_bytes(data, self.map_location)
+        header = dict(content, data_position=json.loads(content["data_position"]), extra=json.loads(content["extra"]))
+        return header, list(content.get("rng") or []), content
+
+    def apply(self, content: Any) -> None:
+        self.pipe.load_state_dict(content["model"])
+        if self.optimizer is not None and content.get("optimizer") is not None:
+            self.optimizer.load_state_dict(content["optimizer"])
+
+    def set_rng(self, state: Any) -> None:
+        set_rng_state(state)
+
+    def load_merged(self, path: str) -> Optional[TrainingState]:
+        return load_checkpoint(path, self.pipe, self.optimizer, restore_rng=False, map_location=self.map_location)
 
 
 def save_stage_checkpoint(directory: str, pipe: DistributedPipeline, optimizer: Optional[torch.optim.Optimizer] = None,
@@ -57,32 +91,9 @@ def save_stage_checkpoint(directory: str, pipe: DistributedPipeline, optimizer: 
     Raises:
         CheckpointError: a bad argument, found on every rank before any communication or write.
     """
-    folder = CheckpointDir(stage_directory(_check(directory, pipe, optimizer), pipe.stage_index), keep=keep,
-                           suffix=SUFFIX)
-    folder.filename(step)  # validates step
-    check_json_values(epoch=epoch, data_position=data_position, extra=extra)
-    rngs = _gather_bytes(_to_bytes(rng_state()), "dualframe.reliability.stage_checkpoint.rng", pipe.stage_process_set) \
-        if pipe.stage_process_set is not None else [_to_bytes(rng_state())]
-    path = None
-    if _writes(pipe):
-        content = {
-            "format": FORMAT, "step": step, "epoch": epoch, "data_position": json.dumps(data_position),
-            "extra": json.dumps(extra or {}), "model": pipe.state_dict(),
-            "optimizer": optimizer.state_dict() if optimizer is not None else None,
-            "rng": [_from_bytes(blob) for blob in rngs], "stage": pipe.stage_index, "stages": pipe.stages,
-        }
-        path = folder.save(step, _to_bytes(content), meta={"epoch": epoch, "stage": pipe.stage_index})
-    if int(hvd.size()) > 1:  # nobody runs ahead while a stage is still writing
-        hvd.broadcast(torch.zeros(1), 0, name="dualframe.reliability.stage_checkpoint.saved")
-    return path
-
-
-def _agreed_step(pipe: DistributedPipeline, folder: CheckpointDir) -> Optional[int]:
-    """The newest step every stage's folder holds, the same on every rank (one allgather of step lists)."""
-    def gather(mine: Any) -> List[Any]:
-        return list(hvd.allgather_object(mine, name="dualframe.reliability.stage_checkpoint.steps")) if int(hvd.size()) > 1 else [mine]
-
-    return agreed_step(folder, pipe.stage_index, pipe.stages, _writes(pipe), gather)
+    path = _check(directory, pipe, optimizer)
+    return save_stage(BACKEND, TorchStageCodec(pipe, optimizer), path, pipe, step=step, epoch=epoch,
+                      data_position=data_position, extra=extra, keep=keep)
 
 
 def load_stage_checkpoint(directory: str, pipe: DistributedPipeline, optimizer: Optional[torch.optim.Optimizer] = None,
@@ -108,25 +119,7 @@ def load_stage_checkpoint(directory: str, pipe: DistributedPipeline, optimizer: 
             or a part of a pipeline with another number of stages.
     """
     path = _check(directory, pipe, optimizer)
-    if root_sees_file(path, int(hvd.rank()), lambda data: _broadcast_bytes(data, 0, "dualframe.reliability.stage_checkpoint.kind")):
-        return load_checkpoint(path, pipe, optimizer, restore_rng=False, map_location=map_location)
-    folder = CheckpointDir(stage_directory(path, pipe.stage_index), suffix=SUFFIX)
-    step = _agreed_step(pipe, folder)
-    if step is None:
-        return None
-    data = read_step(folder, step) if _writes(pipe) else None
-    if pipe.stage_process_set is not None:
-        data = _broadcast_bytes(data, pipe.stage_ranks[0], "dualframe.reliability.stage_checkpoint.load", pipe.stage_process_set)
-    content = _from_bytes(data or b"", map_location)
-    check_part((content.get("stage"), content.get("stages")), (pipe.stage_index, pipe.stages), folder.directory)
-    pipe.load_state_dict(content["model"])
-    if optimizer is not None and content.get("optimizer") is not None:
-        optimizer.load_state_dict(content["optimizer"])
-    states = content.get("rng") or []
-    if restore_rng and len(states) == len(pipe.stage_ranks):
-        set_rng_state(states[pipe.stage_ranks.index(int(hvd.rank()))])
-    return TrainingState(content["step"], content["epoch"], json.loads(content["data_position"]),
-                         json.loads(content["extra"]))
+    return load_stage(BACKEND, TorchStageCodec(pipe, optimizer, map_location), path, pipe, restore_rng)
 
 
 def merge_stage_checkpoints(stages: Union[str, Sequence[str]], output: str) -> str:
@@ -149,7 +142,7 @@ def merge_stage_checkpoints(stages: Union[str, Sequence[str]], output: str) -> s
     """
     output = check_directory(output)
     step, blobs = read_common(stages, SUFFIX)
-    parts: List[Dict[str, Any]] = [_from_bytes(blob) for blob in blobs]
+    parts: List[Dict[str, Any]] = [from_bytes(blob) for blob in blobs]
     model: Dict[str, Any] = {}
     for j, part in enumerate(parts):
         overlap = sorted(set(model) & set(part["model"]))
@@ -158,4 +151,4 @@ def merge_stage_checkpoints(stages: Union[str, Sequence[str]], output: str) -> s
         model.update(part["model"])
     merged = {key: value for key, value in parts[0].items() if key not in ("stage", "stages")}
     merged.update(model=model, optimizer=None, rng=[], step=step)
-    return atomic_write_bytes(output, _to_bytes(merged))
+    return atomic_write_bytes(output, to_bytes(merged))
