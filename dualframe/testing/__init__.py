@@ -1,0 +1,1 @@
+"""Checks an adapter author runs against their framework: the Backend conformance suite (``conformance``)."""
