@@ -7,19 +7,19 @@ checks any backend against these declarations with numbers, so the two adapters 
 
 The seams, by who crosses them:
 
-* ``Collectives``: Horovod on the framework's tensors (``dualframe.collectives`` writes it once).
+* ``Collectives``: Horovod on the framework's tensors, and bytes over it for checkpoint files
+  (``dualframe.collectives`` writes it once).
 * ``TensorCaster``: dtype names and casts (fp16 compression, ``dualframe.dp.compression``).
 * ``BatchOps``: cutting a batch into micro-batches and joining outputs (process pipelines).
 * ``Placement``: the framework's device for a stage (process pipelines).
 * ``Wire``, ``Waiter``, ``PointToPoint``: a pipeline link's messages (``dualframe.pipeline.link``).
 * ``StageWork``: a stage's forward and backward on one micro-batch (``dualframe.pipeline.walk``).
-* ``gather_bytes``/``broadcast_bytes`` and ``StageCodec``: checkpoint files
-  (``dualframe.reliability.stage_checkpoint``).
+* ``StageCodec``: a stage checkpoint's file format (``dualframe.reliability.stage_checkpoint``).
 * ``PlanProbe``: measuring a model for the planner (``dualframe.plan.probe``).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple, TypeVar, runtime_checkable
+from typing import Any, Callable, Dict, Generic, List, Optional, Protocol, Sequence, Tuple, TypeVar, runtime_checkable
 
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
@@ -67,6 +67,12 @@ class Collectives(Protocol[T]):
 
     def barrier(self) -> None:
         """Wait until every rank gets here."""
+
+    def gather_bytes(self, data: bytes, name: str, process_set: Any = None) -> List[bytes]:
+        """Every rank's ``data`` (of ``process_set``, default all) in rank order; ``[data]`` outside a distributed job."""
+
+    def broadcast_bytes(self, data: Optional[bytes], root_rank: int, name: str, process_set: Any = None) -> bytes:
+        """``root_rank``'s ``data`` on every rank (of ``process_set``); ``b""`` when the root has none."""
 
 
 @runtime_checkable
@@ -232,8 +238,37 @@ class Backend(Protocol[T]):
     def process_sets(self, needed: Sequence[Sequence[int]]) -> Dict[Tuple[int, ...], Any]:
         """Horovod process sets for the rank groups ``needed`` (and the global one), by sorted ranks."""
 
-    def gather_bytes(self, data: bytes, name: str, process_set: Any = None) -> List[bytes]:
-        """Every rank's ``data`` (of ``process_set``, default all) in rank order; ``[data]`` outside a distributed job."""
 
-    def broadcast_bytes(self, data: Optional[bytes], root_rank: int, name: str, process_set: Any = None) -> bytes:
-        """``root_rank``'s ``data`` on every rank (of ``process_set``); ``b""`` when the root has none."""
+class AdapterBackend(Generic[T]):
+    """A ``Backend`` composed of an adapter's parts: what each adapter's ``BACKEND`` is, written once.
+
+    Args:
+        name: the framework (``"torch"``, ``"tensorflow"``).
+        collectives, caster, batches, placement: the adapter's implementations of those protocols.
+        wire: makes the pipeline ``Wire`` for a device; ``point_to_point``, ``process_sets``: the
+            adapter's functions behind those members.
+
+    Example:
+        >>> BACKEND = AdapterBackend("torch", collectives, TorchCaster(), TorchBatchOps(), TorchPlacement(),
+        ...                          TorchWire, point_to_point, process_sets)  # doctest: +SKIP
+    """
+
+    def __init__(self, name: str, collectives: Collectives[T], caster: TensorCaster[T], batches: BatchOps[T],
+                 placement: Placement, wire: Callable[[Any], Wire[T]],
+                 point_to_point: Callable[[Any, int, str], Optional[PointToPoint[T]]],
+                 process_sets: Callable[[Sequence[Sequence[int]]], Dict[Tuple[int, ...], Any]]) -> None:
+        self.name, self.collectives, self.caster, self.batches, self.placement = (
+            name, collectives, caster, batches, placement)
+        self._wire, self._point_to_point, self._process_sets = wire, point_to_point, process_sets
+
+    def wire(self, device: Any) -> Wire[T]:
+        """The pipeline wire whose receive buffers live on ``device``."""
+        return self._wire(device)
+
+    def point_to_point(self, device: Any, chunks: int, name: str) -> Optional[PointToPoint[T]]:
+        """MPI point-to-point when every rank has it, else None (a collective over every rank)."""
+        return self._point_to_point(device, chunks, name)
+
+    def process_sets(self, needed: Sequence[Sequence[int]]) -> Dict[Tuple[int, ...], Any]:
+        """Horovod process sets for ``needed`` (and the global one), by sorted ranks."""
+        return self._process_sets(needed)

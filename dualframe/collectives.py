@@ -6,10 +6,13 @@ the core's ``Collectives`` protocol (``dualframe.backend``) on that framework's 
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Generic, List, Optional, Sequence, TypeVar, Union
+import contextlib
+import sys
+from typing import Any, ContextManager, Dict, Generic, List, Optional, Sequence, TypeVar, Union
 
 from dualframe.errors import NotInitializedError, StrategyError, TopologyError
 from dualframe.launch.topology import detect
+from dualframe.reliability.checkpoint import split_gathered
 from dualframe.strategy import REDUCE_OPS
 
 T = TypeVar("T")
@@ -60,6 +63,9 @@ def check_process_sets(hvd: Any, process_sets: ProcessSetsArg, world_size: int) 
 
 class HorovodCollectives(Generic[T]):
     """The core's ``Collectives`` over one framework's Horovod module.
+
+    The adapter's subclass gives the conversions the byte collectives need (``byte_tensor``,
+    ``int64_tensor``, ``host_bytes``) and, where an eager wait must be bounded, ``guard``.
 
     Args:
         hvd: ``horovod.torch`` or ``horovod.tensorflow``.
@@ -163,3 +169,52 @@ class HorovodCollectives(Generic[T]):
         """Wait until every rank gets here."""
         self.check_initialized("barrier")
         self.hvd.barrier()
+
+    # -- bytes (checkpoint files, RNG states) over Horovod: lengths first, then the bytes -------
+    def byte_tensor(self, data: bytes) -> T:
+        """A 1-d uint8 tensor of ``data`` (the adapter's)."""
+        raise NotImplementedError
+
+    def int64_tensor(self, values: Sequence[int]) -> T:
+        """A 1-d int64 tensor of ``values`` (the adapter's)."""
+        raise NotImplementedError
+
+    def host_bytes(self, tensor: T) -> bytes:
+        """The raw bytes of a tensor on the host (the adapter's)."""
+        raise NotImplementedError
+
+    def guard(self, what: str) -> ContextManager[None]:
+        """A bound on an eager collective's wait (none by default)."""
+        return contextlib.nullcontext()
+
+    def _distributed(self) -> bool:
+        return bool(self.hvd.is_initialized()) and int(self.hvd.size()) > 1
+
+    def gather_bytes(self, data: bytes, name: str, process_set: Any = None) -> List[bytes]:
+        """Every rank's ``data`` (of ``process_set``, default all), in rank order; ``[data]`` outside a distributed job."""
+        if not self._distributed():
+            return [data]
+        group = {} if process_set is None else {"process_set": process_set}
+        with self.guard(name):
+            lengths = self.hvd.allgather(self.int64_tensor([len(data)]), name=f"{name}.lengths", **group)
+            joined = self.hvd.allgather(self.byte_tensor(data), name=f"{name}.bytes", **group)
+            return split_gathered(self.host_bytes(joined), _int64s(self.host_bytes(lengths)))
+
+    def broadcast_bytes(self, data: Optional[bytes], root_rank: int, name: str, process_set: Any = None) -> bytes:
+        """``root_rank``'s ``data`` on every rank (of ``process_set``, default all; ``b""`` when the root has none)."""
+        if not self._distributed():
+            return data or b""
+        group = {} if process_set is None else {"process_set": process_set}
+        with self.guard(name):
+            length = self.hvd.broadcast(self.int64_tensor([len(data or b"")]), root_rank, name=f"{name}.length",
+                                        **group)
+            size = _int64s(self.host_bytes(length))[0]
+            if size == 0:
+                return b""
+            buffer = self.byte_tensor(data if data else bytes(size))
+            return self.host_bytes(self.hvd.broadcast(buffer, root_rank, name=f"{name}.bytes", **group))
+
+
+def _int64s(raw: bytes) -> List[int]:
+    # host_bytes of an int64 tensor: native-order 8-byte integers, as numpy lays them out.
+    return [int.from_bytes(raw[k:k + 8], sys.byteorder, signed=True) for k in range(0, len(raw), 8)]

@@ -199,11 +199,11 @@ def save_stage(backend: "Backend[Any]", codec: StageCodec, directory: str, part:
     folder = CheckpointDir(stage_directory(directory, j), keep=keep, suffix=codec.suffix)
     folder.filename(step)  # validates step
     check_json_values(epoch=epoch, data_position=data_position, extra=extra)
+    collectives = backend.collectives
     mine = codec.rng_bytes()
-    rngs = backend.gather_bytes(mine, f"{NAME}.rng", part.stage_process_set) \
+    rngs = collectives.gather_bytes(mine, f"{NAME}.rng", part.stage_process_set) \
         if part.stage_process_set is not None else [mine]
     path = None
-    collectives = backend.collectives
     if writes(part, collectives.rank()):
         header = {"step": step, "epoch": epoch, "data_position": data_position, "extra": extra or {},
                   "stage": j, "stages": part.stages}
@@ -230,7 +230,7 @@ def load_stage(backend: "Backend[Any]", codec: StageCodec, directory: str, part:
     """
     collectives = backend.collectives
     rank = collectives.rank()
-    if root_sees_file(directory, rank, lambda data: backend.broadcast_bytes(data, 0, f"{NAME}.kind")):
+    if root_sees_file(directory, rank, lambda data: backend.collectives.broadcast_bytes(data, 0, f"{NAME}.kind")):
         return codec.load_merged(directory)  # type: ignore[no-any-return]
     folder = CheckpointDir(stage_directory(directory, part.stage_index), suffix=codec.suffix)
 
@@ -242,7 +242,7 @@ def load_stage(backend: "Backend[Any]", codec: StageCodec, directory: str, part:
         return None
     data = read_step(folder, step) if writes(part, rank) else None
     if part.stage_process_set is not None:
-        data = backend.broadcast_bytes(data, part.stage_ranks[0], f"{NAME}.load", part.stage_process_set)
+        data = backend.collectives.broadcast_bytes(data, part.stage_ranks[0], f"{NAME}.load", part.stage_process_set)
     header, states, content = codec.decode(data or b"", folder.directory)
     check_part((header.get("stage"), header.get("stages")), (part.stage_index, part.stages), folder.directory)
     codec.apply(content)

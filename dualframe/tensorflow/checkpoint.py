@@ -24,8 +24,7 @@ import tensorflow as tf
 
 from dualframe.reliability.checkpoint import (CheckpointDir, CheckpointError, TrainingState, check_json_values, own_rng_state,
                                   read_newest)
-from dualframe.tensorflow.backend import broadcast_bytes, gather_bytes
-from dualframe.tensorflow.collectives import hvd
+from dualframe.tensorflow.collectives import collectives, hvd
 from dualframe.tensorflow.failure import eager_guard, guard_train_function
 
 FORMAT = "dualframe-keras-checkpoint/1"
@@ -135,7 +134,7 @@ def save_checkpoint(directory: str, model: keras.Model, *, step: int, epoch: int
     folder = CheckpointDir(os.fspath(directory), keep=keep, suffix=SUFFIX)
     folder.filename(step)  # validates step
     check_json_values(epoch=epoch, data_position=data_position, extra=extra)
-    rngs = gather_bytes(json.dumps(rng_state()).encode(), "dualframe.keras_checkpoint.rng")
+    rngs = collectives.gather_bytes(json.dumps(rng_state()).encode(), "dualframe.keras_checkpoint.rng")
     path = None
     if _rank() == root_rank:
         header = {"step": step, "epoch": epoch, "data_position": data_position, "extra": extra or {}}
@@ -181,7 +180,7 @@ def load_checkpoint(directory: str, model: keras.Model, *, root_rank: int = 0,
     """
     _check_common(directory, model, root_rank)
     data = read_newest(os.fspath(directory), SUFFIX) if _rank() == root_rank else None
-    data = broadcast_bytes(data, root_rank, "dualframe.keras_checkpoint.load")
+    data = collectives.broadcast_bytes(data, root_rank, "dualframe.keras_checkpoint.load")
     if not data:
         return None
     try:

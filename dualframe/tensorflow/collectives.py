@@ -1,8 +1,9 @@
 """TensorFlow collectives over horovod.tensorflow, implementing the core's Collectives protocol."""
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import ContextManager, List, Sequence
 
+import numpy as np
 import tensorflow as tf
 
 from dualframe._deps import require
@@ -23,6 +24,21 @@ class TFCollectives(HorovodCollectives[tf.Tensor]):
 
     def __init__(self) -> None:
         super().__init__(hvd, "dualframe.tensorflow")
+
+    def byte_tensor(self, data: bytes) -> tf.Tensor:
+        return tf.constant(np.frombuffer(data, dtype=np.uint8))
+
+    def int64_tensor(self, values: Sequence[int]) -> tf.Tensor:
+        return tf.constant(list(values), dtype=tf.int64)
+
+    def host_bytes(self, tensor: tf.Tensor) -> bytes:
+        return bytes(tensor.numpy().tobytes())
+
+    def guard(self, what: str) -> ContextManager[None]:
+        """Bound an eager Horovod collective (``dualframe.tensorflow.failure.eager_guard``)."""
+        from dualframe.tensorflow.failure import eager_guard
+
+        return eager_guard(what)
 
     def barrier(self) -> None:
         """Wait until every rank gets here."""

@@ -20,8 +20,8 @@ import tensorflow as tf
 
 from dualframe.reliability.checkpoint import CheckpointError, TrainingState, atomic_write_bytes, read_newest
 from dualframe.reliability.stage_checkpoint import NAME, check_directory, check_part, load_stage, read_common, save_stage
-from dualframe.tensorflow.backend import BACKEND, broadcast_bytes
-from dualframe.tensorflow.collectives import hvd
+from dualframe.tensorflow.backend import BACKEND
+from dualframe.tensorflow.collectives import collectives, hvd
 from dualframe.tensorflow.distributed_pipeline import DistributedPipeline
 from dualframe.tensorflow.checkpoint import FORMAT, SUFFIX, assign_variables, rng_state, set_rng_state
 
@@ -113,7 +113,7 @@ class KerasStageCodec:
     def load_merged(self, path: str) -> TrainingState:
         """Each stage takes its layers' variables from a merged full-model file (rank 0 reads it and broadcasts)."""
         pipe = self.pipe
-        data = broadcast_bytes(read_newest(path, SUFFIX) if int(hvd.rank()) == 0 else None, 0, f"{NAME}.merged")
+        data = collectives.broadcast_bytes(read_newest(path, SUFFIX) if int(hvd.rank()) == 0 else None, 0, f"{NAME}.merged")
         arrays, header = _decode(data, path)
         offset = sum(len(layer.variables) for layer in pipe.all_layers[:pipe.layer_indices.start])
         variables = stage_variables(pipe)

@@ -1,13 +1,12 @@
 """The torch backend: the one object implementing the core's ``Backend`` protocol (``dualframe.backend``)."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional
 
 import torch
 
-from dualframe.pipeline.mpi_direct import MPIDirect
-from dualframe.reliability.checkpoint import split_gathered
-from dualframe.torch.collectives import TorchBatchOps, TorchCaster, TorchCollectives, collectives, hvd
+from dualframe.backend import AdapterBackend
+from dualframe.torch.collectives import TorchBatchOps, TorchCaster, collectives
 from dualframe.torch.pipeline_transport import TorchWire, point_to_point, process_sets
 
 
@@ -30,72 +29,7 @@ class TorchPlacement:
         return torch.device(name if name else "cpu")
 
 
-def _distributed() -> bool:
-    return bool(hvd.is_initialized()) and int(hvd.size()) > 1
-
-
-def gather_bytes(data: bytes, name: str, process_set: Any = None) -> List[bytes]:
-    """Every rank's ``data`` (of ``process_set``, default all), in rank order (only this rank's outside a distributed job)."""
-    if not _distributed():
-        return [data]
-    group = {} if process_set is None else {"process_set": process_set}
-    payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    lengths = hvd.allgather(torch.tensor([len(data)], dtype=torch.int64), name=f"{name}.lengths", **group)
-    joined = hvd.allgather(payload, name=f"{name}.bytes", **group).numpy().tobytes()
-    return split_gathered(joined, lengths.numpy().tolist())
-
-
-def broadcast_bytes(data: Optional[bytes], root_rank: int, name: str, process_set: Any = None) -> bytes:
-    """Root's ``data`` on every rank (of ``process_set``, default all; ``b""`` when root has none)."""
-    if not _distributed():
-        return data or b""
-    group = {} if process_set is None else {"process_set": process_set}
-    length = hvd.broadcast(torch.tensor([len(data or b"")], dtype=torch.int64), root_rank, name=f"{name}.length",
-                           **group)
-    size = int(length.item())
-    if size == 0:
-        return b""
-    buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(size, dtype=torch.uint8)
-    return hvd.broadcast(buffer, root_rank, name=f"{name}.bytes", **group).numpy().tobytes()
-
-
-class TorchBackend:
-    """PyTorch under the core's ``Backend``: collectives, casts, batch split, placement, pipeline wire, checkpoint bytes.
-
-    Example:
-        >>> from dualframe.torch.backend import BACKEND                   # doctest: +SKIP
-        >>> BACKEND.batches.split(torch.arange(6), [4, 2])                 # doctest: +SKIP
-        [tensor([0, 1, 2, 3]), tensor([4, 5])]
-    """
-
-    name = "torch"
-
-    def __init__(self) -> None:
-        self.collectives: TorchCollectives = collectives
-        self.caster = TorchCaster()
-        self.batches = TorchBatchOps()
-        self.placement = TorchPlacement()
-
-    def wire(self, device: torch.device) -> TorchWire:
-        """``TorchWire`` receiving into ``device``."""
-        return TorchWire(device)
-
-    def point_to_point(self, device: torch.device, chunks: int, name: str) -> Optional[MPIDirect[torch.Tensor]]:
-        """MPI point-to-point when every rank has it, else None (a collective)."""
-        return point_to_point(device, chunks, name)
-
-    def process_sets(self, needed: Sequence[Sequence[int]]) -> Dict[Tuple[int, ...], Any]:
-        """Horovod process sets for ``needed`` (``dualframe.pipeline.layout.resolve_process_sets``)."""
-        return process_sets(needed)
-
-    def gather_bytes(self, data: bytes, name: str, process_set: Any = None) -> List[bytes]:
-        """See ``gather_bytes``."""
-        return gather_bytes(data, name, process_set)
-
-    def broadcast_bytes(self, data: Optional[bytes], root_rank: int, name: str, process_set: Any = None) -> bytes:
-        """See ``broadcast_bytes``."""
-        return broadcast_bytes(data, root_rank, name, process_set)
-
-
-#: The torch adapter's one Backend.
-BACKEND = TorchBackend()
+#: The torch adapter's one Backend (``dualframe.backend``).
+BACKEND: AdapterBackend[torch.Tensor] = AdapterBackend(
+    "torch", collectives, TorchCaster(), TorchBatchOps(), TorchPlacement(), TorchWire,
+    point_to_point, process_sets)

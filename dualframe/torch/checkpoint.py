@@ -17,8 +17,7 @@ import torch
 
 from dualframe.reliability.checkpoint import (CheckpointDir, CheckpointError, TrainingState,
                                   check_json_values, own_rng_state, read_newest)
-from dualframe.torch.backend import broadcast_bytes, gather_bytes
-from dualframe.torch.collectives import hvd
+from dualframe.torch.collectives import collectives, hvd
 
 FORMAT = "dualframe-torch-checkpoint/1"
 SUFFIX = ".pt"
@@ -107,7 +106,7 @@ def save_checkpoint(directory: str, model: torch.nn.Module, optimizer: Optional[
     folder = CheckpointDir(os.fspath(directory), keep=keep, suffix=SUFFIX)
     folder.filename(step)  # validates step
     check_json_values(epoch=epoch, data_position=data_position, extra=extra)
-    rngs = gather_bytes(to_bytes(rng_state()), "dualframe.reliability.checkpoint.rng")
+    rngs = collectives.gather_bytes(to_bytes(rng_state()), "dualframe.reliability.checkpoint.rng")
     writes = (hvd.rank() if hvd.is_initialized() else 0) == root_rank if writer is None else writer
     path = None
     if writes:
@@ -146,7 +145,7 @@ def load_checkpoint(directory: str, model: torch.nn.Module, optimizer: Optional[
     _check_common(directory, model, optimizer, root_rank)
     rank = int(hvd.rank()) if hvd.is_initialized() else 0
     data = read_newest(os.fspath(directory), SUFFIX) if rank == root_rank else None
-    data = broadcast_bytes(data, root_rank, "dualframe.reliability.checkpoint.load")
+    data = collectives.broadcast_bytes(data, root_rank, "dualframe.reliability.checkpoint.load")
     if not data:
         return None
     try:

@@ -24,6 +24,15 @@ class TorchCollectives(HorovodCollectives[torch.Tensor]):
     def __init__(self) -> None:
         super().__init__(hvd, "dualframe.torch")
 
+    def byte_tensor(self, data: bytes) -> torch.Tensor:
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
+
+    def int64_tensor(self, values: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(list(values), dtype=torch.int64)
+
+    def host_bytes(self, tensor: torch.Tensor) -> bytes:
+        return bytes(tensor.cpu().numpy().tobytes())
+
 
 class TorchBatchOps:
     """Split and concatenate torch batches along the first axis (the core's BatchOps protocol)."""
