@@ -99,10 +99,7 @@ class BatchOps(Protocol[T]):
 
 @runtime_checkable
 class Placement(Protocol):
-    """Naming the devices a framework can place a stage on."""
-
-    def available_devices(self) -> List[str]:
-        """Device names usable here, in the framework's spelling (``"cuda:0"``, ``"/GPU:0"``), CPU first."""
+    """The framework's device for a pipeline stage, from the stage's device name."""
 
     def device(self, name: Optional[str]) -> Any:
         """What the framework places a stage with for device ``name`` (None: the framework's default)."""

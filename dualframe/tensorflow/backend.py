@@ -1,7 +1,7 @@
 """The TensorFlow backend: the one object implementing the core's ``Backend`` protocol (``dualframe.backend``)."""
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Optional
 
 import tensorflow as tf
 
@@ -11,18 +11,12 @@ from dualframe.tensorflow.pipeline_transport import TFWire, point_to_point, proc
 
 
 class TFPlacement:
-    """TensorFlow's devices for a stage (the core's ``Placement``): logical devices, CPUs first.
+    """TensorFlow's device for a stage (the core's ``Placement``): the name ``tf.device`` takes, or the default.
 
     Example:
         >>> TFPlacement().device("/GPU:0"), TFPlacement().device(None)   # doctest: +SKIP
         ('/GPU:0', None)
     """
-
-    def available_devices(self) -> List[str]:
-        """The logical devices TensorFlow can place on here (``"/CPU:0"``, ``"/GPU:1"``)."""
-        from dualframe.tensorflow.model_parallel import available_devices
-
-        return available_devices()
 
     def device(self, name: Optional[str]) -> Optional[str]:
         """The device name as given (``tf.device`` takes it); None keeps TensorFlow's default placement."""

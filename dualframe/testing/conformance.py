@@ -94,11 +94,8 @@ def check_batches(backend: "Backend[Any]", directory: str) -> None:
 
 
 def check_placement(backend: "Backend[Any]", directory: str) -> None:
-    """The CPU is listed first, and a stage placed on it receives into buffers of the asked shape and dtype."""
-    devices = backend.placement.available_devices()
-    if not devices or "cpu" not in devices[0].lower():
-        raise AssertionError(f"available_devices() must list the CPU first (devices: {devices})")
-    for name in ("cpu", devices[0], None):
+    """A stage placed on the CPU (by name, or by default) receives into buffers of the asked shape and dtype."""
+    for name in ("cpu", None):
         wire = backend.wire(backend.placement.device(name))
         _expect(f"empty((2, 3)) on {name!r}", wire.describe(wire.empty((2, 3), FLOAT32)), ((2, 3), FLOAT32))
 

@@ -1,7 +1,7 @@
 """The torch backend: the one object implementing the core's ``Backend`` protocol (``dualframe.backend``)."""
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Optional
 
 import torch
 
@@ -11,18 +11,12 @@ from dualframe.torch.pipeline_transport import TorchWire, point_to_point, proces
 
 
 class TorchPlacement:
-    """torch's devices for a stage (the core's ``Placement``): ``"cpu"`` then each CUDA device.
+    """torch's device for a stage (the core's ``Placement``): a ``torch.device``, the CPU by default.
 
     Example:
         >>> TorchPlacement().device(None)          # doctest: +SKIP
         device(type='cpu')
     """
-
-    def available_devices(self) -> List[str]:
-        """``"cpu"`` then every visible CUDA device (``"cuda:0"`` ...)."""
-        from dualframe.torch.model_parallel import available_devices
-
-        return available_devices()
 
     def device(self, name: Optional[str]) -> torch.device:
         """``torch.device(name)``; the CPU when ``name`` is None."""

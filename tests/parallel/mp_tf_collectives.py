@@ -28,3 +28,13 @@ def test_barrier_through_the_protocol():
     hvd.collectives.barrier()
     gathered = hvd.collectives.allgather(tf.constant([[float(hvd.rank())]]), name="foundation.gather")
     np.testing.assert_array_equal(gathered.numpy().ravel(), np.arange(hvd.size(), dtype=np.float32))
+
+
+def test_backend_conformance_across_ranks(tmp_path):
+    # The Backend conformance suite at size 2: collectives' numbers, the wire, bytes and the core's
+    # stage-checkpoint procedure across ranks (point-to-point to itself under mpirun).
+    from dualframe.tensorflow.backend import BACKEND
+    from dualframe.testing.conformance import CHECKS
+
+    for check in CHECKS:
+        check(BACKEND, str(tmp_path))

@@ -27,3 +27,13 @@ def test_unknown_op_refused_before_communication():
     from dualframe.errors import StrategyError
     with pytest.raises(StrategyError, match="unknown op 'median'"):
         hvd.collectives.allreduce(torch.ones(1), op="median")
+
+
+def test_backend_conformance_across_ranks(tmp_path):
+    # The Backend conformance suite at size 2: collectives' numbers, the wire, bytes and the core's
+    # stage-checkpoint procedure across ranks (point-to-point to itself under mpirun).
+    from dualframe.torch.backend import BACKEND
+    from dualframe.testing.conformance import CHECKS
+
+    for check in CHECKS:
+        check(BACKEND, str(tmp_path))
