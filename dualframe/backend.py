@@ -69,7 +69,7 @@ class Collectives(Protocol[T]):
         """Wait until every rank gets here."""
 
     def gather_bytes(self, data: bytes, name: str, process_set: Any = None) -> List[bytes]:
-        """Every rank's ``data`` (of ``process_set``, default all) in rank order; ``[data]`` outside a distributed job."""
+        """Every rank's ``data`` (of ``process_set``, default all) in rank order; ``[data]`` in a one-process job."""
 
     def broadcast_bytes(self, data: Optional[bytes], root_rank: int, name: str, process_set: Any = None) -> bytes:
         """``root_rank``'s ``data`` on every rank (of ``process_set``); ``b""`` when the root has none."""

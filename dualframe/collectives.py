@@ -191,7 +191,7 @@ class HorovodCollectives(Generic[T]):
         return bool(self.hvd.is_initialized()) and int(self.hvd.size()) > 1
 
     def gather_bytes(self, data: bytes, name: str, process_set: Any = None) -> List[bytes]:
-        """Every rank's ``data`` (of ``process_set``, default all), in rank order; ``[data]`` outside a distributed job."""
+        """Every rank's ``data`` (of ``process_set``, default all), in rank order; ``[data]`` in a one-process job."""
         if not self._distributed():
             return [data]
         group = {} if process_set is None else {"process_set": process_set}

@@ -114,7 +114,7 @@ class PipelineStage(Generic[T]):
 
     def micro_batches(self, inputs: Optional[T], targets: Optional[T], sizes: Sequence[int],
                       train: bool) -> Tuple[List[T], List[T]]:
-        """The agreed micro-batches: the inputs' on the first stage, the targets' on the last when training; [] elsewhere."""
+        """The agreed micro-batches: of the inputs on the first stage, of the targets on the last when training."""
         if self.backend is None:
             raise ValueError("micro_batches needs a stage opened with open_stage (it splits with the backend)")
         split = self.backend.batches.split

@@ -17,7 +17,7 @@ Gradient = Union[tf.Tensor, tf.IndexedSlices]
 
 @dataclass(frozen=True)
 class ReduceSettings(CoreReduceSettings):
-    """The core's reduction settings plus Horovod-TensorFlow's device placement: validated once, before any communication.
+    """The core's reduction settings plus Horovod-TensorFlow's devices: validated once, before any communication.
 
     Example:
         >>> settings = ReduceSettings.build(compression="fp16", op=hvd.Average)  # doctest: +SKIP

@@ -16,7 +16,6 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 from dualframe.reliability.checkpoint import CheckpointError, TrainingState, atomic_write_bytes, read_newest
 from dualframe.reliability.stage_checkpoint import NAME, check_directory, check_part, load_stage, read_common, save_stage
@@ -113,7 +112,8 @@ class KerasStageCodec:
     def load_merged(self, path: str) -> TrainingState:
         """Each stage takes its layers' variables from a merged full-model file (rank 0 reads it and broadcasts)."""
         pipe = self.pipe
-        data = collectives.broadcast_bytes(read_newest(path, SUFFIX) if int(hvd.rank()) == 0 else None, 0, f"{NAME}.merged")
+        mine = read_newest(path, SUFFIX) if int(hvd.rank()) == 0 else None
+        data = collectives.broadcast_bytes(mine, 0, f"{NAME}.merged")
         arrays, header = _decode(data, path)
         offset = sum(len(layer.variables) for layer in pipe.all_layers[:pipe.layer_indices.start])
         variables = stage_variables(pipe)

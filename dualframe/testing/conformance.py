@@ -148,8 +148,8 @@ def check_bytes(backend: "Backend[Any]", directory: str) -> None:
     mine = bytes([rank % 256]) * (rank + 1) + b"\x00\xff"
     _expect("gather_bytes", backend.collectives.gather_bytes(mine, f"{_NAME}.gather"),
             [bytes([r % 256]) * (r + 1) + b"\x00\xff" for r in range(size)])
-    _expect("broadcast_bytes", backend.collectives.broadcast_bytes(b"root\x00bytes" if rank == 0 else None, 0, f"{_NAME}.bcast"),
-            b"root\x00bytes")
+    sent = b"root\x00bytes" if rank == 0 else None
+    _expect("broadcast_bytes", backend.collectives.broadcast_bytes(sent, 0, f"{_NAME}.bcast"), b"root\x00bytes")
     _expect("broadcast_bytes of nothing", backend.collectives.broadcast_bytes(None, 0, f"{_NAME}.none"), b"")
 
 
@@ -193,7 +193,8 @@ def check_stage_checkpoint(backend: "Backend[Any]", directory: str) -> None:
     collectives = backend.collectives
     collectives.init()
     rank, size = collectives.rank(), collectives.size()
-    root = backend.collectives.broadcast_bytes(os.fspath(directory).encode() if rank == 0 else None, 0, f"{_NAME}.dir").decode()
+    mine = os.fspath(directory).encode() if rank == 0 else None
+    root = backend.collectives.broadcast_bytes(mine, 0, f"{_NAME}.dir").decode()  # one folder for every rank
     part = _Part(rank, size)
     saved = _JSONCodec([0.5 * rank, 1.5], rng=40 + rank)
     path = save_stage(backend, saved, root, part, step=3, epoch=1, data_position={"next": 4}, extra={"k": "v"})

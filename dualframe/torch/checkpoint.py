@@ -10,7 +10,7 @@ import io
 import json
 import os
 import random
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 import numpy as np
 import torch

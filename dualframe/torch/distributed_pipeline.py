@@ -9,7 +9,7 @@ replicas of the whole pipeline, the ranks holding the same stage average its gra
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -26,6 +26,7 @@ from dualframe.torch.distributed_graph import GraphPart
 from dualframe.torch.graph import Leaves
 from dualframe.torch.graph_stage_work import TorchGraphStageWork
 from dualframe.torch.model_parallel import _stage_count, is_graph_split
+
 
 def _layout(module: nn.Module, balance: Sequence[int], chunks: int, schedule: str, loss_fn: Any,
             devices: Optional[Sequence[str]], data_parallel: Optional[int], timeout: float) -> StageLayout:
