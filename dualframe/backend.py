@@ -165,10 +165,21 @@ class StageWork(Protocol[T]):
 class StagePart(Protocol):
     """What a stage checkpoint reads of a process pipeline (both adapters' ``DistributedPipeline``)."""
 
-    stage_index: int
-    stages: int
-    stage_ranks: List[int]
-    stage_process_set: Any
+    @property
+    def stage_index(self) -> int:
+        """j: the stage this rank holds."""
+
+    @property
+    def stages(self) -> int:
+        """n: stages per pipeline."""
+
+    @property
+    def stage_ranks(self) -> List[int]:
+        """The ranks holding this stage (one per replica), the first of which writes its file."""
+
+    @property
+    def stage_process_set(self) -> Any:
+        """The Horovod process set of the stage's replicas (None with a single replica)."""
 
 
 class StageCodec(Protocol):
