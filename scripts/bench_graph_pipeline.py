@@ -112,7 +112,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--torch-split", default="manual", choices=["tracer", "manual"],
-                        help="how torch.distributed.pipelining cuts: its tracer fails on this model (see the docstring)")
+                        help="how torch.distributed.pipelining cuts (its tracer fails here: see above)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     hvd.init()

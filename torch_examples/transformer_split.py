@@ -6,7 +6,7 @@ marker token among the real tokens? Padding holds random tokens too (the marker 
 model that reads the mask can learn it.
 
     python torch_examples/transformer_split.py                                 # "cpu" twice, cut chosen
-    python torch_examples/transformer_split.py --split-points blocks.2 --devices cuda:0,cuda:1
+    python torch_examples/transformer_split.py --split-points blocks.1 --devices cuda:0,cuda:1
     mpirun -np 2 python torch_examples/transformer_split.py --chunks 8
 """
 import argparse
@@ -70,11 +70,11 @@ def synthetic(batch: int, length: int, generator: torch.Generator):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--devices", default="cpu,cpu", help="one process: comma-separated, one per stage")
-    parser.add_argument("--split-points", help="modules where stages 1.. begin, e.g. blocks.2 (default: timed)")
+    parser.add_argument("--split-points", help="modules where stages 1.. begin, e.g. blocks.1 (default: timed)")
     parser.add_argument("--chunks", type=int, default=4, help="micro-batches per batch")
     parser.add_argument("--dim", type=int, default=32)
     parser.add_argument("--heads", type=int, default=2)
-    parser.add_argument("--blocks", type=int, default=4)
+    parser.add_argument("--blocks", type=int, default=2)
     parser.add_argument("--length", type=int, default=16)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=40)
@@ -105,7 +105,7 @@ def main() -> None:
         split_points = list(pipe.split_points)
     if rank == 0:
         print(f"cut points: {split_points}")  # dualframe: where stage 1 begins
-    optimizer = torch.optim.Adam(pipe.parameters(), lr=1e-3)  # processes: the local stage's parameters
+    optimizer = torch.optim.Adam(pipe.parameters(), lr=2e-3)  # processes: the local stage's parameters
     test = synthetic(args.batch, args.length, torch.Generator().manual_seed(2))
 
     def accuracy() -> float:
