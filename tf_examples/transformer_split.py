@@ -51,10 +51,7 @@ def encoder(dim: int, heads: int, blocks: int, length: int) -> keras.Model:
         x = keras.layers.LayerNormalization(name=f"b{b}_norm2")(h)
         x = keras.layers.Dense(2 * dim, activation="gelu", name=f"b{b}_fc1")(x)
         h = keras.layers.Add(name=f"b{b}_res2")([h, keras.layers.Dense(dim, name=f"b{b}_fc2")(x)])
-    # Mean over the real tokens only. The pooling reads the attention mask, not the input `mask`: a process
-    # pipeline sends model inputs to stage 0 only (a later stage reading one is refused, not relayed).
-    keep = keras.layers.Reshape((length,), name="keep")(attend)
-    h = keras.layers.GlobalAveragePooling1D(name="pool")(h, mask=keep)
+    h = keras.layers.GlobalAveragePooling1D(name="pool")(h, mask=mask)  # mean over the real tokens only
     return keras.Model({"tokens": tokens, "mask": mask}, keras.layers.Dense(2, name="head")(h), name="encoder")
 
 
