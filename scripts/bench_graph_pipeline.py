@@ -88,7 +88,11 @@ def torch_gpipe(model, chunks, point, sample, rank, split):
 
     def step(tokens, pad, y):
         optimizer.zero_grad()
-        schedule.step(tokens, pad) if rank == 0 else schedule.step(target=y, losses=[])
+        try:
+            schedule.step(tokens, pad) if rank == 0 else schedule.step(target=y, losses=[])
+        except Exception as error:  # printed here: otherwise the rank exits 1 with no traceback under mpirun
+            print(f"rank {rank}: ScheduleGPipe.step failed: {type(error).__name__}: {error}", flush=True)
+            raise
         optimizer.step()
     return step, how
 
