@@ -48,6 +48,10 @@ tf    single     1 tf_examples/model_split_resnet.py
 torch mpirun     2 torch_examples/pipeline_processes.py
 torch mpirun     4 torch_examples/hybrid.py
 tf    mpirun     2 tf_examples/pipeline_processes.py
+torch single     1 torch_examples/transformer_split.py
+torch mpirun     2 torch_examples/transformer_split.py
+tf    single     1 tf_examples/transformer_split.py
+tf    mpirun     2 tf_examples/transformer_split.py
 LIST
 echo
 echo "demo finished"
