@@ -185,6 +185,35 @@ class GraphSplit:
         return tuple(v for v in self.graph.outputs if self.producer[v] == j)
 
 
+def stage_count(split_points: Optional[Sequence[str]] = None, balance: Optional[Sequence[int]] = None,
+                stages: Optional[int] = None) -> int:
+    """How many stages the cut arguments ask for, checked before any model is captured or measured.
+
+    Example:
+        >>> stage_count(split_points=["layer3"]), stage_count(balance=[2, 2, 1]), stage_count(stages=4)
+        (2, 3, 4)
+
+    Raises:
+        BalanceError: not exactly one of the three given, ``stages`` not an int >= 1, a string for
+            ``split_points``.
+    """
+    given = [name for name, value in (("split_points", split_points), ("balance", balance), ("stages", stages))
+             if value is not None]
+    if len(given) != 1:
+        raise BalanceError("give exactly one of split_points=[names], balance=[units per stage] or stages=n "
+                           f"(given: {', '.join(given) or 'none'})")
+    if stages is not None:
+        if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+            raise BalanceError(f"stages must be an int >= 1 (stages: {stages!r})")
+        return stages
+    if split_points is not None:
+        if isinstance(split_points, str):
+            raise SplitPointError(f"split_points must be a list of names, e.g. ['layer3'] (split_points: {split_points!r})")
+        return len(list(split_points)) + 1
+    assert balance is not None
+    return len(list(balance))
+
+
 def cut_graph(graph: Graph, *, split_points: Optional[Sequence[str]] = None, balance: Optional[Sequence[int]] = None,
               stages: Optional[int] = None, costs: Optional[Sequence[float]] = None,
               sizes: Optional[Mapping[str, float]] = None) -> GraphSplit:

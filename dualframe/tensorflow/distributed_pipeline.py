@@ -14,7 +14,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from dualframe.errors import StrategyError
+from dualframe.errors import BalanceError, StrategyError
 from dualframe.pipeline.schedule import Action
 from dualframe.pipeline.stage import StageView, open_stage
 from dualframe.pipeline.walk import StepRecord
@@ -23,9 +23,9 @@ from dualframe.tensorflow.backend import BACKEND
 from dualframe.tensorflow.collectives import hvd
 from dualframe.tensorflow.optimizer import DistributedOptimizer
 from dualframe.tensorflow.pipeline_work import StageFunctions, TFStageWork, fusable
-from dualframe.pipeline.graph import GraphSplit, graph_units
+from dualframe.pipeline.graph import GraphSplit, stage_count
 from dualframe.tensorflow.graph import KerasGraph, capture
-from dualframe.tensorflow.graph_stage import process_stages
+from dualframe.tensorflow.distributed_graph import process_stages
 from dualframe.tensorflow.graph_stage_work import TFGraphStageWork
 
 
@@ -68,7 +68,12 @@ class DistributedPipeline(StageView):
             every rank that reads it (model inputs from stage 0, model outputs to the last stage, which
             computes the loss), one exact byte message per pair of stages and micro-batch.
         balance: layers per stage, e.g. ``[3, 2]`` (a functional model: ``len(model.layers)`` in execution
-            order, as ``ModelParallel``); one stage per rank of a pipeline.
+            order, as ``ModelParallel``); one stage per rank of a pipeline. For a functional model give
+            exactly one of ``balance``, ``split_points`` or ``stages``.
+        split_points: (a functional model) the layer names where stages 1..n-1 begin, as ``ModelParallel``.
+        stages: (a functional model) how many stages, cut to balance parameter and output bytes from the
+            static shapes (the same on every rank; for a cut by time pass ``ModelParallel``'s
+            ``split_points``).
         chunks: micro-batches per mini-batch.
         schedule: ``"gpipe"`` or ``"1f1b"`` (at most ``stages`` micro-batches' tapes alive).
         loss_fn: ``loss_fn(targets, outputs)`` in Keras order (``keras.losses.MeanSquaredError()`` or
@@ -90,18 +95,30 @@ class DistributedPipeline(StageView):
         >>> optimizer.apply_gradients(zip(pipe.gradients, pipe.trainable_variables))    # doctest: +SKIP
     """
 
-    def __init__(self, layers: Any, balance: Sequence[int], chunks: int, schedule: str = "gpipe",
+    def __init__(self, layers: Any, balance: Optional[Sequence[int]] = None, chunks: int = 1, schedule: str = "gpipe",
                  loss_fn: Optional[Callable[[Any, Any], Any]] = None, devices: Optional[Sequence[str]] = None,
-                 data_parallel: Optional[int] = None, timeout: float = 45.0) -> None:
+                 data_parallel: Optional[int] = None, timeout: float = 45.0, *,
+                 split_points: Optional[Sequence[str]] = None, stages: Optional[int] = None) -> None:
         captured = _graph_of(layers)
-        all_layers: List[Any] = _layers_of(layers) if captured is None else list(graph_units(captured.graph))
         loss_fn = _loss_of(loss_fn)
-        layout = layout_pipeline(len(all_layers), balance, chunks, schedule, loss_fn, devices, data_parallel, timeout,
-                                 BACKEND.collectives.world_size())
-        ranges, self.captured = layout.ranges, captured
+        world = BACKEND.collectives.world_size()
+        self.captured = captured
         self.split: Optional[GraphSplit] = None
-        if captured is not None:  # a functional model: one GraphStage per stage, the same cut on every rank
-            self.split, all_layers = process_stages(captured, [len(r) for r in layout.ranges])
+        if captured is None:
+            if split_points is not None or stages is not None:
+                raise BalanceError("split_points= and stages= cut a functional keras.Model; a list of layers "
+                                   "takes balance=[layers per stage]")
+            if balance is None:
+                raise BalanceError("give balance=[layers per stage] to split a list of layers")
+            all_layers: List[Any] = _layers_of(layers)
+            layout = layout_pipeline(len(all_layers), balance, chunks, schedule, loss_fn, devices, data_parallel,
+                                     timeout, world)
+            ranges = layout.ranges
+        else:  # a functional model: one GraphStage per stage, the same cut on every rank
+            n = stage_count(split_points, balance, stages)
+            layout = layout_pipeline(n, [1] * n, chunks, schedule, loss_fn, devices, data_parallel, timeout, world)
+            self.split, all_layers = process_stages(captured, split_points=split_points, balance=balance,
+                                                    stages=stages)
             ranges = [range(k, k + 1) for k in range(len(all_layers))]
         self.chunks, self.schedule, self.grid = chunks, layout.schedule, layout.grid
         self.loss_fn, self.timeout = loss_fn, timeout

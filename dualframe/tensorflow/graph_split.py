@@ -120,7 +120,8 @@ def _timed_node(captured: KerasGraph, k: int, values: Dict[str, Any]) -> None:
     weights = list(getattr(op, "trainable_weights", []))
     if outputs and (inputs or weights):
         grads = tape.gradient(outputs, inputs + weights)
-        _ = [g.numpy() for g in grads if g is not None]  # wait for the work
+        # wait for the work; an Embedding's gradient is IndexedSlices, which has no numpy()
+        _ = [tf.convert_to_tensor(g).numpy() for g in grads if g is not None]
     for v in node.outputs:
         values[v] = tf.stop_gradient(values[v])
 

@@ -20,7 +20,7 @@ from dualframe.pipeline.graph import GraphSplit
 from dualframe.pipeline.graph_walk import edge_values, stage_edges
 from dualframe.pipeline.link import MAX_DIMS
 from dualframe.tensorflow.graph import KerasGraph
-from dualframe.tensorflow.graph_stage import GraphStage
+from dualframe.tensorflow.distributed_graph import GraphStage
 from dualframe.tensorflow.pipeline_transport import DTYPES, tf_dtype_code
 from dualframe.tensorflow.pipeline_work import Gradients, _dense
 

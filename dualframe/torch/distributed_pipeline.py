@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from dualframe.errors import StrategyError
+from dualframe.pipeline.graph import stage_count
 from dualframe.pipeline.schedule import Action
 from dualframe.pipeline.stage import StageView, open_stage
 from dualframe.pipeline.walk import StepRecord
@@ -25,7 +26,7 @@ from dualframe.torch.pipeline_work import ActivationMeter, TorchStageWork
 from dualframe.torch.distributed_graph import GraphPart
 from dualframe.torch.graph import Leaves
 from dualframe.torch.graph_stage_work import TorchGraphStageWork
-from dualframe.torch.model_parallel import _stage_count, is_graph_split
+from dualframe.torch.model_parallel import is_graph_split
 
 
 def _layout(module: nn.Module, balance: Sequence[int], chunks: int, schedule: str, loss_fn: Any,
@@ -80,7 +81,7 @@ class DistributedPipeline(StageView, nn.Module):
         super().__init__()
         self.graph: Optional[GraphPart] = None
         if is_graph_split(module, split_points, stages):
-            n = _stage_count(split_points, balance, stages)
+            n = stage_count(split_points, balance, stages)
             layout = layout_pipeline(n, [1] * n, chunks, schedule, loss_fn, devices, data_parallel, timeout,
                                      BACKEND.collectives.world_size())
             self.graph = GraphPart(module, split_points=split_points, balance=balance, stages=stages, sample=sample,

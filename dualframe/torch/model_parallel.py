@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from dualframe.errors import BalanceError, DeviceError, StrategyError
+from dualframe.pipeline.graph import stage_count
 from dualframe.pipeline.microbatch import micro_batch_sizes
 from dualframe.pipeline.split import Split, validate_split
 from dualframe.observe.timeline import Recording
@@ -129,7 +130,7 @@ class ModelParallel(Recording, nn.Module):
             why = ", one torch.nn layer: nothing to split" if isinstance(module, nn.Module) else ""
             raise TypeError("module must be an nn.Sequential, a list of layers, or a model of several modules "
                             f"(module: {type(module).__name__}{why})")
-        n = _stage_count(split_points, balance, stages)
+        n = stage_count(split_points, balance, stages)
         # Devices, chunks and checkpoint are checked before the model is traced or measured.
         plan = validate_split(n, [1] * n, devices, chunks, checkpoint, available=available_devices(),
                           canonical=canonical_device, accelerators=accelerators(), schedule=schedule)
@@ -241,22 +242,3 @@ class ModelParallel(Recording, nn.Module):
 
     def _end_forward(self) -> None:
         """Hook for subclasses: the forward cells of a step are done."""
-
-
-def _stage_count(split_points: Any, balance: Any, stages: Any) -> int:
-    """The number of stages the arguments ask for (the core checks them in full when cutting)."""
-    given = [name for name, value in (("split_points", split_points), ("balance", balance), ("stages", stages))
-             if value is not None]
-    if len(given) != 1:
-        raise BalanceError("give exactly one of split_points=[names], balance=[units per stage] or stages=n "
-                           f"(given: {', '.join(given) or 'none'})")
-    if stages is not None:
-        if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
-            raise BalanceError(f"stages must be an int >= 1 (stages: {stages!r})")
-        return stages
-    if split_points is not None:
-        if isinstance(split_points, str):
-            raise BalanceError(f"split_points must be a list of names, e.g. ['layer3'] "
-                               f"(split_points: {split_points!r})")
-        return len(list(split_points)) + 1
-    return len(list(balance))

@@ -20,6 +20,7 @@ STEPS, BATCH, CHUNKS = 3, 10, 4
 # The neighbour pairs, plus every skip pair (graph=True): stage 0 sends to stage 2 directly.
 hvd.init(process_sets=pipeline_process_sets(3, 3, graph=True))
 BALANCE = [3, 4, 1]  # x, stem, b1 | mask, b1_mask, b2, aux | head (model.layers in execution order)
+SPLIT_POINTS = ["mask", "head"]  # the same cut, by the names where stages 1 and 2 begin
 
 
 class Head(keras.layers.Layer):
@@ -60,10 +61,13 @@ def test_edges_skip_the_stage_that_does_not_read():
     pipe = DistributedPipeline(make_model(), BALANCE, chunks=2, loss_fn=loss_fn)
     edges = {0: ((), (1, 2)), 1: ((0,), (2,)), 2: ((0, 1), ())}[pipe.stage_index]
     assert (pipe.role.edges.sources, pipe.role.edges.targets) == edges
+    named = DistributedPipeline(make_model(), chunks=2, loss_fn=loss_fn, split_points=SPLIT_POINTS)
+    assert named.split.starts == pipe.split.starts
+    assert DistributedPipeline(make_model(), chunks=2, loss_fn=loss_fn, stages=3).split.stages == 3
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_training_equals_one_process(schedule):
+@pytest.mark.parametrize("schedule, cut", [("gpipe", {"balance": BALANCE}), ("1f1b", {"split_points": SPLIT_POINTS})])
+def test_training_equals_one_process(schedule, cut):
     data = batches()
     model, optimizer, expected = make_model(), keras.optimizers.SGD(0.1, momentum=0.9), []
     for x, y in data:
@@ -71,7 +75,7 @@ def test_training_equals_one_process(schedule):
             loss = loss_fn(y, model(x))
         optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
         expected.append(float(loss))
-    pipe = DistributedPipeline(make_model(), BALANCE, chunks=CHUNKS, schedule=schedule, loss_fn=loss_fn)
+    pipe = DistributedPipeline(make_model(), chunks=CHUNKS, schedule=schedule, loss_fn=loss_fn, **cut)
     optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
     for step, (x, y) in enumerate(data):
         loss = pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None)

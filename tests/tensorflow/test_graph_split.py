@@ -338,7 +338,7 @@ def walk_in_one_process(model, balance, inputs, chunks=1):
     the model's outputs, loss and variable gradients (in ``model.trainable_variables`` order), and the edges."""
     from dualframe.pipeline.graph_walk import edge_pairs
     from dualframe.tensorflow.graph import capture
-    from dualframe.tensorflow.graph_stage import process_stages
+    from dualframe.tensorflow.distributed_graph import process_stages
     from dualframe.tensorflow.graph_stage_work import TFGraphStageWork
 
     captured = capture(model)

@@ -8,18 +8,24 @@ stages, and how, is ``graph_stage_work`` (one packed message per edge, along the
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from dualframe.pipeline.graph import GraphSplit, cut_graph
+from dualframe.pipeline.graph import GraphSplit
 from dualframe.tensorflow.graph import KerasGraph, layers_called_first
+from dualframe.tensorflow.graph_split import split_model
 
 
-def process_stages(captured: KerasGraph, balance: Sequence[int]) -> Tuple[GraphSplit, List["GraphStage"]]:
-    """The cut of ``balance`` (units per stage) and one ``GraphStage`` per stage, for a pipeline whose stages are processes.
+def process_stages(captured: KerasGraph, *, split_points: Optional[Sequence[str]] = None,
+                   balance: Optional[Sequence[int]] = None,
+                   stages: Optional[int] = None) -> Tuple[GraphSplit, List["GraphStage"]]:
+    """The cut (one of ``split_points``, ``balance`` in layers, ``stages``) and one ``GraphStage`` per stage.
 
-    Any cut works: a value skipping stages goes straight to its reader, several outputs go to the last stage.
+    Any cut works: a value skipping stages goes straight to its reader, several outputs go to the last
+    stage. Every rank must cut alike, so ``stages=n`` balances memory from the static shapes (parameter
+    plus output bytes per layer), never timings, which differ between ranks; for a cut by time, measure
+    once with ``ModelParallel(..., stages=n, sample=...)`` and pass its ``split_points``.
     """
-    split = cut_graph(captured.graph, balance=balance)
+    split = split_model(captured, split_points=split_points, balance=balance, stages=stages, by="memory")
     return split, [GraphStage(captured, split, j, layers_called_first(captured, split, j)) for j in range(split.stages)]
 
 
@@ -27,7 +33,7 @@ class GraphStage:
     """Stage j of a split graph: its nodes, and the layers whose variables it holds (the weights API of a layer).
 
     Example:
-        >>> split, stages = process_stages(captured, [3, 4])                 # doctest: +SKIP
+        >>> split, stages = process_stages(captured, split_points=["block2"])                 # doctest: +SKIP
         >>> values = {"x": x}; stages[0].run(values, training=True)          # doctest: +SKIP
         >>> [values[v] for v in split.sends[0]]                              # doctest: +SKIP
     """
