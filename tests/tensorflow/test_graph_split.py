@@ -132,6 +132,14 @@ def test_stages_by_time_on_a_sample_equals_the_unsplit_model_and_keeps_batch_nor
     assert_same(run(pipe, x), run(model, x, chunks=2))
 
 
+def test_stages_by_time_measures_a_model_with_an_embedding():
+    # an Embedding's gradient is IndexedSlices: measuring it must not stop there
+    model, x = encoder(), encoder_batch(6)
+    pipe = hvd.Pipeline(model, stages=2, sample=x, chunks=2)
+    assert len(pipe.balance) == 2 and sum(pipe.balance) == len(model.layers)
+    assert_same(run(pipe, x), run(model, x, chunks=2))
+
+
 def test_variables_live_on_their_stage_device_and_describe_shows_the_crossing_tensors():
     model = resnet()
     split = hvd.ModelParallel(model, split_points=["block1_conv2"], devices=["/CPU:1", "/CPU:2"])
@@ -342,7 +350,7 @@ def walk_in_one_process(model, balance, inputs, chunks=1):
     from dualframe.tensorflow.graph_stage_work import TFGraphStageWork
 
     captured = capture(model)
-    split, stages = process_stages(captured, balance)
+    split, stages = process_stages(captured, balance=balance)
     rows = tf.nest.flatten(inputs)[0].shape[0]
     sizes = micro_batch_sizes(rows, chunks)
     micro = rows_of(dict(zip(split.graph.inputs, captured.flat_inputs(inputs))), sizes)
