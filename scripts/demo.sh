@@ -45,6 +45,8 @@ tf    single     1 tf_examples/model_split.py
 tf    single     1 tf_examples/pipeline.py
 torch single     1 torch_examples/model_split_resnet.py
 tf    single     1 tf_examples/model_split_resnet.py
+torch mpirun     2 torch_examples/model_split_resnet.py
+tf    mpirun     2 tf_examples/model_split_resnet.py
 torch mpirun     2 torch_examples/pipeline_processes.py
 torch mpirun     4 torch_examples/hybrid.py
 tf    mpirun     2 tf_examples/pipeline_processes.py

@@ -1,6 +1,7 @@
 """Split a functional Keras ResNet (skip connections, BatchNorm) across two devices, cuts chosen by measured time.
 
     python tf_examples/model_split_resnet.py                           # visible GPUs, else 2 logical CPUs
+    mpirun -np 2 python tf_examples/model_split_resnet.py              # one stage per process
     python tf_examples/model_split_resnet.py --split-points block3_conv1 --chunks 4 --timeline resnet.png
     python tf_examples/model_split_resnet.py --resnet50                # keras.applications.ResNet50, 32x32
 """
@@ -15,6 +16,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import dualframe.tensorflow as hvd  # noqa: E402
+from dualframe.launch.topology import detect  # noqa: E402
 from dualframe.observe.timeline import report  # noqa: E402
 
 CLASSES = 4
@@ -65,6 +67,25 @@ def synthetic(rows: int, size: int, seed: int) -> tuple:
     return x, y
 
 
+def train_processes(args: argparse.Namespace, model: keras.Model, x: np.ndarray, y: np.ndarray) -> None:
+    """One stage per process; every rank cuts alike (named layers, or even bytes from the static shapes)."""
+    cut = {"split_points": args.split_points.split(",")} if args.split_points else {"stages": hvd.size()}
+    pipe = hvd.DistributedPipeline(model, chunks=args.chunks, loss_fn=keras.losses.SparseCategoricalCrossentropy(True),
+                                   **cut)  # dualframe: each tensor goes straight to the stages that read it
+    optimizer = keras.optimizers.Adam(2e-3)
+    for epoch in range(args.epochs):
+        losses = []
+        for start in range(0, len(x), args.batch):  # dualframe: images read on stage 0, labels on the last
+            losses.append(pipe.train_step(x[start:start + args.batch], y[start:start + args.batch]))
+            pipe.apply_gradients(optimizer)  # dualframe: the stage's gradients, summed over micro-batches
+        if hvd.rank() == 0:
+            print(f"epoch {epoch}  loss {np.mean(losses):.3f}", flush=True)
+    timings = pipe.timings()  # dualframe: every stage's line (a collective)
+    if hvd.rank() == 0:
+        print(f"split points {list(pipe.split.split_points)}")
+        print("\n".join("  " + line for line in timings))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--devices", help="comma-separated, one per stage (e.g. /CPU:0,/CPU:1 or /GPU:0,/GPU:1)")
@@ -79,13 +100,18 @@ def main() -> None:
     parser.add_argument("--timeline", help="write an eager step's Gantt chart to this PNG")
     args = parser.parse_args()
 
-    devices = devices_from(args)
+    processes = detect().distributed  # dualframe: launched with -np 2: one stage per process
+    if processes:
+        hvd.init()  # dualframe:
+    devices = None if processes else devices_from(args)
     if args.resnet50:
         args.size = 32
         model = keras.applications.ResNet50(weights=None, input_shape=(32, 32, 3), classes=CLASSES)
     else:
         model = resnet(args.width, args.blocks, args.size)
     x, y = synthetic(640, args.size, seed=1)
+    if processes:
+        return train_processes(args, model, x, y)
     if args.split_points:
         cut = {"split_points": args.split_points.split(",")}  # dualframe: a new stage begins at each name
     else:

@@ -6,14 +6,17 @@ sample micro-batch (or cuts at --split-points), and prints the tensors crossing 
     python torch_examples/model_split_resnet.py                               # "cpu" twice, cut chosen
     python torch_examples/model_split_resnet.py --split-points layer2.1 --overlap-cpu
     python torch_examples/model_split_resnet.py --devices cuda:0,cuda:1 --chunks 8 --timeline resnet.png
+    mpirun -np 2 python torch_examples/model_split_resnet.py                 # one stage per process
 """
 import argparse
+import copy
 import time
 
 import torch
 from torch import nn
 
 import dualframe.torch as hvd
+from dualframe.launch.topology import detect
 from dualframe.observe.timeline import report
 
 
@@ -58,6 +61,28 @@ def synthetic(batch: int, size: int, generator: torch.Generator):
     return x, y
 
 
+def train_processes(args: argparse.Namespace, model: nn.Module) -> None:
+    """One stage per process; every rank cuts alike (named points, or even parameter bytes)."""
+    cut = dict(split_points=args.split_points.split(",")) if args.split_points else dict(stages=hvd.size())
+    pipe = hvd.DistributedPipeline(model, chunks=args.chunks, loss_fn=nn.functional.cross_entropy, **cut)  # dualframe:
+    optimizer = torch.optim.Adam(pipe.parameters(), lr=3e-3)  # dualframe: the local stage's parameters
+    generator = torch.Generator().manual_seed(1)
+    for step in range(args.steps):
+        x, y = synthetic(args.batch, args.size, generator)
+        optimizer.zero_grad()
+        loss = pipe.train_step(x, y)  # dualframe: images read on stage 0, labels on the last; the mean loss
+        optimizer.step()
+        if hvd.rank() == 0 and (step % 5 == 0 or step == args.steps - 1):
+            print(f"step {step:3d}  loss {loss:.4f}", flush=True)
+    timings = pipe.timings()  # dualframe: every stage's line (a collective)
+    if hvd.rank() == 0:
+        view = hvd.ModelParallel(copy.deepcopy(model), devices=["cpu"] * hvd.size(), **cut)  # the same cut, one process
+        with torch.no_grad():
+            view(synthetic(args.batch // args.chunks, args.size, generator)[0])  # describe() shows what crossed
+        print(view.describe())  # dualframe: per boundary, the tensors crossing it (shape, bytes)
+        print("\n".join("  " + line for line in timings))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--devices", default="cpu,cpu", help="comma-separated, one per stage")
@@ -74,6 +99,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
+    if detect().distributed:  # dualframe: launched with -np 2: one stage per process
+        hvd.init()  # dualframe:
+        return train_processes(args, ResNet(args.width))
 
     devices = args.devices.split(",")
     generator = torch.Generator().manual_seed(1)
