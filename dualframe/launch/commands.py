@@ -70,9 +70,13 @@ def mpirun_command(
     export: Sequence[str] = THREAD_VARIABLES,
     oversubscribe: bool = False,
     as_root: Optional[bool] = None,
+    network_interfaces: Optional[str] = None,
     mpirun: str = "mpirun",
 ) -> List[str]:
     """Open MPI ``mpirun`` command line; ``export`` names variables passed on with ``-x``.
+
+    ``network_interfaces`` (``eth0`` or ``ib0,eth0``; Open MPI also takes subnets) limits both MPI's
+    TCP traffic and Open MPI's own out-of-band channel to those interfaces.
 
     Example:
         >>> mpirun_command(2, ["python", "train.py"], export=(), as_root=False)
@@ -89,6 +93,9 @@ def mpirun_command(
         command += ["--hostfile", hostfile]
     elif hosts:
         command += ["-H", hosts]
+    if network_interfaces:
+        # The out-of-band channel too: left to itself it may pick an interface the other nodes cannot reach.
+        command += ["--mca", "btl_tcp_if_include", network_interfaces, "--mca", "oob_tcp_if_include", network_interfaces]
     # Binding to cores fights the framework's own thread pools; slots fill one node first.
     command += ["--bind-to", "none", "--map-by", "slot"]
     for name in export:

@@ -2,8 +2,11 @@
 
 The launcher is chosen in this order unless one is named: ``srun`` inside a SLURM allocation,
 ``horovodrun`` (Gloo by default) when installed, else Open MPI's ``mpirun``. The command lines come
-from ``dualframe.launch.commands``; this module adds the choice, the hosts, and the thread variables that give
-each process its share of the cores (``OMP_NUM_THREADS`` ...), so N processes do not oversubscribe.
+from ``dualframe.launch.commands``; this module adds the choice, the hosts, the network interfaces, and
+the thread variables that give each process its share of the cores (``OMP_NUM_THREADS`` ...), so N
+processes do not oversubscribe. Before starting on other hosts, ``main`` asks each of them through the
+launcher's remote agent (``dualframe.launch.remote``): one that does not answer is refused by name, and
+the interface the hosts share is passed on when there is exactly one.
 """
 from __future__ import annotations
 
@@ -19,11 +22,13 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 from dualframe.errors import DualframeError
 from dualframe.launch.commands import THREAD_VARIABLES, find_executable, horovodrun_command, mpirun_command, srun_command
 from dualframe.launch.commands import thread_env
+from dualframe.launch import remote, watch
 
 LAUNCHERS = ("auto", "horovodrun", "mpirun", "srun")
 _LOCAL_NAMES = ("localhost", "127.0.0.1", "::1")
 #: Variables mpirun passes on with -x besides the thread settings, when they are set.
 _PASSED_ON = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "PYTHONUNBUFFERED", "TF_CPP_MIN_LOG_LEVEL")
+_INTERFACE_NAMES = re.compile(r"[A-Za-z0-9_.:@-]+(,[A-Za-z0-9_.:@-]+)*")
 
 
 class LaunchError(DualframeError, ValueError):
@@ -77,6 +82,17 @@ def _is_local(hosts: Sequence[Tuple[str, int]]) -> bool:
     return all(host in names for host, _ in hosts)
 
 
+def _given(args: Sequence[str], name: str) -> bool:
+    """True when the launcher arguments already hold ``name`` (``--name value`` or ``--name=value``)."""
+    return any(arg.split("=")[0].startswith(name) for arg in args)
+
+
+def _check_interfaces(network_interfaces: Optional[str]) -> None:
+    if network_interfaces is not None and not _INTERFACE_NAMES.fullmatch(network_interfaces):
+        raise LaunchError(f"--network-interfaces takes interface names separated by commas, e.g. eth0 or ib0,eth0 "
+                          f"(network_interfaces: {network_interfaces!r}); `dualframe doctor -H ...` lists each host's")
+
+
 def choose_launcher(requested: str, environ: Mapping[str, str], find: Callable[[str], Optional[str]]) -> str:
     """The launcher to use: ``requested`` if available, else srun (in SLURM) > horovodrun > mpirun."""
     if requested not in LAUNCHERS:
@@ -110,7 +126,8 @@ def _threads(launcher: str, np: int, hosts: Sequence[Tuple[str, int]], environ: 
 
 def plan_launch(np: int, program: Sequence[str], launcher: str = "auto", hosts: Optional[str] = None,
                 hostfile: Optional[str] = None, gloo: bool = True, threads: Optional[int] = None,
-                launcher_args: Sequence[str] = (), environ: Optional[Mapping[str, str]] = None,
+                launcher_args: Sequence[str] = (), network_interfaces: Optional[str] = None,
+                environ: Optional[Mapping[str, str]] = None,
                 cores: Optional[int] = None, find: Optional[Callable[[str], Optional[str]]] = None,
                 python: Optional[str] = None) -> Launch:
     """Resolve a launch without starting anything (see the module docstring for the choice).
@@ -123,10 +140,13 @@ def plan_launch(np: int, program: Sequence[str], launcher: str = "auto", hosts: 
         gloo: horovodrun's controller: Gloo (default) or MPI.
         threads: threads per process; default: the node's cores shared by its processes.
         launcher_args: more arguments for the launcher itself (e.g. ``--mpi=pmix`` for srun).
+        network_interfaces: the interfaces between the hosts (``eth0``, ``ib0,eth0``): horovodrun's
+            ``--network-interfaces``, mpirun's ``btl_tcp_if_include`` and ``oob_tcp_if_include``, srun's
+            ``OMPI_MCA_btl_tcp_if_include``, and ``NCCL_SOCKET_IFNAME`` under mpirun and srun.
         environ, cores, find, python: the surroundings, for tests (default: this process's).
 
     Raises:
-        LaunchError: bad ``np``, hosts or launcher, or hosts given to srun.
+        LaunchError: bad ``np``, hosts, interfaces or launcher, or hosts given to srun.
     """
     if isinstance(np, bool) or not isinstance(np, int) or np < 1:
         raise LaunchError(f"-np must be an int >= 1 (np: {np!r})")
@@ -134,6 +154,7 @@ def plan_launch(np: int, program: Sequence[str], launcher: str = "auto", hosts: 
         raise LaunchError(f"--threads must be an int >= 1 (threads: {threads!r})")
     if hosts and hostfile:
         raise LaunchError(f"give -H or --hostfile, not both (-H {hosts}, --hostfile {hostfile})")
+    _check_interfaces(network_interfaces)
     env = os.environ if environ is None else environ
     python = python or sys.executable
     find = find or (lambda name: _beside(name, python, env))
@@ -141,7 +162,8 @@ def plan_launch(np: int, program: Sequence[str], launcher: str = "auto", hosts: 
     host_list = parse_hosts(hosts, hostfile)
     command = _program(program, python)
     thread_vars = _threads(chosen, np, host_list, env, cores or os.cpu_count() or 1, threads)
-    job = _Job(np, command, hosts, hostfile, host_list, gloo, list(launcher_args), env, thread_vars, str(find(chosen)))
+    job = _Job(np, command, hosts, hostfile, host_list, gloo, list(launcher_args), env, thread_vars, str(find(chosen)),
+               network_interfaces)
     return _BUILDERS[chosen](job)
 
 
@@ -165,15 +187,35 @@ class _Job:
     environ: Mapping[str, str]
     thread_vars: Dict[str, str]
     path: str
+    network_interfaces: Optional[str] = None
+
+    @property
+    def elastic_discovery(self) -> bool:
+        """True when a host discovery script names the hosts (elastic horovodrun): they are not known here."""
+        return _given(self.extra, "--host-discovery-script")
+
+    @property
+    def single_host(self) -> bool:
+        """True only when every rank is known to run on this host."""
+        return _is_local(self.host_list) and not self.elastic_discovery
+
+    def interface_env(self) -> Dict[str, str]:
+        """What NCCL reads for its interfaces (Gloo's come from horovodrun's own option)."""
+        return {"NCCL_SOCKET_IFNAME": self.network_interfaces} if self.network_interfaces else {}
 
 
 def _horovodrun(job: _Job) -> Launch:
-    local = _is_local(job.host_list)
-    # On one host Horovod otherwise probes every interface; elastic runs then hang silently.
-    notes = ["one host: --network-interfaces lo"] if local else []
-    command = horovodrun_command(job.np, [], job.hosts, job.hostfile, job.gloo, "lo" if local else None,
-                                 horovodrun=job.path)
-    if any(arg.split("=")[0] == "--host-discovery-script" for arg in job.extra):
+    interfaces, notes = job.network_interfaces, []
+    if _given(job.extra, "--network-interface"):
+        interfaces = None  # the user's own, through --launcher-arg
+    elif interfaces is None and job.single_host:
+        # On one host Horovod otherwise probes every interface; elastic runs then hang silently.
+        interfaces, notes = "lo", ["one host: --network-interfaces lo"]
+    elif interfaces is None and job.elastic_discovery:
+        notes = ["the host discovery script names the hosts: no --network-interfaces lo (pass "
+                 "--network-interfaces lo if they are all this host)"]
+    command = horovodrun_command(job.np, [], job.hosts, job.hostfile, job.gloo, interfaces, horovodrun=job.path)
+    if job.elastic_discovery:
         # Elastic: the script names the hosts, and horovodrun refuses -H beside it.
         at = command.index("-H")
         del command[at:at + 2]
@@ -183,10 +225,11 @@ def _horovodrun(job: _Job) -> Launch:
 def _mpirun(job: _Job) -> Launch:
     slots = sum(s for _, s in job.host_list) if job.host_list else os.cpu_count() or 1
     oversubscribe = _is_local(job.host_list) and job.np > slots
-    export = list(THREAD_VARIABLES) + [name for name in _PASSED_ON if name in job.environ]
+    export = list(THREAD_VARIABLES) + [name for name in _PASSED_ON if name in job.environ] + list(job.interface_env())
     notes = [f"{job.np} processes on {slots} slots: --oversubscribe"] if oversubscribe else []
-    command = mpirun_command(job.np, [], job.hosts, job.hostfile, export, oversubscribe, mpirun=job.path)
-    return Launch("mpirun", command + job.extra + job.program, job.thread_vars, notes)
+    command = mpirun_command(job.np, [], job.hosts, job.hostfile, export, oversubscribe,
+                             network_interfaces=job.network_interfaces, mpirun=job.path)
+    return Launch("mpirun", command + job.extra + job.program, {**job.thread_vars, **job.interface_env()}, notes)
 
 
 def _srun(job: _Job) -> Launch:
@@ -200,7 +243,9 @@ def _srun(job: _Job) -> Launch:
         command.append(f"--ntasks-per-node={job.np // int(nodes)}")
     # One failed rank ends the step instead of leaving the others waiting in a collective.
     command.append("--kill-on-bad-exit=1")
-    return Launch("srun", command + job.extra + job.program, job.thread_vars, [])
+    # srun hands the whole environment to the ranks; Open MPI's library reads its MCA settings there.
+    interfaces = {"OMPI_MCA_btl_tcp_if_include": job.network_interfaces} if job.network_interfaces else {}
+    return Launch("srun", command + job.extra + job.program, {**job.thread_vars, **interfaces, **job.interface_env()}, [])
 
 
 _BUILDERS = {"horovodrun": _horovodrun, "mpirun": _mpirun, "srun": _srun}
@@ -219,20 +264,72 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="threads per process (default: the node's cores shared by its processes)")
     parser.add_argument("--launcher-arg", dest="launcher_args", action="append", default=[],
                         help="an extra argument for the launcher itself, e.g. --launcher-arg=--mpi=pmix (repeatable)")
+    parser.add_argument("--network-interfaces", default=None, metavar="IFACE[,IFACE]",
+                        help="interfaces between the hosts, e.g. eth0 or ib0,eth0 (default: the one the hosts "
+                             "share, when there is exactly one; lo on this host alone)")
+    parser.add_argument("--no-host-check", dest="host_check", action="store_false",
+                        help="start without first asking each other host through ssh / the rsh agent")
     parser.add_argument("--dry-run", action="store_true", help="print the command, start nothing")
     parser.add_argument("program", nargs=argparse.REMAINDER, help="script.py and its arguments")
 
 
 def main_from_args(args: argparse.Namespace) -> int:
     """``main`` with the parsed ``run`` arguments."""
-    return main(args.np, args.program, args.dry_run, launcher=args.launcher, hosts=args.hosts,
-                hostfile=args.hostfile, gloo=args.gloo, threads=args.threads, launcher_args=args.launcher_args)
+    return main(args.np, args.program, args.dry_run, args.host_check, launcher=args.launcher, hosts=args.hosts,
+                hostfile=args.hostfile, gloo=args.gloo, threads=args.threads, launcher_args=args.launcher_args,
+                network_interfaces=args.network_interfaces)
 
 
-def main(np: int, program: Sequence[str], dry_run: bool = False, **options: object) -> int:
-    """Print the launch line; unless ``dry_run``, replace this process with it (exit code passes through)."""
+def _other_hosts(options: Mapping[str, object]) -> List[str]:
+    """Every host of the job when some are not this one (they are asked before launch), else none."""
+    host_list = parse_hosts(options.get("hosts"), options.get("hostfile"))  # type: ignore[arg-type]
+    return [] if _is_local(host_list) else [host for host, _ in host_list]
+
+
+def _interfaces_chosen(launcher_args: Sequence[str]) -> bool:
+    return (_given(launcher_args, "--network-interface") or "btl_tcp_if_include" in launcher_args
+            or "OMPI_MCA_btl_tcp_if_include" in os.environ)
+
+
+def check_hosts(job: Launch, hosts: Sequence[str], np: int, program: Sequence[str],
+                options: Mapping[str, object]) -> Tuple[Launch, List[str]]:
+    """Ask every host through the launcher's agent; refuse the ones that do not answer, pass the shared interface.
+
+    Returns:
+        The launch (re-planned with ``--network-interfaces`` when the hosts share exactly one) and the agent.
+
+    Raises:
+        HostUnreachableError: naming each host that did not answer and ssh's reason.
+    """
+    launcher_args = list(options.get("launcher_args") or ())  # type: ignore[call-overload]
+    agent = remote.remote_agent(job.launcher, launcher_args, os.environ, lambda name: find_executable(name))
+    reports = remote.probe(hosts, agent)
+    message = remote.unreachable_message(reports, job.launcher)
+    if message:
+        raise remote.HostUnreachableError(message)
+    if options.get("network_interfaces") or _interfaces_chosen(launcher_args):
+        return job, agent
+    choice = remote.choose_interfaces(reports)
+    if not choice.interfaces:
+        return Launch(job.launcher, job.command, job.env, job.notes + [choice.reason]), agent
+    chosen = plan_launch(np, program, **{**options, "network_interfaces": ",".join(choice.interfaces)})  # type: ignore[arg-type]
+    note = f"--network-interfaces {','.join(choice.interfaces)}: {choice.reason}"
+    return Launch(chosen.launcher, chosen.command, chosen.env, chosen.notes + [note]), agent
+
+
+def main(np: int, program: Sequence[str], dry_run: bool = False, host_check: bool = True, **options: object) -> int:
+    """Print the launch line; unless ``dry_run``, replace this process with it (exit code passes through).
+
+    With other hosts (unless ``host_check`` is off) each is asked first (``check_hosts``); mpirun then
+    runs as a child, so that a failed start is explained by naming the hosts that no longer answer.
+    """
+    hosts: List[str] = []
+    agent: List[str] = []
     try:
         job = plan_launch(np, program, **options)  # type: ignore[arg-type]
+        hosts = _other_hosts(options) if host_check and job.launcher != "srun" else []
+        if hosts:
+            job, agent = check_hosts(job, hosts, np, program, options)
     except DualframeError as error:
         print(f"dualframe run: {error}", file=sys.stderr)
         return 2
@@ -241,6 +338,18 @@ def main(np: int, program: Sequence[str], dry_run: bool = False, **options: obje
     print(job.shell(), flush=True)
     if dry_run:
         return 0
-    os.execvpe(job.command[0], job.command, dict(os.environ, **job.env))
+    env = dict(os.environ, **job.env)
+    if job.launcher == "mpirun" and _other_hosts(options):
+        return watch.run(job.command, env, lambda: _explain(hosts or _other_hosts(options), agent, job, options))
+    os.execvpe(job.command[0], job.command, env)
     return 0  # not reached
 
+
+def _explain(hosts: Sequence[str], agent: List[str], job: Launch, options: Mapping[str, object]) -> str:
+    """Why Open MPI could not start its daemons: the hosts that do not answer now, or what else to check."""
+    if not agent:
+        launcher_args = list(options.get("launcher_args") or ())  # type: ignore[call-overload]
+        agent = remote.remote_agent(job.launcher, launcher_args, os.environ, lambda name: find_executable(name))
+    message = remote.unreachable_message(remote.probe(hosts, agent), job.launcher)
+    return message or (f"every host answers through the remote agent now ({', '.join(hosts)}): check that orted is "
+                       "on PATH there and that --network-interfaces names an interface every host can reach")

@@ -159,3 +159,28 @@ def test_dry_run_prints_and_starts_nothing():
            "-x TF_NUM_INTEROP_THREADS -x PATH -x PYTHONPATH" in printed
     assert printed.endswith(f"{sys.executable} no_such_script.py") and len(result.stdout.splitlines()) == 1
     assert "--oversubscribe" in result.stdout and "3 processes on" in result.stderr
+
+
+def test_network_interfaces_for_each_launcher():
+    job = launch("train.py", np=2, hosts="a:1,b:1", network_interfaces="ib0,eth0")
+    assert job.command[:8] == ["/opt/bin/horovodrun", "-np", "2", "-H", "a:1,b:1", "--gloo", "--network-interfaces",
+                               "ib0,eth0"]
+    job = launch("train.py", np=2, launcher="mpirun", hosts="a:1,b:1", network_interfaces="eth0")
+    at = job.command.index("--mca")
+    assert job.command[at:at + 6] == ["--mca", "btl_tcp_if_include", "eth0", "--mca", "oob_tcp_if_include", "eth0"]
+    assert job.env["NCCL_SOCKET_IFNAME"] == "eth0" and job.command[job.command.index("NCCL_SOCKET_IFNAME") - 1] == "-x"
+    job = launch("train.py", np=2, environ={"SLURM_JOB_ID": "1"}, network_interfaces="eth0")
+    assert job.env["OMPI_MCA_btl_tcp_if_include"] == "eth0" and job.env["NCCL_SOCKET_IFNAME"] == "eth0"
+    with pytest.raises(LaunchError, match=r"--network-interfaces takes interface names separated by commas, e.g. eth0 "
+                                          r"or ib0,eth0 \(network_interfaces: '10.0.0.0/24'\)"):
+        launch("train.py", np=2, network_interfaces="10.0.0.0/24")
+
+
+def test_loopback_only_when_the_job_is_known_to_be_on_this_host():
+    elastic = launch("train.py", np=2, launcher_args=["--min-np", "1", "--host-discovery-script", "./hosts.sh"])
+    assert "--network-interfaces" not in elastic.command and "-H" not in elastic.command
+    assert "host discovery script names the hosts" in elastic.notes[0]
+    assert elastic.command[:4] == ["/opt/bin/horovodrun", "-np", "2", "--gloo"]
+    mine = launch("train.py", np=2, launcher_args=["--network-interfaces=eth0"])
+    assert mine.command.count("--network-interfaces=eth0") == 1 and "lo" not in mine.command and not mine.notes
+    assert launch("train.py", np=2, network_interfaces="eth0").command[6:8] == ["--network-interfaces", "eth0"]
