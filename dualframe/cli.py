@@ -13,6 +13,13 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
     doctor.add_argument("--require", action="append", default=[], choices=("torch", "tensorflow"),
                         help="fail unless this framework works with Horovod (repeatable)")
+    where = doctor.add_mutually_exclusive_group()
+    where.add_argument("-H", "--hosts", default=None, help="also ask these hosts (node1:4,node2:4) for their interfaces")
+    where.add_argument("--hostfile", default=None, help="the same from a file of 'host slots=N' lines")
+    doctor.add_argument("--launcher", choices=("horovodrun", "mpirun"), default="horovodrun",
+                        help="whose remote agent reaches the hosts: horovodrun's ssh or Open MPI's plm_rsh_agent")
+    doctor.add_argument("--launcher-arg", dest="launcher_args", action="append", default=[],
+                        help="the launcher arguments dualframe run gets, e.g. --launcher-arg=--ssh-port=2222 (repeatable)")
     from dualframe.observe.charts import add_arguments as add_timeline_arguments
     from dualframe.plan.cli import add_arguments as add_plan_arguments
     from dualframe.launch.run import add_arguments as add_run_arguments
@@ -25,11 +32,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point of the ``dualframe`` console script."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.command == "doctor":
         from dualframe.launch import doctor
+        from dualframe.launch.run import LaunchError, parse_hosts
 
-        return doctor.main(as_json=args.json, required=args.require)
+        try:
+            hosts = [host for host, _ in parse_hosts(args.hosts, args.hostfile)]
+        except LaunchError as error:
+            parser.error(str(error))
+        return doctor.main(as_json=args.json, required=args.require, hosts=hosts, launcher=args.launcher,
+                           launcher_args=args.launcher_args)
     if args.command == "plan":
         from dualframe.plan.cli import main as plan_main
 

@@ -1,4 +1,9 @@
-"""`dualframe doctor`: what is installed, what the Horovod build supports, and where this process stands."""
+"""`dualframe doctor`: what is installed, what the Horovod build supports, where this process stands, and the job's hosts.
+
+Given hosts (``-H n1:1,n2:1`` or ``--hostfile``), it asks each through the agent ``dualframe run``'s
+launcher would use (``dualframe.launch.remote``) and reports its interfaces and addresses, and the
+interface ``dualframe run`` would pass, or that you should pass one with ``--network-interfaces``.
+"""
 from __future__ import annotations
 
 import json
@@ -9,6 +14,7 @@ import sys
 from dataclasses import asdict
 from typing import Any, Dict, List, Optional, Sequence
 
+from dualframe.launch import remote
 from dualframe.launch.commands import find_executable
 from dualframe.launch.topology import detect
 
@@ -67,11 +73,33 @@ def _beside_python(name: str, python: str) -> Optional[str]:
     return candidate if os.access(candidate, os.X_OK) else find_executable(name)
 
 
-def gather(python: Optional[str] = None) -> Dict[str, Any]:
-    """Collect the doctor's report as plain data (what ``--json`` prints)."""
+def hosts_report(hosts: Sequence[str], launcher: str, launcher_args: Sequence[str] = ()) -> Dict[str, Any]:
+    """Each host's answer through ``launcher``'s remote agent and the interface they share, as plain data.
+
+    Example:
+        >>> report = hosts_report(["localhost"], "horovodrun")
+        >>> report["hosts"][0]["reachable"], report["choice"]["interfaces"]
+        (True, ['lo'])
+    """
+    try:
+        agent = remote.remote_agent(launcher, launcher_args, os.environ, find_executable)
+    except remote.HostUnreachableError as error:
+        return {"launcher": launcher, "agent": [], "hosts": [], "unreachable": str(error),
+                "choice": {"interfaces": [], "reason": "no remote agent", "networks": []}}
+    reports = remote.probe(hosts, agent)
+    choice = remote.choose_interfaces(reports)
+    return {"launcher": launcher, "agent": agent, "hosts": [asdict(report) for report in reports],
+            "choice": {"interfaces": list(choice.interfaces), "reason": choice.reason, "networks": list(choice.networks)},
+            "unreachable": remote.unreachable_message(reports, launcher)}
+
+
+def gather(python: Optional[str] = None, hosts: Sequence[str] = (), launcher: str = "horovodrun",
+           launcher_args: Sequence[str] = ()) -> Dict[str, Any]:
+    """Collect the doctor's report as plain data (what ``--json`` prints); ``hosts`` adds their report."""
     python = python or sys.executable
     topo = detect()
-    return {
+    extra = {"hosts": hosts_report(hosts, launcher, launcher_args)} if hosts else {}
+    return {**extra,
         "python": {"version": platform.python_version(), "executable": python},
         "torch": _probe("torch", python),
         "tensorflow": _probe("tensorflow", python),
@@ -97,7 +125,25 @@ def problems(report: Dict[str, Any], required: Sequence[str]) -> List[str]:
             found.append(f"Horovod for {name} has neither MPI nor Gloo built in; fix: {FIX}")
     if not report["mpi"]["mpirun"]["ok"] and not any(report[n]["ok"] and report[n]["build"]["gloo"] for n in frameworks):
         found.append("no launcher: mpirun is missing and Horovod has no Gloo; fix: apt-get install openmpi-bin libopenmpi-dev")
+    if report.get("hosts", {}).get("unreachable"):
+        found.append(report["hosts"]["unreachable"])
     return found
+
+
+def render_hosts(hosts: Dict[str, Any]) -> List[str]:
+    """The hosts' part of the report: one line per host, then the interface ``dualframe run`` would pass."""
+    lines = [f"hosts       through {hosts['launcher']}'s agent: {' '.join(hosts['agent'])}"]
+    for host in hosts["hosts"]:
+        report = remote.HostReport(host["host"], host["reachable"], host["error"],
+                                   tuple(remote.Interface(**i) for i in host["interfaces"]), host["local"])
+        lines.append(f"  {report.host:<9} {'(this host) ' if report.local else ''}{report.describe()}")
+    choice = hosts["choice"]
+    if choice["interfaces"]:
+        lines.append(f"interface   {','.join(choice['interfaces'])}: {choice['reason']}; dualframe run passes "
+                     f"--network-interfaces {','.join(choice['interfaces'])}")
+    else:
+        lines.append(f"interface   none chosen: {choice['reason']}")
+    return lines
 
 
 def render(report: Dict[str, Any], issues: Sequence[str]) -> str:
@@ -119,13 +165,15 @@ def render(report: Dict[str, Any], issues: Sequence[str]) -> str:
     t = report["topology"]
     lines.append(f"launcher    {t['launcher']}: rank {t['rank']}/{t['size']}, local {t['local_rank']}/{t['local_size']}, "
                  f"cross {t['cross_rank']}/{t['cross_size']}")
+    lines += render_hosts(report["hosts"]) if "hosts" in report else []
     lines += [f"PROBLEM: {p}" for p in issues] or ["usable: yes"]
     return "\n".join(lines)
 
 
-def main(as_json: bool = False, required: Sequence[str] = ()) -> int:
-    """Print the report; return 0 when dualframe is usable, 1 otherwise."""
-    report = gather()
+def main(as_json: bool = False, required: Sequence[str] = (), hosts: Sequence[str] = (),
+         launcher: str = "horovodrun", launcher_args: Sequence[str] = ()) -> int:
+    """Print the report; return 0 when dualframe is usable (and every host answers), 1 otherwise."""
+    report = gather(hosts=hosts, launcher=launcher, launcher_args=launcher_args)
     issues = problems(report, required)
     if as_json:
         print(json.dumps({**report, "usable": not issues, "problems": issues}, indent=2))
