@@ -6,7 +6,8 @@ killed), and measures from then to the end of the job. What ends it:
 
 * cut off, mpirun / horovodrun: the launcher's ssh to dfn2 stops answering its keepalives (30 s with
   the cluster's ssh_config) and the launcher ends the job; Horovod's stall check names the missing
-  rank first (``HOROVOD_STALL_CHECK_TIME_SECONDS=5``). dualframe's stall timeout is set above the ssh
+  rank first (``HOROVOD_STALL_CHECK_TIME_SECONDS=5``). mpirun is started by ``dualframe run``, which
+  follows Open MPI's message (it names no node) with one naming dfn2, which no longer answers ssh. dualframe's stall timeout is set above the ssh
   keepalive on purpose: a survivor that ends itself first makes mpirun wait on the lost node's daemon
   (Open MPI 4.1 then hangs in its abort).
 * cut off, srun: slurmctld marks dfn2 down (``SlurmdTimeout=20`` in the test cluster) and ends the
@@ -26,15 +27,17 @@ import time
 
 import pytest
 
-from _cluster import HOROVODRUN, MCA, ROOT, exported, require, wait_slurm_idle, worker_env
-from dualframe.launch.commands import horovodrun_command, mpirun_command
+from _cluster import HOROVODRUN, ROOT, require, wait_slurm_idle, worker_env
+from dualframe.launch.commands import horovodrun_command
 
 WORKER = ROOT / "tests" / "cluster" / "fault_worker.py"
 LIMIT_S = 60.0
 #: Per (launcher, fault): what the output must say about the lost node or rank.
 EXPECTED = {
-    # Open MPI 4.1 names neither node nor rank here (a gap, in docs/guide.md): its ssh to dfn2 failed.
-    ("mpirun", "cut"): r"ORTE was unable to reliably start one or more daemons",
+    # Open MPI 4.1 names neither node nor rank here ("ORTE was unable to reliably start one or more
+    # daemons"): dualframe run, which started it, asks the hosts again and names dfn2.
+    ("mpirun", "cut"): r"ORTE was unable to reliably start one or more daemons[\s\S]*dualframe run: Open MPI could "
+                       r"not start or lost a daemon: cannot reach dfn2 through mpirun's remote agent",
     ("mpirun", "kill"): r"process rank 1 with PID \d+ on node dfn2 exited on signal 9 \(Killed\)",
     ("horovodrun", "cut"): r"Process 1 exit with status code \d+",
     # horovodrun sees rank 1 through its ssh, which reports the killed command as 255.
@@ -52,9 +55,10 @@ def cluster():
 def command(launcher: str, env: dict) -> list:
     program = [sys.executable, str(WORKER)]
     if launcher == "mpirun":
-        line = mpirun_command(2, program, hosts="dfn1:1,dfn2:1", export=(), as_root=True)
-        at = line.index("--bind-to")
-        return line[:at] + MCA + exported(env) + line[at:]
+        # dualframe run's own -x list lacks the test's DUALFRAME_ variables: through --launcher-arg.
+        extra = [f"--launcher-arg={arg}" for name in sorted(env) if name.startswith("DUALFRAME_") for arg in ("-x", name)]
+        return [sys.executable, "-m", "dualframe", "run", "--launcher", "mpirun", "-np", "2", "-H", "dfn1:1,dfn2:1",
+                "--network-interfaces", "eth0", "--threads", "1", *extra, *program]
     if launcher == "srun":
         return ["srun", "--mpi=pmix", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
                 *program]
