@@ -101,7 +101,7 @@ def parse_addresses(text: str) -> Tuple[Interface, ...]:
     return tuple(found)
 
 
-def _option(args: Sequence[str], names: Sequence[str]) -> Optional[str]:
+def option_value(args: Sequence[str], names: Sequence[str]) -> Optional[str]:
     """The value of ``--name value`` or ``--name=value`` in ``args`` (the last one given)."""
     value = None
     for at, arg in enumerate(args):
@@ -144,8 +144,8 @@ def remote_agent(launcher: str, launcher_args: Sequence[str], environ: Mapping[s
                                    "install ssh (apt-get install openssh-client) or name yours with "
                                    "--launcher-arg=--mca --launcher-arg=plm_rsh_agent --launcher-arg=AGENT")
     command = ["ssh", "-o", "PasswordAuthentication=no", "-o", "StrictHostKeyChecking=no", *_ssh_options("ssh")]
-    port = _option(launcher_args, ("-p", "--ssh-port"))
-    identity = _option(launcher_args, ("-i", "--ssh-identity-file"))
+    port = option_value(launcher_args, ("-p", "--ssh-port"))
+    identity = option_value(launcher_args, ("-i", "--ssh-identity-file"))
     return command + (["-i", identity] if identity else []) + (["-p", port] if port else [])
 
 

@@ -15,6 +15,7 @@ import os
 import re
 import shlex
 import socket
+import subprocess
 import sys
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -162,9 +163,24 @@ def plan_launch(np: int, program: Sequence[str], launcher: str = "auto", hosts: 
     host_list = parse_hosts(hosts, hostfile)
     command = _program(program, python)
     thread_vars = _threads(chosen, np, host_list, env, cores or os.cpu_count() or 1, threads)
+    script = remote.option_value(launcher_args, ("--host-discovery-script",))
+    discovered = discover_hosts(script) if script and chosen == "horovodrun" else None
     job = _Job(np, command, hosts, hostfile, host_list, gloo, list(launcher_args), env, thread_vars, str(find(chosen)),
-               network_interfaces)
+               network_interfaces, discovered)
     return _BUILDERS[chosen](job)
+
+
+def discover_hosts(script: str, timeout_s: float = 10) -> Optional[List[Tuple[str, int]]]:
+    """The hosts an elastic job's discovery script names now (as horovodrun runs it: a shell command), or None.
+
+    None when it fails or prints nothing readable: the hosts are then unknown.
+    """
+    try:
+        result = subprocess.run(script, shell=True, capture_output=True, text=True, timeout=timeout_s)
+        found = parse_hosts(",".join(result.stdout.split())) if result.returncode == 0 else []
+    except (subprocess.TimeoutExpired, OSError, LaunchError):
+        return None
+    return found or None
 
 
 def _beside(name: str, python: str, environ: Mapping[str, str]) -> Optional[str]:
@@ -188,6 +204,7 @@ class _Job:
     thread_vars: Dict[str, str]
     path: str
     network_interfaces: Optional[str] = None
+    discovered: Optional[List[Tuple[str, int]]] = None
 
     @property
     def elastic_discovery(self) -> bool:
@@ -196,8 +213,10 @@ class _Job:
 
     @property
     def single_host(self) -> bool:
-        """True only when every rank is known to run on this host."""
-        return _is_local(self.host_list) and not self.elastic_discovery
+        """True only when every rank is known to run on this host (an elastic job: its script names only this one)."""
+        if self.elastic_discovery:
+            return self.discovered is not None and _is_local(self.discovered)
+        return _is_local(self.host_list)
 
     def interface_env(self) -> Dict[str, str]:
         """What NCCL reads for its interfaces (Gloo's come from horovodrun's own option)."""
@@ -210,10 +229,12 @@ def _horovodrun(job: _Job) -> Launch:
         interfaces = None  # the user's own, through --launcher-arg
     elif interfaces is None and job.single_host:
         # On one host Horovod otherwise probes every interface; elastic runs then hang silently.
-        interfaces, notes = "lo", ["one host: --network-interfaces lo"]
+        interfaces = "lo"
+        notes = ["the host discovery script names only this host now: --network-interfaces lo (pass "
+                 "--network-interfaces when it will name others)" if job.elastic_discovery else "one host: --network-interfaces lo"]
     elif interfaces is None and job.elastic_discovery:
-        notes = ["the host discovery script names the hosts: no --network-interfaces lo (pass "
-                 "--network-interfaces lo if they are all this host)"]
+        notes = ["the host discovery script names other hosts (or failed): no --network-interfaces lo; "
+                 "pass --network-interfaces naming the interface between them"]
     command = horovodrun_command(job.np, [], job.hosts, job.hostfile, job.gloo, interfaces, horovodrun=job.path)
     if job.elastic_discovery:
         # Elastic: the script names the hosts, and horovodrun refuses -H beside it.

@@ -176,11 +176,21 @@ def test_network_interfaces_for_each_launcher():
         launch("train.py", np=2, network_interfaces="10.0.0.0/24")
 
 
-def test_loopback_only_when_the_job_is_known_to_be_on_this_host():
-    elastic = launch("train.py", np=2, launcher_args=["--min-np", "1", "--host-discovery-script", "./hosts.sh"])
-    assert "--network-interfaces" not in elastic.command and "-H" not in elastic.command
-    assert "host discovery script names the hosts" in elastic.notes[0]
-    assert elastic.command[:4] == ["/opt/bin/horovodrun", "-np", "2", "--gloo"]
+def test_loopback_only_when_the_job_is_known_to_be_on_this_host(tmp_path):
+    def elastic(*lines):
+        script = tmp_path / "hosts.sh"
+        script.write_text("#!/bin/sh\n" + "".join(f"echo {line}\n" for line in lines))
+        script.chmod(0o755)
+        return launch("train.py", np=2, launcher_args=["--min-np", "1", f"--host-discovery-script={script}"])
+
+    remote_hosts = elastic("localhost:1", "node2:1")
+    assert "--network-interfaces" not in remote_hosts.command and "-H" not in remote_hosts.command
+    assert remote_hosts.notes == ["the host discovery script names other hosts (or failed): no --network-interfaces "
+                                  "lo; pass --network-interfaces naming the interface between them"]
+    assert remote_hosts.command[:4] == ["/opt/bin/horovodrun", "-np", "2", "--gloo"]
+    assert "--network-interfaces" not in elastic().command  # prints nothing: unknown
+    this_host = elastic("localhost:1", "127.0.0.1:1")
+    assert this_host.command[4:6] == ["--network-interfaces", "lo"] and "names only this host now" in this_host.notes[0]
     mine = launch("train.py", np=2, launcher_args=["--network-interfaces=eth0"])
     assert mine.command.count("--network-interfaces=eth0") == 1 and "lo" not in mine.command and not mine.notes
     assert launch("train.py", np=2, network_interfaces="eth0").command[6:8] == ["--network-interfaces", "eth0"]
