@@ -147,3 +147,22 @@ def test_a_daemon_that_did_not_start_is_explained(capfd):
                         "dualframe run: Open MPI could not start or lost a daemon: cannot reach dfn2\n")
     assert watch.run(["sh", "-c", "kill -TERM $$"], dict(os.environ), lambda: "unused") == 128 + 15
     assert "dualframe run" not in capfd.readouterr().err
+
+
+def test_doctor_reports_each_host_and_the_interface(fake_ssh):
+    from dualframe.launch import doctor
+
+    report = doctor.hosts_report(["good1", "good2"], "mpirun")
+    assert report["choice"]["interfaces"] == ["eth0"] and report["unreachable"] is None
+    lines = doctor.render_hosts(report)
+    assert lines[1:] == ["  good1     lo 127.0.0.1/8, lo ::1/128, eth0 10.203.7.1/24, eth0 fe80::1:1/64",
+                         "  good2     lo 127.0.0.1/8, lo ::1/128, eth0 10.203.7.2/24, eth0 fe80::1:2/64",
+                         "interface   eth0: 10.203.7.0/24 is the one subnet every host is on (eth0); dualframe run "
+                         "passes --network-interfaces eth0"]
+    bad = doctor.hosts_report(["good1", "bad"], "horovodrun")
+    assert doctor.render_hosts(bad)[2:] == [
+        "  bad       UNREACHABLE: ssh: connect to host bad port 22: Connection timed out",
+        "interface   none chosen: the interfaces of bad are unknown; pass --network-interfaces"]
+    fake = {"torch": {"ok": True, "build": {"mpi": True, "gloo": True}}, "tensorflow": {"ok": False},
+            "mpi": {"mpirun": {"ok": True}}, "hosts": bad}
+    assert doctor.problems(fake, ()) == [bad["unreachable"]] and bad["unreachable"].startswith("cannot reach bad")
