@@ -8,6 +8,7 @@ import tensorflow as tf
 from keras import ops
 
 from dualframe.dp.checks import check_bool, compression_name
+from dualframe.dp.shard import check_shard
 from dualframe.errors import StrategyError
 from dualframe.tensorflow.collectives import hvd
 from dualframe.tensorflow.compression import Compression
@@ -59,6 +60,12 @@ class GradientAccumulation:
             self.counter.assign(0)
 
         ops.cond(ops.equal(self.counter, self.steps), boundary, lambda: None)
+
+
+def register_wrapper(cls: type) -> None:
+    """Count ``cls`` among dualframe's wrappers (the sharded optimizer joins from its own module)."""
+    global _WRAPPERS
+    _WRAPPERS = _WRAPPERS + (cls,)
 
 
 def check_wrappable(optimizer: object) -> None:
@@ -136,6 +143,8 @@ class DistributedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
         backward_passes_per_step: apply (and communicate) every N-th call; gradients are summed locally.
         average_aggregated_gradients: divide the N summed gradients by N.
         op: ``hvd.Average`` (default), ``hvd.Sum`` or ``hvd.Adasum``.
+        shard: None (default), ``"optimizer"`` (ZeRO-1) or ``"gradients"`` (ZeRO-2): returns a
+            :class:`dualframe.tensorflow.shard.ShardedOptimizer`, whose state covers 1/N of the parameters.
 
     Example:
         >>> hvd.init()                                                     # doctest: +SKIP
@@ -145,6 +154,15 @@ class DistributedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
     """
 
     def __new__(cls, optimizer: Any = None, *args: Any, **kwargs: Any) -> Any:
+        shard = kwargs.get("shard")
+        if cls is DistributedOptimizer and check_shard(shard) is not None:
+            if _wants_loss_scaling(optimizer):
+                raise StrategyError(
+                    f"shard={shard!r} does not support loss scaling yet (a LossScaleOptimizer, or the "
+                    f"mixed_float16 policy); train in float32, or use shard=None")
+            from dualframe.tensorflow.shard import ShardedOptimizer
+
+            return ShardedOptimizer(optimizer, *args, **kwargs)
         if cls is DistributedOptimizer and _wants_loss_scaling(optimizer):
             return DistributedLossScaleOptimizer.wrap(optimizer, *args, **kwargs)
         return super().__new__(cls)
@@ -153,7 +171,7 @@ class DistributedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
                  device_dense: str = "", device_sparse: str = "", compression: Any = Compression.none,
                  sparse_as_dense: bool = False, gradient_predivide_factor: float = 1.0, op: Any = hvd.Average,
                  backward_passes_per_step: int = 1, average_aggregated_gradients: bool = False,
-                 process_set: Any = None) -> None:
+                 process_set: Any = None, shard: Optional[str] = None) -> None:
         settings, accumulation = wrap_settings(
             optimizer, compression, op, sparse_as_dense, gradient_predivide_factor, backward_passes_per_step,
             average_aggregated_gradients, process_set, device_dense, device_sparse)

@@ -1,0 +1,230 @@
+"""ZeRO-1/2 for Keras 3: ``DistributedOptimizer(shard=...)``, an optimizer whose state covers this rank's slice of the parameters.
+
+The cut is the core's :class:`dualframe.dp.shard.ShardLayout`; this module moves the bytes. Per bucket
+the gradients are flattened, concatenated, zero-padded and reduce-scattered (one grouped Horovod
+reducescatter), a copy of the user's optimizer (same class and config) updates one flat slice
+variable per bucket, so its slot variables (Adam's m and v, SGD's momentum) hold 1/N of the state,
+and the updated slices are allgathered back into the model's variables.
+
+``shard="optimizer"`` (ZeRO-1) accumulates ``backward_passes_per_step`` passes in full-size buffers and
+communicates once per step, as the plain wrapper does. ``shard="gradients"`` (ZeRO-2) reduce-scatters
+every pass and accumulates only the rank's slice, so no full-size gradient outlives its backward pass.
+(Keras's tape returns every gradient before the optimizer runs, so within one pass the full gradient
+exists in both modes; ZeRO-2 saves the accumulators and lets each bucket's flat copy go once scattered.)
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras import ops
+
+from dualframe.dp.shard import ShardLayout, check_same_parameters, check_shard, parameter_signature
+from dualframe.errors import StrategyError
+from dualframe.tensorflow.collectives import hvd
+from dualframe.tensorflow.compression import Compression
+from dualframe.tensorflow.optimizer import KerasTwoNames, _config, register_wrapper, wrap_settings
+from dualframe.tensorflow.shard_state import SLICE_NAME, ShardedState, check_elementwise
+
+
+@keras.saving.register_keras_serializable(package="dualframe")
+class ShardedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
+    """Data parallelism with the optimizer state (ZeRO-1) or also the gradients (ZeRO-2) sharded across ranks.
+
+    Made by ``hvd.DistributedOptimizer(optimizer, shard="optimizer" | "gradients")`` and used as the
+    plain wrapper is: ``model.compile(optimizer=...)`` then ``fit``, or ``opt.apply(grads, vars)`` /
+    ``apply_gradients`` in a GradientTape loop. Final weights equal plain data parallelism's.
+
+    The optimizer must update every element from that element's gradient and state alone (SGD, Adam,
+    AdamW, Adamax, Nadam, RMSprop, Adagrad, Adadelta, Ftrl, Lion); per-tensor norms or shapes (Lamb,
+    Adafactor, Muon), ``clipnorm``/``global_clipnorm``, ``use_ema`` and ``exclude_from_weight_decay``
+    are refused. ``variables`` lists only what every rank holds alike (iterations, learning rate, the
+    ZeRO-1 accumulators), so ``BroadcastGlobalVariablesCallback`` leaves each rank's slice alone; the
+    slices are :meth:`shard_variables`. Saving (``model.save``, ``save_own_variables``) gathers the
+    state in the plain optimizer's layout, so EVERY rank must call ``model.save`` (rank 0 keeps the file).
+
+    Args:
+        optimizer: the Keras optimizer to shard (only its class and config are used).
+        shard: ``"optimizer"`` (ZeRO-1) or ``"gradients"`` (ZeRO-2).
+        bucket_elements: largest flat bucket in elements (None: one bucket per dtype).
+        Other arguments: as ``DistributedOptimizer``; ``op`` must be Average or Sum.
+
+    Example:
+        >>> opt = hvd.DistributedOptimizer(keras.optimizers.Adam(1e-3), shard="optimizer")  # doctest: +SKIP
+        >>> model.compile(optimizer=opt, loss="mse")                                         # doctest: +SKIP
+        >>> model.fit(x, y, callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])   # doctest: +SKIP
+        >>> opt.state_bytes()   # this rank's slot bytes: about 1/N of Adam's                # doctest: +SKIP
+    """
+
+    def __init__(self, optimizer: keras.optimizers.Optimizer, name: Optional[str] = None,
+                 device_dense: str = "", device_sparse: str = "", compression: Any = Compression.none,
+                 sparse_as_dense: bool = False, gradient_predivide_factor: float = 1.0, op: Any = hvd.Average,
+                 backward_passes_per_step: int = 1, average_aggregated_gradients: bool = False,
+                 process_set: Any = None, shard: str = "optimizer", bucket_elements: Optional[int] = None) -> None:
+        settings, accumulation = wrap_settings(
+            optimizer, compression, op, sparse_as_dense, gradient_predivide_factor, backward_passes_per_step,
+            average_aggregated_gradients, process_set, device_dense, device_sparse)
+        mode = check_shard(shard, settings.op)
+        if mode is None:
+            raise StrategyError("ShardedOptimizer needs shard='optimizer' or 'gradients'; for shard=None use "
+                                "hvd.DistributedOptimizer")
+        check_elementwise(optimizer)
+        ShardLayout.build([], 1, bucket_elements=bucket_elements)  # checks bucket_elements now, not at build
+        super().__init__(learning_rate=0.0, name=name or f"sharded_{optimizer.name}")
+        self.shard = mode
+        self.bucket_elements = bucket_elements
+        self.reduction = settings
+        self.accumulation = accumulation
+        # A plain holder: the Keras optimizer tracks Variables and optimizers set as attributes, and the
+        # saver walks them; the slices and the inner optimizer differ per rank, so neither may be tracked.
+        self._zero = ShardedState(type(optimizer).from_config(optimizer.get_config()))
+
+    # --- building: the cross-rank check, the layout, the slices and the inner optimizer's slots -----------------
+    def build(self, var_list: Sequence[Any]) -> None:
+        """Check every rank holds the same parameters, cut them, and build the inner optimizer on the slices."""
+        variables = list(var_list)
+        ranks = self.reduction.process_set.size()
+        with tf.init_scope():
+            self._check_same_everywhere(variables, ranks)
+            layout = ShardLayout.build([int(np.prod(v.shape)) for v in variables], ranks,
+                                       dtypes=[str(v.dtype) for v in variables],
+                                       bucket_elements=self.bucket_elements)
+            self._zero.build(layout, variables, self.reduction.process_set.rank())
+            if self.shard == "gradients":
+                self._build_slice_accumulators()
+        if self.shard == "optimizer":
+            self.accumulation.build(self, variables)
+        super().build(variables)
+
+    def _check_same_everywhere(self, variables: List[Any], ranks: int) -> None:
+        """The one collective before a refusal: every rank gathers every rank's signature and raises alike."""
+        signature = parameter_signature([(v.name, tuple(v.shape), str(v.dtype)) for v in variables])
+        if ranks == 1:
+            return
+        mine = tf.constant([[signature, len(variables)]], dtype=tf.int64)
+        gathered = hvd.allgather(mine, process_set=self.reduction.process_set).numpy()
+        check_same_parameters([int(s) for s in gathered[:, 0]], [int(c) for c in gathered[:, 1]])
+
+    def _build_slice_accumulators(self) -> None:
+        zero = self._zero
+        if self.accumulation.steps > 1:
+            zero.buffers = [keras.Variable(tf.zeros_like(s), trainable=False, name=f"{SLICE_NAME}{b}_accumulated")
+                            for b, s in enumerate(zero.slices)]
+            zero.counter = keras.Variable(0, dtype="int32", trainable=False, name="dualframe_backward_passes")
+
+    # --- one step --------------------------------------------------------------------------------------------------
+    def apply(self, grads: Sequence[Any], trainable_variables: Optional[Sequence[Any]] = None) -> None:
+        """Reduce-scatter ``grads`` (every pass with ZeRO-2, every N-th with ZeRO-1), update the slice, allgather."""
+        if trainable_variables is not None and not self.built:
+            self.build(list(trainable_variables))
+        grads = list(grads)
+        self._zero.check_variables(grads, trainable_variables)
+        if self.shard == "optimizer":
+            self.accumulation.step(grads, lambda g: self._update(self._reduce_scatter(g)))
+        else:
+            self._sliced_step(grads)
+
+    def apply_gradients(self, grads_and_vars: Any) -> Any:
+        """``apply`` on (gradient, variable) pairs; returns the inner optimizer's iterations."""
+        grads, variables = zip(*grads_and_vars)
+        self.apply(grads, variables)
+        return self.iterations
+
+    def _sliced_step(self, grads: List[Any]) -> None:
+        zero, steps = self._zero, self.accumulation.steps
+        if steps == 1:
+            self._update(self._reduce_scatter(grads))
+            return
+        for buffer, piece in zip(zero.buffers, self._reduce_scatter(grads)):
+            buffer.assign_add(piece)
+        zero.counter.assign_add(1)
+
+        def boundary() -> None:
+            scale = 1.0 / steps if self.accumulation.average else 1.0
+            self._update([ops.convert_to_tensor(b) * scale for b in zero.buffers])
+            for buffer in zero.buffers:
+                buffer.assign(ops.zeros_like(buffer))
+            zero.counter.assign(0)
+
+        ops.cond(ops.equal(zero.counter, steps), boundary, lambda: None)
+
+    def _reduce_scatter(self, grads: List[Any]) -> List[tf.Tensor]:
+        flats = self._zero.flatten(grads)
+        settings = self.reduction
+        if settings.process_set.size() == 1:
+            return flats
+        prescale, postscale = settings.scale_factors()
+        return list(hvd.grouped_reducescatter(
+            flats, op=settings.horovod_op, compression=settings.compression, process_set=settings.process_set,
+            prescale_factor=prescale, postscale_factor=postscale, device_dense=settings.device_dense))
+
+    def _update(self, slice_grads: List[tf.Tensor]) -> None:
+        zero = self._zero
+        zero.load_slices()  # the model may have been set, loaded or broadcast since the last step
+        zero.inner.apply(slice_grads, zero.slices)
+        values = [tf.convert_to_tensor(s) for s in zero.slices]
+        if self.reduction.process_set.size() > 1:
+            values = list(hvd.grouped_allgather(values, process_set=self.reduction.process_set))
+        zero.write_back(values)
+
+    # --- what the rest of Keras sees -------------------------------------------------------------------------------
+    @property
+    def variables(self) -> List[Any]:
+        """What every rank holds alike: this wrapper's variables and the inner optimizer's non-slot ones."""
+        return list(super().variables) + self._zero.replicated_variables()
+
+    def shard_variables(self) -> List[Any]:
+        """This rank's slot variables (each covering one bucket's slice)."""
+        return self._zero.slot_variables()
+
+    def state_bytes(self) -> int:
+        """Bytes of this rank's optimizer slot variables (the state ZeRO shards)."""
+        return sum(int(np.prod(v.shape)) * np.dtype(str(v.dtype)).itemsize for v in self.shard_variables())
+
+    def state_arrays(self) -> List[np.ndarray]:
+        """The full optimizer state in the plain optimizer's ``variables`` order (a collective: every rank calls)."""
+        return self._zero.gather_state(self.reduction.process_set)
+
+    def load_state_arrays(self, arrays: Sequence[np.ndarray]) -> None:
+        """Take this rank's slices of a plain optimizer's ``variables`` values (no communication)."""
+        self._zero.scatter_state(arrays)
+
+    def save_own_variables(self, store: Any) -> None:
+        """Keras saving: the plain optimizer's layout, gathered (every rank must call ``model.save``)."""
+        for i, array in enumerate(self.state_arrays()):
+            store[str(i)] = array
+
+    def load_own_variables(self, store: Any) -> None:
+        """Keras loading: a plain optimizer's saved variables, this rank keeping its slices."""
+        self.load_state_arrays([np.asarray(store[str(i)]) for i in range(len(store.keys()))])
+
+    @property
+    def learning_rate(self) -> Any:
+        return self._zero.inner.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, learning_rate: Any) -> None:
+        if "_zero" in self.__dict__:
+            self._zero.inner.learning_rate = learning_rate
+        else:  # the base constructor sets a placeholder before the inner optimizer exists
+            keras.optimizers.Optimizer.learning_rate.fset(self, learning_rate)  # type: ignore[attr-defined]
+
+    @property
+    def iterations(self) -> Any:
+        return self._zero.inner.iterations
+
+    def get_config(self) -> Dict[str, Any]:
+        return {"name": self.name, "optimizer": keras.saving.serialize_keras_object(self._zero.inner),
+                "shard": self.shard, "bucket_elements": self.bucket_elements,
+                **_config(self.reduction, self.accumulation)}
+
+    @classmethod
+    def from_config(cls, config: Dict[str, Any], custom_objects: Any = None) -> "ShardedOptimizer":
+        config = dict(config)
+        inner = keras.saving.deserialize_keras_object(config.pop("optimizer"), custom_objects=custom_objects)
+        return cls(inner, **config)
+
+
+register_wrapper(ShardedOptimizer)

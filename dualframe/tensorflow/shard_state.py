@@ -1,0 +1,194 @@
+"""A sharded Keras optimizer's per-rank state: the flat slice variables, the inner optimizer, and its full-layout view.
+
+Moves values between the model's variables and this rank's slices (pieces given by the core's
+:class:`dualframe.dp.shard.ShardLayout`), and between the inner optimizer's slot slices and the
+plain optimizer's layout (``variables`` of the same optimizer built on the model: its non-slot
+variables, then each model variable's slots in order), which is what checkpoints hold.
+"""
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence, Tuple
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from dualframe.dp.shard import ShardLayout
+from dualframe.errors import StrategyError
+
+#: Name prefix of the slice variables; the inner optimizer names each slot ``<slice path>_<slot>``.
+SLICE_NAME = "dualframe_shard_"
+
+#: Optimizers whose update of an element reads only that element's gradient and state (and scalars).
+ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "Nadam", "RMSprop", "Adagrad", "Adadelta", "Ftrl", "Lion")
+
+
+def check_elementwise(optimizer: keras.optimizers.Optimizer) -> None:
+    """Refuse an optimizer whose update of one element reads other elements of its tensor (or other tensors).
+
+    Rule: a slice of a flat buffer mixes tensors and splits them, so each element's update may read
+    only that element's gradient and state and scalars (learning rate, step). Lamb (trust ratio of
+    each tensor's norm), Adafactor (factored moments by shape), Muon (orthogonalises matrices),
+    ``clipnorm``/``global_clipnorm`` (norms of tensors), ``use_ema`` (averages of whole model
+    variables) and ``exclude_from_weight_decay`` (chosen per variable) break it.
+    """
+    kind = type(optimizer).__name__
+    base = next((c.__name__ for c in type(optimizer).__mro__ if c.__module__.startswith("keras")
+                 and c.__name__ in ELEMENTWISE), None)
+    if base is None:
+        raise StrategyError(
+            f"shard= needs an optimizer that updates each element from its own gradient and state "
+            f"({', '.join(ELEMENTWISE)}); {kind} is not known to (Lamb, Adafactor and Muon use norms or shapes "
+            f"of whole tensors). Use shard=None for it")
+    for option in ("clipnorm", "global_clipnorm"):
+        if getattr(optimizer, option, None) is not None:
+            raise StrategyError(f"shard= cannot use {option}={getattr(optimizer, option)} (a norm of whole "
+                                f"tensors, which no rank holds); use clipvalue, or shard=None")
+    if getattr(optimizer, "use_ema", False):
+        raise StrategyError("shard= cannot use use_ema=True (it averages whole model variables); use shard=None")
+    if getattr(optimizer, "_exclude_from_weight_decay", None) or \
+            getattr(optimizer, "_exclude_from_weight_decay_pattern", None) is not None:
+        raise StrategyError("shard= cannot use exclude_from_weight_decay (a slice mixes variables); decay all "
+                            "variables, or use shard=None")
+
+
+class ShardedState:
+    """The inner optimizer, the slice variables and the layout: a plain holder the Keras tracker does not walk."""
+
+    def __init__(self, inner: keras.optimizers.Optimizer) -> None:
+        self.inner = inner
+        self.layout: Optional[ShardLayout] = None
+        self.rank = 0
+        self.variables: List[Any] = []
+        self.slices: List[Any] = []
+        self.buffers: List[Any] = []
+        self.counter: Any = None
+
+    def build(self, layout: ShardLayout, variables: List[Any], rank: int) -> None:
+        """One flat slice variable per bucket, holding this rank's part of the model; the inner optimizer's slots."""
+        self.layout, self.variables, self.rank = layout, variables, rank
+        self.slices = []
+        for b, bucket in enumerate(layout.buckets):
+            dtype = variables[bucket.tensors[0]].dtype if bucket.tensors else "float32"
+            self.slices.append(keras.Variable(tf.zeros([bucket.shard], dtype=dtype), trainable=False,
+                                              name=f"{SLICE_NAME}{b}"))
+        self.load_slices()
+        self.inner.build(self.slices)
+
+    def check_variables(self, grads: Sequence[Any], variables: Optional[Sequence[Any]]) -> None:
+        if len(grads) != len(self.variables) or (
+                variables is not None and any(a is not b for a, b in zip(variables, self.variables))):
+            raise StrategyError(
+                f"a sharded optimizer applies gradients to the variables it was built on, in that order "
+                f"(built on {len(self.variables)}, given {len(grads)}); pass every trainable variable each step")
+
+    # --- model <-> slices -------------------------------------------------------------------------------------
+    def flatten(self, grads: Sequence[Any]) -> List[tf.Tensor]:
+        """Per bucket: the gradients flattened, concatenated and zero-padded (a missing gradient counts as zeros)."""
+        assert self.layout is not None
+        flats = []
+        for bucket in self.layout.buckets:
+            parts = []
+            for t in bucket.tensors:
+                grad, variable = grads[t], self.variables[t]
+                grad = tf.zeros(variable.shape, variable.dtype) if grad is None else tf.convert_to_tensor(grad)
+                parts.append(tf.reshape(grad, [-1]))
+            flats.append(self._pad(parts, bucket.padded - bucket.length, self.slices[len(flats)].dtype))
+        return flats
+
+    def load_slices(self) -> None:
+        """Copy this rank's slice of the model's current values into the slice variables."""
+        assert self.layout is not None
+        for bucket, slice_variable in zip(self.layout.buckets, self.slices):
+            parts = [tf.reshape(self.variables[p.tensor], [-1])[p.start:p.start + p.length]
+                     for p in bucket.pieces(self.rank)]
+            owned = sum(p.length for p in bucket.pieces(self.rank))
+            slice_variable.assign(self._pad(parts, bucket.shard - owned, slice_variable.dtype))
+
+    def write_back(self, gathered: Sequence[Any]) -> None:
+        """Write every bucket's allgathered flat buffer into the model's variables."""
+        assert self.layout is not None
+        for bucket, flat in zip(self.layout.buckets, gathered):
+            for t, offset, size in zip(bucket.tensors, bucket.offsets, bucket.sizes):
+                variable = self.variables[t]
+                variable.assign(tf.reshape(flat[offset:offset + size], variable.shape))
+
+    @staticmethod
+    def _pad(parts: List[Any], pad: int, dtype: Any) -> tf.Tensor:
+        if pad:
+            parts = parts + [tf.zeros([pad], dtype=dtype)]
+        return tf.concat(parts, axis=0) if parts else tf.zeros([0], dtype=dtype)
+
+    # --- the inner optimizer's variables, and the plain layout ---------------------------------------------------
+    def _slots(self) -> List[Tuple[int, str, Any]]:
+        """(bucket, slot name, variable) for each inner variable built from a slice."""
+        out = []
+        for variable in self.inner.variables:
+            for b in range(len(self.slices)):
+                mark = f"{SLICE_NAME}{b}_"
+                if mark in variable.name:
+                    out.append((b, variable.name.split(mark, 1)[1], variable))
+                    break
+        return out
+
+    def slot_variables(self) -> List[Any]:
+        return [variable for _, _, variable in self._slots()]
+
+    def replicated_variables(self) -> List[Any]:
+        slots = {id(v) for v in self.slot_variables()}
+        return [v for v in self.inner.variables if id(v) not in slots]
+
+    def slot_names(self) -> List[str]:
+        return [name for b, name, _ in self._slots() if b == 0]
+
+    def gather_state(self, process_set: Any) -> List[np.ndarray]:
+        """The plain optimizer's ``variables`` values: non-slot ones, then each model variable's slots (collective)."""
+        from dualframe.tensorflow.collectives import hvd
+
+        assert self.layout is not None
+        slots = self._slots()
+        values = [tf.convert_to_tensor(v) for _, _, v in slots]
+        if process_set.size() > 1 and values:
+            values = list(hvd.grouped_allgather(values, process_set=process_set))
+        full = {(b, name): np.asarray(value) for (b, name, _), value in zip(slots, values)}
+        arrays = [np.asarray(v) for v in self.replicated_variables()]
+        names = self.slot_names()
+        for t, variable in enumerate(self.variables):
+            b, offset, size = self._where(t)
+            for name in names:
+                arrays.append(full[(b, name)][offset:offset + size].reshape(tuple(variable.shape)))
+        return arrays
+
+    def scatter_state(self, arrays: Sequence[np.ndarray]) -> None:
+        """Assign this rank's slices of the plain optimizer's ``variables`` values (no communication)."""
+        assert self.layout is not None
+        replicated, names = self.replicated_variables(), self.slot_names()
+        expected = len(replicated) + len(names) * len(self.variables)
+        if len(arrays) != expected:
+            raise StrategyError(
+                f"optimizer state does not match this sharded {type(self.inner).__name__} (arrays: {len(arrays)}, "
+                f"expected: {len(replicated)} non-slot + {len(names)} slots x {len(self.variables)} variables = "
+                f"{expected}); save it from the same optimizer class and model")
+        for variable, array in zip(replicated, arrays):
+            variable.assign(array)
+        first = len(replicated)
+        by_key = {(b, name): v for b, name, v in self._slots()}
+        for b, bucket in enumerate(self.layout.buckets):
+            pieces = bucket.pieces(self.rank)
+            for s, name in enumerate(names):
+                parts = [np.asarray(arrays[first + p.tensor * len(names) + s]).reshape(-1)[p.start:p.start + p.length]
+                         for p in pieces]
+                target = by_key[(b, name)]
+                flat = np.zeros(bucket.shard, dtype=np.dtype(str(target.dtype)))
+                if parts:
+                    joined = np.concatenate(parts)
+                    flat[:len(joined)] = joined
+                target.assign(flat)
+
+    def _where(self, t: int) -> Tuple[int, int, int]:
+        assert self.layout is not None
+        for b, bucket in enumerate(self.layout.buckets):
+            if t in bucket.tensors:
+                i = bucket.tensors.index(t)
+                return b, bucket.offsets[i], bucket.sizes[i]
+        raise KeyError(t)
