@@ -68,8 +68,9 @@ class KerasState(ObjectState):  # type: ignore[misc]
         self.model = model
         self._optimizer = optimizer
         self._saved_variables: List[np.ndarray] = []
+        self._saved_shards: List[np.ndarray] = []
         super().__init__(bcast_object=hvd.broadcast_object, get_rank=hvd.rank, **kwargs)
-        self._save_variables()
+        self._save_variables(gather=False)  # a joining worker builds alone: the others wait in sync
 
     @property
     def optimizer(self) -> Optional[keras.optimizers.Optimizer]:
@@ -82,8 +83,19 @@ class KerasState(ObjectState):  # type: ignore[misc]
             optimizer.build(self.model.trainable_variables)
         return list(self.model.variables) + (list(optimizer.variables) if optimizer is not None else [])
 
-    def _save_variables(self) -> None:
+    def _sharded(self) -> Any:
+        """The optimizer if it shards its state (``DistributedOptimizer(shard=...)``), else None."""
+        optimizer = self.optimizer
+        return optimizer if hasattr(optimizer, "state_arrays") else None
+
+    def _save_variables(self, gather: bool = True) -> None:
         self._saved_variables = [np.array(v.numpy()) for v in self._variables()]
+        sharded = self._sharded()
+        if not gather:
+            return
+        # Each rank holds a slice: keep the full state (gathered, every rank commits together), which
+        # outlives a resize and is what sync re-cuts for the new number of ranks.
+        self._saved_shards = sharded.state_arrays() if sharded is not None else []
 
     def save(self) -> None:
         """Keep a copy of the variables and attributes (``commit`` calls it)."""
@@ -94,6 +106,9 @@ class KerasState(ObjectState):  # type: ignore[misc]
         """Go back to the last saved copy (after a worker was lost)."""
         for variable, value in zip(self._variables(), self._saved_variables):
             variable.assign(value)
+        sharded = self._sharded()
+        if sharded is not None and self._saved_shards:
+            sharded.load_state_arrays(self._saved_shards)
         super().restore()
 
     def reset(self) -> None:
@@ -111,6 +126,16 @@ class KerasState(ObjectState):  # type: ignore[misc]
         """Make every worker's model, optimizer and attributes rank 0's (at the start and after workers join)."""
         if hvd.size() > 1:
             broadcast_variables(self._variables(), root_rank=0)
+        sharded = self._sharded()
+        if sharded is not None:
+            # Rank 0's last saved full state (a resize is noticed at a commit, so it is current), re-cut
+            # for the ranks there are now.
+            full = hvd.broadcast_object(self._saved_shards, root_rank=0) if hvd.size() > 1 else self._saved_shards
+            if sharded.sharded_for() != sharded.reduction.process_set.size():
+                sharded.reshard()
+            if full:  # empty: rank 0 never committed, every rank's state is fresh
+                sharded.load_state_arrays(full)
+            sharded.recheck()
         self._save_variables()
         super().sync()
 

@@ -83,11 +83,15 @@ class ShardedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
 
     # --- building: the cross-rank check, the layout, the slices and the inner optimizer's slots -----------------
     def build(self, var_list: Sequence[Any]) -> None:
-        """Check every rank holds the same parameters, cut them, and build the inner optimizer on the slices."""
+        """Cut the parameters and build the inner optimizer on this rank's slices (no communication).
+
+        The cross-rank check that every rank holds the same parameters runs at the first ``apply``
+        (when every rank steps or traces its step), so building stays local: an elastic worker
+        that joins builds its optimizer while the others wait in ``sync``.
+        """
         variables = list(var_list)
         ranks = self.reduction.process_set.size()
         with tf.init_scope():
-            self._check_same_everywhere(variables, ranks)
             layout = ShardLayout.build([int(np.prod(v.shape)) for v in variables], ranks,
                                        dtypes=[str(v.dtype) for v in variables],
                                        bucket_elements=self.bucket_elements)
@@ -97,6 +101,33 @@ class ShardedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
         if self.shard == "optimizer":
             self.accumulation.build(self, variables)
         super().build(variables)
+
+    def reshard(self) -> None:
+        """Cut the state again for the process set's current size (an elastic job resized; no communication).
+
+        The slot values are dropped: load the full state next (``load_state_arrays``), as
+        ``hvd.elastic.KerasState.sync`` does. A traced train step keeps the old slices: drop it (the
+        elastic state's ``reset`` does).
+        """
+        zero = self._zero
+        inner = type(zero.inner).from_config(zero.inner.get_config())
+        self._zero = ShardedState(inner)
+        with tf.init_scope():
+            layout = ShardLayout.build(list(zero.layout.sizes) if zero.layout else [],
+                                       self.reduction.process_set.size(),
+                                       dtypes=[str(v.dtype) for v in zero.variables],
+                                       bucket_elements=self.bucket_elements)
+            self._zero.build(layout, zero.variables, self.reduction.process_set.rank())
+            if self.shard == "gradients":
+                self._build_slice_accumulators()
+
+    def recheck(self) -> None:
+        """Check again, at the next ``apply``, that every rank holds the same parameters (after an elastic sync)."""
+        self._zero.checked = False
+
+    def sharded_for(self) -> int:
+        """The number of ranks the current slices were cut for (0 before ``build``)."""
+        return self._zero.layout.ranks if self._zero.layout is not None else 0
 
     def _check_same_everywhere(self, variables: List[Any], ranks: int) -> None:
         """The one collective before a refusal: every rank gathers every rank's signature and raises alike."""
@@ -121,6 +152,10 @@ class ShardedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
             self.build(list(trainable_variables))
         grads = list(grads)
         self._zero.check_variables(grads, trainable_variables)
+        if not self._zero.checked:
+            with tf.init_scope():  # eager even while fit traces the step: every rank raises alike, now
+                self._check_same_everywhere(self._zero.variables, self.reduction.process_set.size())
+            self._zero.checked = True
         if self.shard == "optimizer":
             self.accumulation.step(grads, lambda g: self._update(self._reduce_scatter(g)))
         else:

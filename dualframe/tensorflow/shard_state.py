@@ -38,8 +38,8 @@ def check_elementwise(optimizer: keras.optimizers.Optimizer) -> None:
     if base is None:
         raise StrategyError(
             f"shard= needs an optimizer that updates each element from its own gradient and state "
-            f"({', '.join(ELEMENTWISE)}); {kind} is not known to (Lamb, Adafactor and Muon use norms or shapes "
-            f"of whole tensors). Use shard=None for it")
+            f"({', '.join(ELEMENTWISE)}); {kind} is not one of them (Lamb, Adafactor and Muon read norms or "
+            f"shapes of whole tensors). Use shard=None for it")
     for option in ("clipnorm", "global_clipnorm"):
         if getattr(optimizer, option, None) is not None:
             raise StrategyError(f"shard= cannot use {option}={getattr(optimizer, option)} (a norm of whole "
@@ -63,6 +63,8 @@ class ShardedState:
         self.slices: List[Any] = []
         self.buffers: List[Any] = []
         self.counter: Any = None
+        #: Whether every rank was seen to hold the same parameters (at the first apply after a build or sync).
+        self.checked = False
 
     def build(self, layout: ShardLayout, variables: List[Any], rank: int) -> None:
         """One flat slice variable per bucket, holding this rank's part of the model; the inner optimizer's slots."""
