@@ -99,12 +99,25 @@ def _optimizer_variables(model: keras.Model, build: bool) -> List[Any]:
     return list(optimizer.variables)
 
 
-def _encode(model: keras.Model, header: Dict[str, Any], rngs: Sequence[bytes]) -> bytes:
+def _optimizer_state(model: keras.Model) -> "tuple[List[str], List[np.ndarray]]":
+    """(paths, values) of the optimizer's state; a sharded optimizer's is gathered (every rank calls this)."""
+    optimizer = getattr(model, "optimizer", None)
+    if hasattr(optimizer, "state_arrays") and optimizer.built:
+        # The plain optimizer's layout (non-slot variables, then each variable's slots), loadable without sharding.
+        values = optimizer.state_arrays()
+        return [f"{optimizer.name}/{i}" for i in range(len(values))], values
+    variables = _optimizer_variables(model, False)
+    return [v.path for v in variables], [np.asarray(v.numpy()) for v in variables]
+
+
+def _encode(model: keras.Model, header: Dict[str, Any], rngs: Sequence[bytes],
+            optimizer_state: "tuple[List[str], List[np.ndarray]]") -> bytes:
     arrays: Dict[str, np.ndarray] = {"format": np.array(FORMAT)}
-    for prefix, variables in (("model", model.variables), ("optimizer", _optimizer_variables(model, False))):
-        header[f"{prefix}_paths"] = [v.path for v in variables]
-        for i, variable in enumerate(variables):
-            arrays[f"{prefix}.{i}"] = np.asarray(variable.numpy())
+    model_state = ([v.path for v in model.variables], [np.asarray(v.numpy()) for v in model.variables])
+    for prefix, (paths, values) in (("model", model_state), ("optimizer", optimizer_state)):
+        header[f"{prefix}_paths"] = paths
+        for i, value in enumerate(values):
+            arrays[f"{prefix}.{i}"] = value
     arrays["header"] = np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)
     arrays["rng"] = np.frombuffer(json.dumps([json.loads(r) for r in rngs]).encode(), dtype=np.uint8)
     buffer = io.BytesIO()
@@ -135,10 +148,11 @@ def save_checkpoint(directory: str, model: keras.Model, *, step: int, epoch: int
     folder.filename(step)  # validates step
     check_json_values(epoch=epoch, data_position=data_position, extra=extra)
     rngs = collectives.gather_bytes(json.dumps(rng_state()).encode(), "dualframe.keras_checkpoint.rng")
+    optimizer_state = _optimizer_state(model)
     path = None
     if _rank() == root_rank:
         header = {"step": step, "epoch": epoch, "data_position": data_position, "extra": extra or {}}
-        path = folder.save(step, _encode(model, header, rngs), meta={"epoch": epoch})
+        path = folder.save(step, _encode(model, header, rngs, optimizer_state), meta={"epoch": epoch})
     if _distributed():  # nobody runs ahead of a save in progress
         with eager_guard("dualframe.keras_checkpoint.saved"):
             hvd.broadcast(tf.zeros([1]), root_rank, name="dualframe.keras_checkpoint.saved")
@@ -192,7 +206,11 @@ def load_checkpoint(directory: str, model: keras.Model, *, root_rank: int = 0,
     if kind != FORMAT:
         raise CheckpointError(f"{directory} is not a dualframe Keras checkpoint (format must be {FORMAT!r})")
     assign_variables("model", list(model.variables), arrays, header["model_paths"])
-    if header["optimizer_paths"]:
+    optimizer = getattr(model, "optimizer", None)
+    if header["optimizer_paths"] and hasattr(optimizer, "load_state_arrays"):  # sharded: each rank takes its slices
+        _optimizer_variables(model, True)
+        optimizer.load_state_arrays([arrays[f"optimizer.{i}"] for i in range(len(header["optimizer_paths"]))])
+    elif header["optimizer_paths"]:
         assign_variables("optimizer", _optimizer_variables(model, True), arrays, header["optimizer_paths"])
     own = own_rng_state(json.loads(arrays["rng"].tobytes()), _rank(), _size()) if restore_rng else None
     if own is not None:

@@ -469,9 +469,18 @@ def test_sharded_checkpoint_round_trip_plain_and_back(tmp_path_factory):
     np.testing.assert_array_equal(flat(loaded), flat(model))
     for a, b in zip(loaded.optimizer.state_arrays(), opt.state_arrays()):
         np.testing.assert_array_equal(a, b)
-    for m in (model, loaded):
+    # dualframe's own checkpoint (every rank calls, rank 0 writes) holds the gathered state too.
+    folder = hvd.allgather_object(str(tmp_path_factory.mktemp(f"ckpt{RANK}")))[0]
+    hvd.save_checkpoint(folder, model, step=STEPS)
+    fresh = residual_model(SEED0 + RANK)
+    fresh.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(0.01), shard="optimizer"), loss="mse")
+    assert hvd.load_checkpoint(folder, fresh).step == STEPS
+    for a, b in zip(fresh.optimizer.state_arrays(), opt.state_arrays()):
+        np.testing.assert_array_equal(a, b)
+    for m in (model, loaded, fresh):
         m.fit(rank_rows(x)[:PER_RANK], rank_rows(y)[:PER_RANK], batch_size=PER_RANK, verbose=0, shuffle=False)
     np.testing.assert_allclose(flat(loaded), flat(model), atol=1e-6)
+    np.testing.assert_allclose(flat(fresh), flat(model), atol=1e-6)
 
 
 def test_sharded_elastic_state_restores_and_resyncs_the_full_state():
