@@ -101,7 +101,7 @@ def _optimizer_variables(model: keras.Model, build: bool) -> List[Any]:
 
 def _optimizer_state(model: keras.Model) -> "tuple[List[str], List[np.ndarray]]":
     """(paths, values) of the optimizer's state; a sharded optimizer's is gathered (every rank calls this)."""
-    optimizer = getattr(model, "optimizer", None)
+    optimizer: Any = getattr(model, "optimizer", None)
     if hasattr(optimizer, "state_arrays") and optimizer.built:
         # The plain optimizer's layout (non-slot variables, then each variable's slots), loadable without sharding.
         values = optimizer.state_arrays()
@@ -206,7 +206,7 @@ def load_checkpoint(directory: str, model: keras.Model, *, root_rank: int = 0,
     if kind != FORMAT:
         raise CheckpointError(f"{directory} is not a dualframe Keras checkpoint (format must be {FORMAT!r})")
     assign_variables("model", list(model.variables), arrays, header["model_paths"])
-    optimizer = getattr(model, "optimizer", None)
+    optimizer: Any = getattr(model, "optimizer", None)
     if header["optimizer_paths"] and hasattr(optimizer, "load_state_arrays"):  # sharded: each rank takes its slices
         _optimizer_variables(model, True)
         optimizer.load_state_arrays([arrays[f"optimizer.{i}"] for i in range(len(header["optimizer_paths"]))])

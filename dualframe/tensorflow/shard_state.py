@@ -88,7 +88,7 @@ class ShardedState:
     def flatten(self, grads: Sequence[Any]) -> List[tf.Tensor]:
         """Per bucket: the gradients flattened, concatenated and zero-padded (a missing gradient counts as zeros)."""
         assert self.layout is not None
-        flats = []
+        flats: List[tf.Tensor] = []
         for bucket in self.layout.buckets:
             parts = []
             for t in bucket.tensors:
