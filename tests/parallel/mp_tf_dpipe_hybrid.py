@@ -56,8 +56,8 @@ def test_started_on_four_processes():
     assert hvd.size() == 4
 
 
-@pytest.mark.parametrize("schedule, shard", [("gpipe", None), ("1f1b", None), ("1f1b", "optimizer")])
-def test_hybrid_equals_one_process_on_the_global_batch(schedule, shard):
+@pytest.mark.parametrize("schedule, sharding", [("gpipe", None), ("1f1b", None), ("1f1b", "optimizer")])
+def test_hybrid_equals_one_process_on_the_global_batch(schedule, sharding):
     """shard="optimizer": the stage's optimizer state is sharded among its 2 replicas (ZeRO-1 in the hybrid)."""
     data = global_batches()
     expected_losses, expected_weights = reference(data)
@@ -65,7 +65,7 @@ def test_hybrid_equals_one_process_on_the_global_batch(schedule, shard):
                                data_parallel=2)
     assert (pipe.replica, pipe.stage_index) == divmod(hvd.rank(), 2)
     assert pipe.stage_ranks == [pipe.stage_index, 2 + pipe.stage_index]
-    optimizer = pipe.distributed_optimizer(keras.optimizers.SGD(0.2, momentum=0.9), shard=shard)
+    optimizer = pipe.distributed_optimizer(keras.optimizers.SGD(0.2, momentum=0.9), shard=sharding)
     rows = GLOBAL_BATCH // 2
     for step, (x, y) in enumerate(data):
         shard = slice(pipe.replica * rows, (pipe.replica + 1) * rows)  # each replica its half of the global batch
@@ -77,9 +77,9 @@ def test_hybrid_equals_one_process_on_the_global_batch(schedule, shard):
     assert len(merged) == len(expected_weights)
     for got, want in zip(merged, expected_weights):
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
-    if shard:  # the stage's state was cut between its two replicas
+    if sharding:  # the stage's state was cut between its two replicas
         assert optimizer.sharded_for() == 2 and optimizer.reduction.process_set is pipe.stage_process_set
-    replicas = hvd.allgather_object(pipe.get_weights(), name=f"hybrid.{schedule}.{shard}.weights")
+    replicas = hvd.allgather_object(pipe.get_weights(), name=f"hybrid.{schedule}.{sharding}.weights")
     for got, want in zip(replicas[pipe.stage_index], replicas[2 + pipe.stage_index]):
         np.testing.assert_array_equal(got, want)
 
