@@ -141,7 +141,10 @@ class Wire(Waiter[T], Protocol[T]):
 
 
 class PointToPoint(Waiter[T], Protocol[T]):
-    """Direct messages between two ranks (MPI's nonblocking send and receive), numbered by ``message_tag``."""
+    """Direct messages between two ranks (MPI's or ZeroMQ's nonblocking send and receive), numbered by ``message_tag``."""
+
+    #: The transport's name in ``DUALFRAME_PIPELINE_TRANSPORT`` ("mpi", "zmq").
+    name: str
 
     def send(self, tensor: T, dest: int, tag: int) -> Any:
         """Start sending ``tensor`` to rank ``dest``; return a handle (the tensor must stay alive until done)."""

@@ -1,12 +1,12 @@
 """The wire between neighbouring pipeline stages, framework-neutral: message names, order, shape headers, bounded waits.
 
 Both adapters move a stage's activations and gradients the same way: a Horovod broadcast from the
-sender inside the process set {sender, receiver}, or, when the adapter hands in a ``PointToPoint``
-(the job runs on MPI: mpirun, srun, horovodrun without --gloo), MPI's own send and receive. A
-Horovod broadcast works under every launcher, but each one waits for Horovod's background thread
-to agree on it with the peer's, a few milliseconds on a busy node; an MPI message goes straight
-from the sender's to the receiver's main thread. Under ``horovodrun --gloo`` there is no MPI world
-(mpi4py's COMM_WORLD is a single process), so there the broadcast stays. Sends return at once; receives
+sender inside the process set {sender, receiver}, or, when the adapter hands in a ``PointToPoint``,
+a direct send and receive: MPI's own when the job runs on MPI (mpirun, srun, horovodrun without
+--gloo), ZeroMQ's under ``horovodrun --gloo``, where there is no MPI world (``dualframe.pipeline.direct``
+chooses). A Horovod broadcast works under every launcher, but each one waits for Horovod's background
+thread to agree on it with the peer's, a few milliseconds on a busy node; a direct message goes
+from the sender's to the receiver's main thread. Sends return at once; receives
 whose shape is known are posted ahead, so transfers overlap the stage's compute. A receiver learns
 a forward message's shape from a small header the first time a step with that input shape runs;
 afterwards both sides know it. Every wait is bounded: a neighbour that died or hangs becomes a
@@ -53,17 +53,21 @@ def largest_tag(chunks: int) -> int:
     return len(_KINDS) * chunks - 1
 
 
-#: How pipeline messages travel: "auto" (MPI point-to-point when every rank has it, else Horovod
-#: broadcasts), "mpi" (MPI point-to-point or an error) or "horovod" (Horovod broadcasts).
+#: How pipeline messages travel: "auto" (the first point-to-point transport every rank has, else Horovod
+#: broadcasts), "mpi" (MPI point-to-point or an error), "zmq" (ZeroMQ point-to-point or an error) or
+#: "horovod" (Horovod broadcasts).
 TRANSPORT_VARIABLE = "DUALFRAME_PIPELINE_TRANSPORT"
-TRANSPORTS = ("auto", "mpi", "horovod")
+TRANSPORTS = ("auto", "mpi", "zmq", "horovod")
+#: The point-to-point transports, in the order "auto" prefers them, and how to get each one.
+DIRECT_TRANSPORTS = ("mpi", "zmq")
+_REMEDY = {"mpi": "launch with mpirun or srun", "zmq": "install pyzmq on every host"}
 
 
 def transport_choice(environ: Optional[Mapping[str, str]] = None) -> str:
     """The transport ``DUALFRAME_PIPELINE_TRANSPORT`` asks for ("auto" when unset).
 
     Raises:
-        StrategyError: a value other than auto, mpi or horovod.
+        StrategyError: a value other than auto, mpi, zmq or horovod.
     """
     value = (os.environ if environ is None else environ).get(TRANSPORT_VARIABLE, "auto").strip().lower() or "auto"
     if value not in TRANSPORTS:
@@ -71,37 +75,51 @@ def transport_choice(environ: Optional[Mapping[str, str]] = None) -> str:
     return value
 
 
-def transport_votes(choice: str, missing: Optional[str]) -> List[int]:
-    """This rank's share of the transport agreement, summed over every rank: [has MPI point-to-point, choice].
+def transport_votes(choice: str, missing: Mapping[str, Optional[str]]) -> List[int]:
+    """This rank's share of the transport agreement, summed over every rank: [has mpi, has zmq, choice].
 
     Args:
         choice: ``transport_choice()`` on this rank.
-        missing: why this rank cannot use MPI point-to-point (None when it can).
-    """
-    return [int(missing is None), TRANSPORTS.index(choice)]
-
-
-def agree_transport(sums: Sequence[int], ranks: int, choice: str, missing: Optional[str]) -> bool:
-    """Whether the pipeline's messages go over MPI point-to-point, from the summed ``transport_votes``.
-
-    Every rank gets the same sums, so every rank decides alike or raises alike.
+        missing: why this rank cannot use each of ``DIRECT_TRANSPORTS`` (None, or left out, when it can).
 
     Example:
-        >>> agree_transport([2, 0], 2, "auto", None), agree_transport([1, 0], 2, "auto", None)
-        (True, False)
+        >>> transport_votes("auto", {"mpi": "Horovod runs on Gloo", "zmq": None})
+        [0, 1, 0]
+    """
+    return [int(missing.get(name) is None) for name in DIRECT_TRANSPORTS] + [TRANSPORTS.index(choice)]
+
+
+def agree_transport(sums: Sequence[int], ranks: int, choice: str, missing: Mapping[str, Optional[str]]) -> str:
+    """The transport the pipeline's messages take ("mpi", "zmq" or "horovod"), from the summed ``transport_votes``.
+
+    Every rank gets the same sums, so every rank decides alike or raises alike: "auto" takes the
+    first of ``DIRECT_TRANSPORTS`` that every rank has, else "horovod".
+
+    Example:
+        >>> agree_transport([2, 2, 0], 2, "auto", {}), agree_transport([0, 2, 0], 2, "auto", {})
+        ('mpi', 'zmq')
+        >>> agree_transport([1, 1, 0], 2, "auto", {})
+        'horovod'
 
     Raises:
-        StrategyError: the ranks asked for different transports, or "mpi" where a rank lacks it.
+        StrategyError: the ranks asked for different transports, or "mpi" / "zmq" where a rank lacks it.
     """
-    available, choices = int(sums[0]), int(sums[1])
+    available, choices = [int(s) for s in sums[:len(DIRECT_TRANSPORTS)]], int(sums[len(DIRECT_TRANSPORTS)])
     if choices != TRANSPORTS.index(choice) * ranks:
         raise StrategyError(f"every rank must set the same {TRANSPORT_VARIABLE} (this rank: {choice!r}); "
                             "pass it to all of them, e.g. mpirun -x " + TRANSPORT_VARIABLE)
-    if choice == "mpi" and available < ranks:
-        raise StrategyError(f"{TRANSPORT_VARIABLE}=mpi needs MPI point-to-point on every rank "
-                            f"({ranks - available} of {ranks} lack it; here: {missing or 'available'}); "
-                            "launch with mpirun or srun, or use auto")
-    return choice != "horovod" and available == ranks
+    if choice in DIRECT_TRANSPORTS:
+        lacking = ranks - available[DIRECT_TRANSPORTS.index(choice)]
+        if lacking:
+            raise StrategyError(f"{TRANSPORT_VARIABLE}={choice} needs {choice} point-to-point on every rank "
+                                f"({lacking} of {ranks} lack it; here: {missing.get(choice) or 'available'}); "
+                                f"{_REMEDY[choice]}, or use auto")
+        return choice
+    if choice == "auto":
+        for name, count in zip(DIRECT_TRANSPORTS, available):
+            if count == ranks:
+                return name
+    return "horovod"
 
 
 def wait_for(wire: "Waiter[T]", handle: Any, what: str, timeout: float) -> T:
@@ -150,7 +168,7 @@ class StageLink(Generic[T]):
         step_names: whether message names carry the step number (TensorFlow traces one function
             per name, so its names repeat every step, which Horovod allows once the previous op of
             that name finished; torch names every step's messages anew).
-        direct: MPI point-to-point between the pipeline's ranks; None moves messages as Horovod broadcasts.
+        direct: point-to-point (MPI or ZeroMQ) between the pipeline's ranks; None moves messages as Horovod broadcasts.
 
     Example:
         >>> link = StageLink(wire, 0, [0, 1], 0, sets, "dpipe0", timeout=45.0)   # doctest: +SKIP

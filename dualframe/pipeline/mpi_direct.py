@@ -3,14 +3,15 @@
 Framework-neutral: each adapter hands in two small calls, a byte view of a tensor to send, and a
 writable byte buffer for a tensor to receive (with the call that turns it back into a tensor), plus
 Horovod's facts and a sum over every rank for the vote. mpi4py is imported only when a pipeline
-asks for MPI, so importing this module loads no MPI.
+asks for MPI, so importing this module loads no MPI. ``dualframe.pipeline.direct`` decides whether a
+pipeline uses it.
 """
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Generic, List, Optional, Tuple, TypeVar
+from typing import Any, Callable, Generic, Optional, Tuple, TypeVar
 
-from dualframe.pipeline.link import agree_transport, largest_tag, transport_choice, transport_votes
+from dualframe.pipeline.link import largest_tag
 
 T = TypeVar("T")
 
@@ -46,10 +47,11 @@ class MPIDirect(Generic[T]):
         incoming: the adapter's writable buffer for a receive, and how to read the tensor back.
 
     Example:
-        >>> direct = open_direct(facts, chunks=8, vote=sum_over_ranks, name="dpipe0",        # doctest: +SKIP
-        ...                      outgoing=byte_view, incoming=receive_buffer)
+        >>> direct = MPIDirect(MPI.COMM_WORLD.Dup(), outgoing=byte_view, incoming=receive_buffer)  # doctest: +SKIP
         >>> handle = direct.send(x, dest=1, tag=0); direct.done(handle, timeout=5.0)        # doctest: +SKIP
     """
+
+    name = "mpi"
 
     def __init__(self, comm: Any, outgoing: Outgoing, incoming: Incoming) -> None:
         self.comm, self.outgoing, self.incoming = comm, outgoing, incoming
@@ -96,22 +98,3 @@ def missing(on_cpu: str, horovod_on_mpi: bool, rank: int, size: int, chunks: int
     if int(world.Get_attr(MPI.TAG_UB) or 0) < largest_tag(chunks):
         return f"MPI's largest tag is below {largest_tag(chunks)} (chunks: {chunks})"
     return None
-
-
-def open_direct(on_cpu: str, horovod_on_mpi: bool, rank: int, size: int, chunks: int,
-                vote: Callable[[List[int]], List[int]], outgoing: Outgoing, incoming: Incoming) -> Optional[MPIDirect[Any]]:
-    """MPI point-to-point for a pipeline when every rank has it (``DUALFRAME_PIPELINE_TRANSPORT``); else None.
-
-    A collective over every rank (``vote``: the adapter's sum over all ranks, then MPI_Comm_dup):
-    call it on all of them. Arguments as in ``missing``, then the adapter's calls (see ``MPIDirect``).
-
-    Raises:
-        StrategyError: a bad or uneven ``DUALFRAME_PIPELINE_TRANSPORT``, or "mpi" where MPI cannot carry it.
-    """
-    choice = transport_choice()
-    lacking = None if choice == "horovod" else missing(on_cpu, horovod_on_mpi, rank, size, chunks)
-    if not agree_transport(vote(transport_votes(choice, lacking)), size, choice, lacking):
-        return None
-    from mpi4py import MPI
-
-    return MPIDirect(MPI.COMM_WORLD.Dup(), outgoing, incoming)

@@ -53,7 +53,7 @@ class PipelineStage(Generic[T]):
         sets: Horovod process sets by sorted ranks (``stage_setup.resolve_process_sets``).
         prefix: the pipeline's name in its Horovod operations.
         step_names: whether operation names carry the step number (see ``StageLink``).
-        direct: MPI point-to-point for the activations and gradients (see ``StageLink``); None: Horovod broadcasts.
+        direct: point-to-point (MPI or ZeroMQ) for the activations and gradients (see ``StageLink``); None: Horovod broadcasts.
         device: the framework's device of this stage (``Placement.device``), kept for the adapter.
         backend: the adapter's ``Backend`` (its batch split and collectives); None where only ``step`` runs.
 
@@ -156,7 +156,7 @@ def open_stage(backend: "Backend[T]", layout: StageLayout, step_names: bool = Tr
     """This rank's stage of a checked pipeline layout, opened over ``backend``: the first communication.
 
     Declares (or finds) the pipeline's process sets, places the stage on its device, agrees on the
-    transport (MPI point-to-point or Horovod broadcasts, a collective) and names the pipeline
+    transport (MPI or ZeroMQ point-to-point, or Horovod broadcasts; a collective) and names the pipeline
     ``dpipe<k>``, the same ``k`` on every rank (pipelines are built in the same order everywhere).
 
     Args:
@@ -241,6 +241,11 @@ class StageView:
     def pipeline_ranks(self) -> List[int]:
         """This pipeline's ranks, in stage order."""
         return self.role.pipeline_ranks
+
+    @property
+    def transport(self) -> str:
+        """How this pipeline's messages travel: "mpi" or "zmq" (point-to-point), or "horovod" (broadcasts)."""
+        return self.role.direct.name if self.role.direct is not None else "horovod"
 
     @property
     def stage_ranks(self) -> List[int]:

@@ -1,5 +1,6 @@
 """The TensorFlow calls a pipeline link needs: tensors, Horovod broadcasts and allreduces on threads (the core's ``Wire``),
-and MPI point-to-point through mpi4py when the job runs on MPI (the core's ``PointToPoint``, ``point_to_point``).
+and host byte buffers for point-to-point (the core's ``PointToPoint``, ``point_to_point``: MPI when the job runs
+on MPI, else ZeroMQ; ``dualframe.pipeline.direct`` chooses).
 
 What moves, when, under which name, and how long a wait may last is the core's
 (``dualframe.pipeline.link``), the same as torch's. Two TensorFlow facts are worked around here:
@@ -24,7 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import tensorflow as tf
 
-from dualframe.pipeline.mpi_direct import MPIDirect, open_direct
+from dualframe.pipeline.direct import Direct, open_direct
 from dualframe.pipeline.link import Shape
 from dualframe.pipeline.layout import DTYPE_NAMES, dtype_code, resolve_process_sets
 from dualframe.tensorflow.collectives import hvd
@@ -197,18 +198,21 @@ def _receive_into(buffer: tf.Tensor) -> Tuple[Any, Callable[[], tf.Tensor]]:
     return array.reshape(-1).view(np.uint8), lambda: tf.convert_to_tensor(array)
 
 
-def point_to_point(device: Optional[str], chunks: int, name: str) -> Optional[MPIDirect[tf.Tensor]]:
-    """MPI point-to-point for a pipeline when every rank has it (``dualframe.pipeline.mpi_direct.open_direct``); else None.
+def point_to_point(device: Optional[str], chunks: int, name: str) -> Optional[Direct]:
+    """MPI or ZeroMQ point-to-point for a pipeline when every rank has it (``dualframe.pipeline.direct.open_direct``); else None.
 
     A collective over every rank: call it on all of them.
 
     Raises:
-        StrategyError: a bad or uneven ``DUALFRAME_PIPELINE_TRANSPORT``, or "mpi" where MPI cannot carry it.
+        StrategyError: a bad or uneven ``DUALFRAME_PIPELINE_TRANSPORT``, or "mpi" / "zmq" where a rank lacks it.
     """
     def vote(votes: List[int]) -> List[int]:
         total = hvd.allreduce(tf.constant(votes, tf.int64), op=hvd.Sum, name=f"{name}.transport")
         return [int(v) for v in total.numpy()]
 
+    def gather(entry: Any) -> List[Any]:
+        return list(hvd.allgather_object(entry, name=f"{name}.addresses"))
+
     on_cpu = "" if device is None or (tf.DeviceSpec.from_string(device).device_type or "CPU").upper() == "CPU" else device
-    return open_direct(on_cpu, bool(hvd.mpi_enabled()), int(hvd.rank()), int(hvd.size()), chunks, vote,
+    return open_direct(on_cpu, bool(hvd.mpi_enabled()), int(hvd.rank()), int(hvd.size()), chunks, vote, gather,
                        _byte_view, _receive_into)

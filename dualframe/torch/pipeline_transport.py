@@ -1,9 +1,10 @@
 """The torch calls a pipeline link needs: tensors, Horovod's asynchronous broadcast and allreduce (the core's
-``Wire``), and MPI point-to-point through mpi4py when the job runs on MPI (the core's ``PointToPoint``).
+``Wire``), and byte views for point-to-point (the core's ``PointToPoint``: MPI through mpi4py when the
+job runs on MPI, else ZeroMQ; ``dualframe.pipeline.direct`` chooses).
 
 What moves, when, under which name, and how long a wait may last is the core's
 (``dualframe.pipeline.link``); this module only makes torch tensors and starts, polls and finishes
-``horovod.torch`` operations and mpi4py requests.
+``horovod.torch`` operations, and hands the point-to-point transport torch tensors' bytes.
 """
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from dualframe.errors import StrategyError
-from dualframe.pipeline.mpi_direct import MPIDirect, open_direct, poll
+from dualframe.pipeline.direct import Direct, open_direct
+from dualframe.pipeline.mpi_direct import poll
 from dualframe.pipeline.link import Shape
 from dualframe.pipeline.layout import DTYPE_NAMES, PeerLostError, resolve_process_sets
 from dualframe.torch.collectives import hvd
@@ -85,16 +87,20 @@ def _byte_view(tensor: torch.Tensor) -> Any:
     return tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
-def point_to_point(device: torch.device, chunks: int, name: str) -> Optional[MPIDirect[torch.Tensor]]:
-    """MPI point-to-point for a pipeline when every rank has it (``dualframe.pipeline.mpi_direct.open_direct``); else None.
+def point_to_point(device: torch.device, chunks: int, name: str) -> Optional[Direct]:
+    """MPI or ZeroMQ point-to-point for a pipeline when every rank has it (``dualframe.pipeline.direct.open_direct``); else None.
 
     A collective over every rank: call it on all of them.
 
     Raises:
-        StrategyError: a bad or uneven ``DUALFRAME_PIPELINE_TRANSPORT``, or "mpi" where MPI cannot carry it.
+        StrategyError: a bad or uneven ``DUALFRAME_PIPELINE_TRANSPORT``, or "mpi" / "zmq" where a rank lacks it.
     """
     def vote(votes: List[int]) -> List[int]:
         return hvd.allreduce(torch.tensor(votes, dtype=torch.int64), op=hvd.Sum, name=f"{name}.transport").tolist()
 
+    def gather(entry: Any) -> List[Any]:
+        return list(hvd.allgather_object(entry, name=f"{name}.addresses"))
+
     return open_direct("" if device.type == "cpu" else str(device), bool(hvd.mpi_enabled()), int(hvd.rank()),
-                       int(hvd.size()), chunks, vote, _byte_view, lambda buffer: (_byte_view(buffer), lambda: buffer))
+                       int(hvd.size()), chunks, vote, gather, _byte_view,
+                       lambda buffer: (_byte_view(buffer), lambda: buffer))

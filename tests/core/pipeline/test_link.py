@@ -75,20 +75,33 @@ def test_message_tags_are_distinct_per_micro_batch_and_kind():
 def test_transport_choice_reads_and_checks_the_variable():
     assert transport_choice({}) == "auto"
     assert transport_choice({TRANSPORT_VARIABLE: " MPI "}) == "mpi"
-    with pytest.raises(StrategyError, match=r"must be one of auto, mpi, horovod \(DUALFRAME_PIPELINE_TRANSPORT: 'nccl'\)"):
+    assert transport_choice({TRANSPORT_VARIABLE: "zmq"}) == "zmq"
+    with pytest.raises(StrategyError, match=r"must be one of auto, mpi, zmq, horovod \(DUALFRAME_PIPELINE_TRANSPORT: 'nccl'\)"):
         transport_choice({TRANSPORT_VARIABLE: "nccl"})
 
 
-def test_agree_transport_decides_alike_on_every_rank():
-    def sums(*ranks):  # each rank's (choice, what it lacks), summed as the allreduce does
-        votes = [transport_votes(choice, missing) for choice, missing in ranks]
-        return [sum(column) for column in zip(*votes)]
+def sums(*ranks):
+    """Each rank's (choice, what it lacks), summed as the allreduce does."""
+    votes = [transport_votes(choice, missing) for choice, missing in ranks]
+    return [sum(column) for column in zip(*votes)]
 
-    assert agree_transport(sums(("auto", None), ("auto", None)), 2, "auto", None) is True
-    lacking = sums(("auto", None), ("auto", "Horovod runs on Gloo"))
-    assert agree_transport(lacking, 2, "auto", None) is False  # one rank lacks it: nobody uses it
-    assert agree_transport(sums(("horovod", None), ("horovod", None)), 2, "horovod", None) is False
-    with pytest.raises(StrategyError, match=r"=mpi needs MPI point-to-point on every rank \(1 of 2 lack it; here: no"):
-        agree_transport(sums(("mpi", None), ("mpi", "no")), 2, "mpi", "no")
+
+GLOO = {"mpi": "Horovod runs on Gloo", "zmq": None}  # horovodrun --gloo with pyzmq
+BARE = {"mpi": "Horovod runs on Gloo", "zmq": "pyzmq is not installed"}
+
+
+def test_agree_transport_decides_alike_on_every_rank():
+    assert agree_transport(sums(("auto", {}), ("auto", {})), 2, "auto", {}) == "mpi"  # MPI first when all have it
+    assert agree_transport(sums(("auto", GLOO), ("auto", GLOO)), 2, "auto", GLOO) == "zmq"  # horovodrun --gloo
+    assert agree_transport(sums(("auto", GLOO), ("auto", BARE)), 2, "auto", GLOO) == "horovod"  # one rank lacks it
+    assert agree_transport(sums(("auto", {}), ("auto", GLOO)), 2, "auto", {}) == "zmq"  # MPI on one rank only
+    assert agree_transport(sums(("horovod", {}), ("horovod", {})), 2, "horovod", {}) == "horovod"
+    assert agree_transport(sums(("zmq", {}), ("zmq", GLOO)), 2, "zmq", {}) == "zmq"  # asked for, though MPI is there
+    with pytest.raises(StrategyError, match=r"=mpi needs mpi point-to-point on every rank \(1 of 2 lack it; here: no\); "
+                                            r"launch with mpirun or srun, or use auto"):
+        agree_transport(sums(("mpi", {}), ("mpi", {"mpi": "no"})), 2, "mpi", {"mpi": "no"})
+    with pytest.raises(StrategyError, match=r"=zmq needs zmq point-to-point on every rank \(2 of 2 lack it; here: pyzmq "
+                                            r"is not installed\); install pyzmq on every host"):
+        agree_transport(sums(("zmq", BARE), ("zmq", BARE)), 2, "zmq", BARE)
     with pytest.raises(StrategyError, match=r"every rank must set the same DUALFRAME_PIPELINE_TRANSPORT"):
-        agree_transport(sums(("mpi", None), ("auto", None)), 2, "mpi", None)
+        agree_transport(sums(("mpi", {}), ("auto", {})), 2, "mpi", {})

@@ -1,0 +1,104 @@
+"""dualframe.pipeline.zmq_direct and .direct in one process: two ranks' ZMQDirect over the loopback, matching, the choice."""
+from __future__ import annotations
+
+import array
+import time
+
+import pytest
+
+from dualframe.errors import StrategyError
+from dualframe.pipeline import direct as direct_module
+from dualframe.pipeline.zmq_direct import endpoints, host_address, open_zmq
+
+zmq = pytest.importorskip("zmq")
+
+
+def byte_view(values):
+    return memoryview(values).cast("B")
+
+
+def receive_into(buffer):
+    return byte_view(buffer), lambda: buffer
+
+
+def pair():
+    """Two ZMQDirect in one process, as ranks 0 and 1 (the gather hands each the other's address)."""
+    entries = []
+
+    def gather_for(rank):
+        def gather(entry):
+            entries.append(entry)
+            return list(entries) if rank == 1 else [entry, ("elsewhere", "10.9.9.9", 1)]
+        return gather
+
+    first = open_zmq(0, gather_for(0), byte_view, receive_into)
+    second = open_zmq(1, gather_for(1), byte_view, receive_into)
+    first.peers[1] = second.peers[1]  # rank 0 was built before rank 1 bound: tell it now
+    return first, second
+
+
+def test_messages_match_by_sender_and_tag_oldest_first_whatever_the_arrival_order():
+    first, second = pair()
+    for tag, value in [(6, 1.0), (1, 2.0), (6, 3.0)]:  # two messages with tag 6: they keep their order
+        assert first.done(first.send(array.array("d", [value] * 4), dest=1, tag=tag), timeout=1.0)
+    time.sleep(0.05)
+    late = second.receive(array.array("d", [0.0] * 4), source=0, tag=1)  # posted after its message arrived
+    assert second.done(late, timeout=5.0) and list(second.result(late)) == [2.0] * 4
+    a, b = (second.receive(array.array("d", [0.0] * 4), source=0, tag=6) for _ in range(2))
+    assert second.done(b, timeout=5.0) and second.done(a, timeout=5.0)
+    assert (list(second.result(a)), list(second.result(b))) == ([1.0] * 4, [3.0] * 4)
+    early = first.receive(array.array("f", [0.0] * 3), source=1, tag=0)  # posted before its message is sent
+    assert first.done(early, timeout=0.05) is False  # nothing yet: bounded
+    second.send(array.array("f", [5.0, 6.0, 7.0]), dest=0, tag=0)
+    assert first.done(early, timeout=5.0) and list(first.result(early)) == [5.0, 6.0, 7.0]
+
+
+def test_a_message_of_another_size_is_refused():
+    first, second = pair()
+    first.send(array.array("d", [1.0] * 4), dest=1, tag=0)
+    with pytest.raises(ValueError, match="message 0 from rank 0 has 32 bytes where 16 were expected"):
+        second.done(second.receive(array.array("d", [0.0] * 2), source=0, tag=0), timeout=5.0)
+
+
+def test_a_peer_whose_process_ended_stops_the_wait():
+    first, second = pair()
+    waiting = first.receive(array.array("d", [0.0]), source=1, tag=0)
+    for sock in [second.inbox]:  # rank 1's process ends: its listening socket closes
+        sock.close(linger=0)
+    begin = time.monotonic()
+    with pytest.raises(ConnectionError, match="rank 1 closed its connection") as caught:
+        first.done(waiting, timeout=30.0)
+    assert time.monotonic() - begin < 10 and first.stopped(caught.value).startswith("rank 1 closed")
+    assert first.stopped(ValueError("not a transport error")) is None
+
+
+def test_endpoints_use_the_loopback_on_the_same_host_and_the_address_elsewhere():
+    assert endpoints(("h", "10.0.0.1", 1), [("h", "10.0.0.1", 1), ("g", "10.0.0.2", 2)]) == \
+        ["tcp://127.0.0.1:1", "tcp://10.0.0.2:2"]
+    assert host_address({"DUALFRAME_PIPELINE_ADDRESS": "192.168.1.5", "HOROVOD_HOSTNAME": "x"}) == "192.168.1.5"
+    assert host_address({"HOROVOD_HOSTNAME": "localhost"}) == "127.0.0.1"
+
+
+def test_open_direct_opens_what_every_rank_agreed_on(monkeypatch):
+    sums = {"zmq": [0, 2, 4], "horovod": [0, 2, 6]}  # two ranks under horovodrun --gloo, both with pyzmq
+
+    def open_with(choice):
+        monkeypatch.setenv("DUALFRAME_PIPELINE_TRANSPORT", choice)
+        votes = []
+        opened = direct_module.open_direct("", False, 0, 2, 8, lambda v: votes.append(v) or sums[choice],
+                                           lambda entry: [entry, entry], byte_view, receive_into)
+        return votes, opened
+
+    votes, opened = open_with("horovod")
+    assert votes == [[1, 1, 3]] and opened is None
+    votes, opened = open_with("zmq")
+    assert votes == [[0, 1, 2]] and opened.name == "zmq"
+    monkeypatch.setenv("DUALFRAME_PIPELINE_TRANSPORT", "mpi")
+    with pytest.raises(StrategyError, match="=mpi needs mpi point-to-point"):
+        direct_module.open_direct("", False, 0, 2, 8, lambda v: [0, 2, 2], lambda e: [e, e], byte_view, receive_into)
+
+
+def test_a_stage_on_a_device_has_neither_point_to_point():
+    lacking = direct_module.missing("cuda:0", True, 0, 2, 8)
+    assert set(lacking) == {"mpi", "zmq"} and all(r.startswith("the stage is on cuda:0") for r in lacking.values())
+    assert direct_module.missing("", False, 0, 2, 8)["mpi"] == "Horovod runs on Gloo, not MPI (horovodrun --gloo)"
