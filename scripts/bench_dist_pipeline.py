@@ -2,12 +2,16 @@
 
     flock /tmp/dualframe-bench.lock mpirun --allow-run-as-root --oversubscribe -np 2 --bind-to none \\
         -x OMP_NUM_THREADS=1 -x PATH .venv/bin/python scripts/bench_dist_pipeline.py
+    OMP_NUM_THREADS=1 flock /tmp/dualframe-bench.lock horovodrun -np 2 -H localhost:2 --gloo \\
+        .venv/bin/python scripts/bench_dist_pipeline.py
 
 Prints, from interleaved rounds (A B C A B C ..., median of the per-round ratios):
   1. throughput of DistributedPipeline chunks=8 over chunks=1 (naive model parallelism), and of
      torch.distributed.pipelining's ScheduleGPipe (8 micro-batches, gloo) over the same chunks=1,
-     and the two pipelines head to head (ScheduleGPipe seconds / DistributedPipeline seconds); on MPI
-     also chunks=8 with its messages as Horovod broadcasts against MPI point-to-point (the default);
+     and the two pipelines head to head (ScheduleGPipe seconds / DistributedPipeline seconds); where
+     the messages go point-to-point (MPI under mpirun, ZeroMQ under horovodrun --gloo: the default)
+     also chunks=8 and chunks=1 with them as Horovod broadcasts, so both transports' chunks=8 /
+     chunks=1 come from the same run;
   2. the measured bubble (the pipeline's idle share: 1 - mean stage busy / longest stage step,
      ``dualframe.pipeline.walk.pipeline_bubble``) against (n-1)/(m+n-1) for m = 1..16;
   3. peak activation bytes per rank, gpipe vs 1f1b (chunks=8).
@@ -95,7 +99,9 @@ def main() -> None:
     x, y = torch.randn(args.batch, args.width), torch.randn(args.batch, args.width)
     model = build_model(args.width, args.blocks)
     configs = {"chunks=1": ours(model, 1)[1], "chunks=8": ours(model, 8)[1], "torch ScheduleGPipe m=8": torch_gpipe(model, 8)}
-    if ours(model, 8)[0].direct is not None:  # on MPI: the same pipeline with Horovod broadcasts, side by side
+    transport = ours(model, 8)[0].transport
+    if transport != "horovod":  # point-to-point: the same pipelines with Horovod broadcasts, side by side
+        configs["chunks=1 Horovod broadcasts"] = ours(model, 1, transport="horovod")[1]
         configs["chunks=8 Horovod broadcasts"] = ours(model, 8, transport="horovod")[1]
     for step in configs.values():  # warm-up: allocator, autograd, shape headers
         step(x, y)
@@ -105,8 +111,10 @@ def main() -> None:
               for name in ("chunks=8", "torch ScheduleGPipe m=8")]
     report.append(ratio_line("chunks=8 / torch ScheduleGPipe m=8", times["torch ScheduleGPipe m=8"], times["chunks=8"]))
     if "chunks=8 Horovod broadcasts" in times:
-        report.append(ratio_line("chunks=8 MPI point-to-point / Horovod broadcasts", times["chunks=8 Horovod broadcasts"],
-                                 times["chunks=8"]))
+        report.append(ratio_line("chunks=8 / chunks=1, Horovod broadcasts", times["chunks=1 Horovod broadcasts"],
+                                 times["chunks=8 Horovod broadcasts"]))
+        report.append(ratio_line(f"chunks=8 {transport} point-to-point / Horovod broadcasts",
+                                 times["chunks=8 Horovod broadcasts"], times["chunks=8"]))
     report.append(seconds_line(times))
     for m in (1, 2, 4, 8, 16):
         pipe, step = ours(model, m)
@@ -124,7 +132,7 @@ def main() -> None:
                       + ", ".join(f"rank {r} {b / 2**20:.1f}" for r, b in enumerate(peaks)))
     if hvd.rank() == 0:
         print(f"{args.blocks} x (Linear({args.width}, {args.width}), ReLU), batch {args.batch}, 2 stages, "
-              f"1 thread per process, {args.rounds} rounds of {args.steps} steps")
+              f"1 thread per process, {args.rounds} rounds of {args.steps} steps, messages over {transport}")
         print("\n".join(report), flush=True)
 
 

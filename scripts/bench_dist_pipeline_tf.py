@@ -3,11 +3,15 @@
     flock /tmp/dualframe-bench.lock mpirun --allow-run-as-root --oversubscribe -np 2 --bind-to none \\
         -x OMP_NUM_THREADS=1 -x TF_NUM_INTRAOP_THREADS=1 -x TF_NUM_INTEROP_THREADS=1 -x PATH \\
         .venv/bin/python scripts/bench_dist_pipeline_tf.py
+    OMP_NUM_THREADS=1 flock /tmp/dualframe-bench.lock horovodrun -np 2 -H localhost:2 --gloo \\
+        .venv/bin/python scripts/bench_dist_pipeline_tf.py
 
 The same model family (blocks x (Dense(width), ReLU)), batch and method as the PyTorch script, the
 rounds and report lines from ``dualframe.observe.bench_rounds``. Prints, from interleaved rounds (A B A B ...,
 median of the per-round ratios):
   1. throughput of DistributedPipeline chunks=8 over chunks=1 (naive model parallelism), GPipe and 1F1B;
+     where the messages go point-to-point (MPI under mpirun, ZeroMQ under horovodrun --gloo: the
+     default), also GPipe's chunks=8 / chunks=1 with them as Horovod broadcasts, in the same rounds;
   2. the measured bubble (the pipeline's: 1 - mean stage busy / longest stage step,
      ``dualframe.pipeline.walk.pipeline_bubble``) against (n-1)/(m+n-1) for m = 1..16,
      with the step and computing seconds per stage (what micro-batching costs vs what waiting costs);
@@ -45,9 +49,11 @@ def build_model(width: int, blocks: int) -> keras.Sequential:
     return keras.Sequential([keras.Input((width,))] + layers)
 
 
-def ours(model, chunks, schedule="gpipe"):
+def ours(model, chunks, schedule="gpipe", transport="auto"):
     half = len(model.layers) // 2
+    os.environ["DUALFRAME_PIPELINE_TRANSPORT"] = transport  # read when the pipeline is built
     pipe = DistributedPipeline(model, [half, half], chunks=chunks, schedule=schedule, loss_fn="mse")
+    os.environ.pop("DUALFRAME_PIPELINE_TRANSPORT")
     optimizer = keras.optimizers.SGD(1e-4)
 
     def step(x, y):
@@ -92,14 +98,21 @@ def main() -> None:
     y = rng.randn(args.batch, args.width).astype("float32")
     model = build_model(args.width, args.blocks)
     naive, naive_step = ours(model, 1)
-    transport = "MPI point-to-point" if naive.direct is not None else "Horovod broadcasts"
+    transport = naive.transport
     configs = {"chunks=1": naive_step, "chunks=8": ours(model, 8)[1], "chunks=8 1f1b": ours(model, 8, "1f1b")[1]}
+    if transport != "horovod":  # point-to-point: the same pipelines with Horovod broadcasts, side by side
+        configs["chunks=1 Horovod broadcasts"] = ours(model, 1, transport="horovod")[1]
+        configs["chunks=8 Horovod broadcasts"] = ours(model, 8, transport="horovod")[1]
     for step in configs.values():  # warm-up: tracing of the message functions, shape headers
         step(x, y)
     times = interleaved({name: functools.partial(timed, step, x, y, args.steps) for name, step in configs.items()},
                         args.rounds)
     report = [ratio_line("chunks=8 / chunks=1", times["chunks=1"], times["chunks=8"]),
-              ratio_line("chunks=8 1f1b / chunks=1", times["chunks=1"], times["chunks=8 1f1b"]), seconds_line(times)]
+              ratio_line("chunks=8 1f1b / chunks=1", times["chunks=1"], times["chunks=8 1f1b"])]
+    if "chunks=8 Horovod broadcasts" in times:
+        report.append(ratio_line("chunks=8 / chunks=1, Horovod broadcasts", times["chunks=1 Horovod broadcasts"],
+                                 times["chunks=8 Horovod broadcasts"]))
+    report.append(seconds_line(times))
     for m in (1, 2, 4, 8, 16):
         pipe, step = ours(model, m)
         for _ in range(args.steps + 1):
@@ -111,7 +124,7 @@ def main() -> None:
     report += [memory_line(model, schedule, x, y, 8, args.width) for schedule in ("gpipe", "1f1b")]
     if hvd.rank() == 0:
         print(f"Keras {keras.__version__}: {args.blocks} x (Dense({args.width}), ReLU), batch {args.batch}, 2 stages, "
-              f"1 thread per process, {args.rounds} rounds of {args.steps} steps, messages as {transport}")
+              f"1 thread per process, {args.rounds} rounds of {args.steps} steps, messages over {transport}")
         print("\n".join(report), flush=True)
 
 

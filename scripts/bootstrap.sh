@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Take a fresh Linux machine to a working dualframe: Debian packages, .venv, torch, TF, mpi4py, Horovod.
+# Take a fresh Linux machine to a working dualframe: Debian packages, .venv, torch, TF, mpi4py, pyzmq, Horovod.
 #
 # Idempotent: every step checks before it acts, and a finished bootstrap is recorded in
 # .venv/.dualframe-bootstrap, so a second run returns in about a second.
@@ -78,6 +78,7 @@ pip install setuptools wheel packaging
 has "$TORCH_SPEC" || { say "installing $TORCH_SPEC"; pip install "$TORCH_SPEC"; }
 has "$TF_SPEC" || { say "installing $TF_SPEC"; pip install "$TF_SPEC"; }
 has mpi4py || { say "installing mpi4py"; pip install mpi4py; }
+has pyzmq || { say "installing pyzmq"; pip install pyzmq; }  # pipeline point-to-point under horovodrun --gloo
 say "installing dualframe (editable) with its test tools"
 pip install -e "$ROOT[test]"
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import itertools
 import os
 import socket
 import struct
@@ -35,6 +36,7 @@ LINGER_MS = 10_000
 GRACE_S = 2.0
 
 _CONTEXT: List[Any] = []
+_MONITORS = itertools.count()
 
 
 def _context() -> Any:
@@ -146,7 +148,10 @@ class ZMQDirect(Generic[T]):
             push = _context().socket(zmq.PUSH)
             push.setsockopt(zmq.SNDHWM, 0)  # never block a send: the link bounds what is in flight
             push.setsockopt(zmq.LINGER, LINGER_MS)
-            monitor = push.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            # An address of our own: pyzmq's default names it after the socket's file descriptor, which
+            # a closed pipeline's socket may still hold, and its last events would reach this one.
+            monitor = push.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED,
+                                              addr=f"inproc://dualframe-monitor-{os.getpid()}-{next(_MONITORS)}")
             push.connect(self.peers[rank])
             self._poller.register(monitor, zmq.POLLIN)
             self._outboxes[rank] = (push, monitor)
@@ -193,9 +198,12 @@ class ZMQDirect(Generic[T]):
         from zmq.utils.monitor import recv_monitor_message
 
         for rank, (_, monitor) in self._outboxes.items():
-            if monitor in ready:
-                recv_monitor_message(monitor)
-                self._lost.setdefault(rank, time.monotonic())
+            while monitor in ready and monitor.poll(0):
+                event = recv_monitor_message(monitor)["event"]
+                if event == self.zmq.EVENT_DISCONNECTED:
+                    self._lost.setdefault(rank, time.monotonic())
+                elif event == self.zmq.EVENT_CONNECTED:  # ZeroMQ reconnected: the peer is alive
+                    self._lost.pop(rank, None)
 
     def done(self, handle: Any, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -218,8 +226,12 @@ class ZMQDirect(Generic[T]):
 
 
 def _close(sockets: List[Any]) -> None:
-    for sock in sockets:
-        sock.close()  # a PUSH socket's LINGER lets its queued messages go out
+    import zmq
+
+    for sock in reversed(sockets):  # PUSH sockets first: each stops its monitor, then its LINGER lets queued messages out
+        if sock.type == zmq.PUSH:
+            sock.disable_monitor()
+        sock.close()
 
 
 def missing() -> Optional[str]:

@@ -115,20 +115,20 @@ def test_bad_batches_are_refused_on_every_rank():
     assert pipe.train_step(rng.randn(8, 6).astype("float32"), rng.randn(8, 3).astype("float32")) > 0
 
 
-def test_messages_go_over_mpi_point_to_point_exactly_when_the_job_runs_on_mpi(monkeypatch):
-    # mpirun: Horovod on MPI, so activations and gradients go rank to rank over mpi4py (the training
-    # tests above ran that way); horovodrun --gloo: no MPI world, Horovod broadcasts.
+def test_messages_go_over_mpi_under_mpi_and_over_zeromq_under_gloo(monkeypatch):
+    # mpirun: Horovod on MPI, so activations and gradients go rank to rank over mpi4py; horovodrun
+    # --gloo: no MPI world, so over ZeroMQ (the training tests above ran that way).
     gloo = "HOROVOD_GLOO_RENDEZVOUS_ADDR" in os.environ
     assert horovod.mpi_enabled() is not gloo
-    assert (DistributedPipeline(make_model(), [3, 2], chunks=2, loss_fn="mse").direct is not None) is not gloo
+    assert DistributedPipeline(make_model(), [3, 2], chunks=2, loss_fn="mse").transport == ("zmq" if gloo else "mpi")
     monkeypatch.setenv("DUALFRAME_PIPELINE_TRANSPORT", "mpi")
     if gloo:
-        with pytest.raises(StrategyError, match=r"=mpi needs MPI point-to-point on every rank \(2 of 2 lack it; "
+        with pytest.raises(StrategyError, match=r"=mpi needs mpi point-to-point on every rank \(2 of 2 lack it; "
                                                 r"here: Horovod runs on Gloo"):
             DistributedPipeline(make_model(), [3, 2], chunks=2, loss_fn="mse")
     monkeypatch.setenv("DUALFRAME_PIPELINE_TRANSPORT", "horovod")
     pipe = DistributedPipeline(make_model(), [3, 2], chunks=2, schedule="1f1b", loss_fn="mse")
-    assert pipe.direct is None
+    assert pipe.direct is None and pipe.transport == "horovod"
     # Horovod broadcasts under mpirun too: one step still equals one process.
     x, y = batches()[0]
     assert pipe.train_step(x, y) == pytest.approx(reference([(x, y)])[0][0], abs=1e-5)

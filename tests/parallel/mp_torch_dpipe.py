@@ -139,22 +139,36 @@ def test_mpi_waits_yield_the_core_unless_the_launch_said_otherwise():
     assert os.environ.get("OMPI_MCA_mpi_yield_when_idle") == "1"
 
 
-def test_messages_go_over_mpi_point_to_point_exactly_when_the_job_runs_on_mpi():
-    # mpirun: Horovod on MPI, so activations and gradients go rank to rank (the training tests above
-    # ran that way); horovodrun --gloo: no MPI world, Horovod broadcasts.
+def test_messages_go_over_mpi_under_mpi_and_over_zeromq_under_gloo():
+    # mpirun: Horovod on MPI, so activations and gradients go rank to rank over mpi4py; horovodrun
+    # --gloo: no MPI world, so over ZeroMQ (the training tests above ran that way).
     pipe = DistributedPipeline(make_model(), [3, 2], chunks=2, loss_fn=nn.MSELoss())
     gloo = "HOROVOD_GLOO_RENDEZVOUS_ADDR" in os.environ
     assert horovod.mpi_enabled() is not gloo
-    assert (pipe.direct is not None) is not gloo
+    assert pipe.transport == ("zmq" if gloo else "mpi") and pipe.direct is not None
+
+
+@pytest.mark.parametrize("transport", ["horovod", "zmq"])
+def test_every_transport_asked_for_trains_as_one_process(transport, monkeypatch):
+    monkeypatch.setenv("DUALFRAME_PIPELINE_TRANSPORT", transport)
+    model, data = make_model(), batches()[:2]
+    expected_losses, _ = reference(model, data)
+    pipe = DistributedPipeline(copy.deepcopy(model), [3, 2], chunks=CHUNKS, schedule="1f1b", loss_fn=nn.MSELoss())
+    assert pipe.transport == transport
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+    for step, (x, y) in enumerate(data):
+        optimizer.zero_grad()
+        assert pipe.train_step(x, y) == pytest.approx(expected_losses[step], abs=1e-5), f"{transport} step {step}"
+        optimizer.step()
 
 
 def test_asking_for_mpi_point_to_point_where_there_is_none_is_refused_on_every_rank(monkeypatch):
     monkeypatch.setenv("DUALFRAME_PIPELINE_TRANSPORT", "mpi")
     if "HOROVOD_GLOO_RENDEZVOUS_ADDR" in os.environ:
-        with pytest.raises(StrategyError, match=r"=mpi needs MPI point-to-point on every rank \(2 of 2 lack it; "
+        with pytest.raises(StrategyError, match=r"=mpi needs mpi point-to-point on every rank \(2 of 2 lack it; "
                                                 r"here: Horovod runs on Gloo"):
             DistributedPipeline(make_model(), [3, 2], chunks=2, loss_fn=nn.MSELoss())
     else:
-        assert DistributedPipeline(make_model(), [3, 2], chunks=2, loss_fn=nn.MSELoss()).direct is not None
+        assert DistributedPipeline(make_model(), [3, 2], chunks=2, loss_fn=nn.MSELoss()).transport == "mpi"
     monkeypatch.setenv("DUALFRAME_PIPELINE_TRANSPORT", "horovod")
     assert DistributedPipeline(make_model(), [3, 2], chunks=2, loss_fn=nn.MSELoss()).direct is None

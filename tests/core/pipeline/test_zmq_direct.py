@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import array
+import gc
 import time
 
 import pytest
@@ -70,6 +71,18 @@ def test_a_peer_whose_process_ended_stops_the_wait():
         first.done(waiting, timeout=30.0)
     assert time.monotonic() - begin < 10 and first.stopped(caught.value).startswith("rank 1 closed")
     assert first.stopped(ValueError("not a transport error")) is None
+
+
+def test_closed_pipelines_do_not_make_a_live_peer_look_gone():
+    for _ in range(4):  # sockets closed and their file descriptors reused, as pipelines come and go
+        first, second = pair()
+        second.send(array.array("d", [1.0]), dest=0, tag=0)
+        assert first.done(first.receive(array.array("d", [0.0]), source=1, tag=0), timeout=5.0)
+        del first, second
+        gc.collect()
+    first, second = pair()
+    waiting = first.receive(array.array("d", [0.0]), source=1, tag=0)
+    assert first.done(waiting, timeout=3.0) is False  # silent but alive: the bounded wait, no ConnectionError
 
 
 def test_endpoints_use_the_loopback_on_the_same_host_and_the_address_elsewhere():
