@@ -158,12 +158,6 @@ class ZMQDirect(Generic[T]):
             self._sockets += [monitor, push]
         return self._outboxes[rank][0]
 
-    def connect(self, ranks: Sequence[int]) -> None:
-        """Open the connections to ``ranks`` now (a receive-only peer's death is then seen too)."""
-        for rank in ranks:
-            if rank != self.rank:
-                self._outbox(rank)
-
     def send(self, tensor: T, dest: int, tag: int) -> Any:
         data = self.outgoing(tensor)
         self._outbox(dest).send_multipart([_HEAD.pack(self.rank, tag), data], copy=True)
