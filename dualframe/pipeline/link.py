@@ -131,6 +131,8 @@ def wait_for(wire: "Waiter[T]", handle: Any, what: str, timeout: float) -> T:
     try:
         if wire.done(handle, timeout):
             return wire.result(handle)
+    except PeerLostError as error:  # a point-to-point transport saw the peer go: say what waited
+        raise PeerLostError(f"{what}: {error}") from error
     except Exception as error:
         reason = wire.stopped(error)
         if reason is None:

@@ -11,7 +11,8 @@ oldest message of its (rank, tag), as MPI's matching does.
 
 A wait polls the PULL socket (the caller's thread sleeps in ZeroMQ's poll, not in a busy loop), and
 a socket monitor on each peer's PUSH socket tells when that peer's connection dropped (its process
-died), which ends a wait on that peer at once; a silent peer ends it at the link's timeout. pyzmq
+died), which ends a wait on that peer with ``PeerLostError`` after ``GRACE_S`` (its last messages may
+still be on their way); a silent peer ends it at the link's timeout. pyzmq
 is imported only when a pipeline opens this transport, so importing this module loads no ZeroMQ.
 """
 from __future__ import annotations
@@ -25,6 +26,8 @@ import struct
 import time
 import weakref
 from typing import Any, Callable, Deque, Dict, Generic, List, Optional, Sequence, Tuple, TypeVar
+
+from dualframe.pipeline.layout import PeerLostError
 
 T = TypeVar("T")
 
@@ -207,7 +210,8 @@ class ZMQDirect(Generic[T]):
                 return True
             now = time.monotonic()
             if now - self._lost.get(handle.source, now) > GRACE_S:
-                raise ConnectionError(f"rank {handle.source} closed its connection (its process ended)")
+                raise PeerLostError(f"rank {handle.source} closed its connection (its process ended); "
+                                    "a neighbouring stage failed or exited")
             if now >= deadline:
                 return False
             self._watch(dict(self._poller.poll(max(1, min(int((deadline - now) * 1000), 500)))))
@@ -216,7 +220,7 @@ class ZMQDirect(Generic[T]):
         return handle.read()  # type: ignore[no-any-return]
 
     def stopped(self, error: BaseException) -> Optional[str]:
-        return str(error) if isinstance(error, ConnectionError) else None
+        return None  # a peer that went raises PeerLostError itself (see done)
 
 
 def _close(sockets: List[Any]) -> None:
