@@ -144,7 +144,7 @@ class DistributedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
         average_aggregated_gradients: divide the N summed gradients by N.
         op: ``hvd.Average`` (default), ``hvd.Sum`` or ``hvd.Adasum``.
         shard: None (default), ``"optimizer"`` (ZeRO-1) or ``"gradients"`` (ZeRO-2): returns a
-            :class:`dualframe.tensorflow.shard.ShardedOptimizer`, whose state covers 1/N of the parameters.
+            :class:`dualframe.tensorflow.sharded_optimizer.ShardedOptimizer`, whose state covers 1/N of the parameters.
 
     Example:
         >>> hvd.init()                                                     # doctest: +SKIP
@@ -160,7 +160,7 @@ class DistributedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
                 raise StrategyError(
                     f"shard={shard!r} does not support loss scaling yet (a LossScaleOptimizer, or the "
                     f"mixed_float16 policy); train in float32, or use shard=None")
-            from dualframe.tensorflow.shard import ShardedOptimizer
+            from dualframe.tensorflow.sharded_optimizer import ShardedOptimizer
 
             return ShardedOptimizer(optimizer, *args, **kwargs)
         if cls is DistributedOptimizer and _wants_loss_scaling(optimizer):

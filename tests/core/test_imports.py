@@ -152,3 +152,33 @@ def test_keras_package_only_re_exports_the_tensorflow_adapter():
             isinstance(node, ast.Assign) and [ast.unparse(t) for t in node.targets] == ["__all__"]), (
             f"dualframe/tensorflow/keras/__init__.py line {node.lineno} is not a re-export: move it into "
             f"dualframe/tensorflow/")
+
+
+# --- A public name never shares its package with a submodule of that name ------------------------------------
+# Importing dualframe/tensorflow/shard.py would rebind the package attribute ``shard`` (the dataset
+# function in __all__) to the module, so ``hvd.shard(...)`` would break only after that import. A name the
+# package itself imports from its namesake submodule at load time is safe (the module is bound first), and so
+# is a public name that is the submodule itself.
+
+def _public_names(init: pathlib.Path):
+    names = set()
+    for node in ast.walk(ast.parse(init.read_text())):
+        targets = [node.target] if isinstance(node, ast.AugAssign) else getattr(node, "targets", [])
+        if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
+            for element in ast.walk(node.value):
+                if isinstance(element, ast.Constant) and isinstance(element.value, str):
+                    names.add(element.value)
+    return names
+
+
+def _bound_at_load(init: pathlib.Path, package: str):
+    """Names the package's __init__ imports at load from the package itself or from their namesake submodule."""
+    return {alias.asname or alias.name for node in ast.parse(init.read_text()).body if isinstance(node, ast.ImportFrom)
+            for alias in node.names if node.module in (package, f"{package}.{alias.name}")}
+
+
+def test_no_public_name_is_shadowed_by_a_submodule():
+    for init in (ROOT / "dualframe").rglob("__init__.py"):
+        submodules = {p.stem for p in init.parent.glob("*.py")} | {p.name for p in init.parent.iterdir() if p.is_dir()}
+        clashes = sorted((_public_names(init) & submodules) - _bound_at_load(init, _module_name(init, ROOT)))
+        assert not clashes, f"{init.parent.relative_to(ROOT)}: public names {clashes} are also submodule names"
