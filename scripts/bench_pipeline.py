@@ -25,7 +25,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import dualframe.torch as hvd  # noqa: E402
 from dualframe.observe.timeline import measured_bubble  # noqa: E402
-from dualframe.pipeline.schedule import gpipe_bubble  # noqa: E402
+from dualframe.pipeline.clock import gpipe_bubble# noqa: E402
 
 
 def mlp(width: int, depth: int) -> nn.Sequential:

@@ -11,7 +11,9 @@ import numpy as np
 
 import dualframe
 import dualframe.tensorflow as hvd
-from dualframe.pipeline.schedule import table_bubble, clock_table, pipeline_process_sets, rank_schedule
+from dualframe.pipeline.clock import clock_table, table_bubble
+from dualframe.pipeline.layout import pipeline_process_sets
+from dualframe.pipeline.schedule import rank_schedule
 
 STAGES = 2
 

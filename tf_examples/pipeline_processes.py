@@ -10,7 +10,8 @@ import keras
 import numpy as np
 
 import dualframe.tensorflow as hvd
-from dualframe.pipeline.schedule import table_bubble, clock_table, rank_schedule
+from dualframe.pipeline.clock import clock_table, table_bubble
+from dualframe.pipeline.schedule import rank_schedule
 
 
 def build_model(width: int, blocks: int) -> keras.Sequential:

@@ -11,7 +11,7 @@ from torch import nn
 
 import dualframe
 import dualframe.torch as hvd
-from dualframe.pipeline.schedule import pipeline_process_sets
+from dualframe.pipeline.layout import pipeline_process_sets
 
 STAGES = 2
 

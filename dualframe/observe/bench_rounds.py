@@ -5,7 +5,7 @@ import statistics
 from typing import Callable, Dict, List, Mapping, Sequence
 
 from dualframe.errors import StrategyError
-from dualframe.pipeline.schedule import gpipe_bubble
+from dualframe.pipeline.clock import gpipe_bubble
 
 
 def interleaved(configs: Mapping[str, Callable[[], float]], rounds: int) -> Dict[str, List[float]]:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
 
 from dualframe.errors import StrategyError
-from dualframe.pipeline.schedule import gpipe_bubble
+from dualframe.pipeline.clock import gpipe_bubble
 
 KIND_NAMES = {"F": "forward", "B": "backward"}
 

@@ -13,7 +13,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Dict, Hashable, List, Optional, Sequence
 
 from dualframe.errors import StageError
-from dualframe.pipeline.schedule import Cell, format_grid, grid_rows
+from dualframe.pipeline.action import Cell
+from dualframe.pipeline.clock import format_grid, grid_rows
 
 #: What a cell runner returns nothing from; it is called as ``cell(i, j)``.
 CellFn = Callable[[int, int], None]

@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Seque
 
 from dualframe.pipeline.graph import GraphSplit
 from dualframe.pipeline.link import StageLink
-from dualframe.pipeline.schedule import FORWARD, Action
+from dualframe.pipeline.action import FORWARD, Action
 from dualframe.pipeline.stage import PipelineStage
 from dualframe.pipeline.walk import StageLinks, StepRecord
 

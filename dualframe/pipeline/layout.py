@@ -14,7 +14,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from dualframe.errors import DualframeError, StrategyError
 from dualframe.pipeline.partition import partition_ranges
-from dualframe.pipeline.schedule import Action, rank_schedule
+from dualframe.pipeline.action import Action
+from dualframe.pipeline.schedule import rank_schedule
 from dualframe.strategy import RankGrid, positive_int, validate_devices
 
 #: dtypes a pipeline message may carry, by code: index in this tuple (both frameworks' spelling).
@@ -123,7 +124,7 @@ def resolve_process_sets(hvd: Any, registry: Any, needed: Sequence[Sequence[int]
     Args:
         hvd: the framework's Horovod module (``horovod.torch`` or ``horovod.tensorflow``).
         registry: ``horovod.common.process_sets``.
-        needed: the groups, e.g. ``dualframe.pipeline.schedule.pipeline_process_sets(world, stages)``.
+        needed: the groups, e.g. ``dualframe.pipeline.layout.pipeline_process_sets(world, stages)``.
 
     Raises:
         StrategyError: Horovod runs without a needed set and cannot add it.
@@ -148,3 +149,33 @@ def resolve_process_sets(hvd: Any, registry: Any, needed: Sequence[Sequence[int]
             ps.ranks = list(key)
         sets[key] = ps
     return sets
+
+
+def pipeline_process_sets(world_size: int, stages: int, graph: bool = False) -> List[List[int]]:
+    """The groups of ranks a pipeline of ``stages`` over ``world_size`` ranks communicates in.
+
+    Neighbouring pairs of each pipeline (activations, gradients), each whole pipeline (the step's
+    agreement, the loss) and each stage's replicas (gradient averaging). With ``graph``, every pair
+    of stages of a pipeline too: a graph split sends a value skipping stages straight to its reader
+    (``dualframe.pipeline.graph_walk``), whichever pairs the cut makes. Groups of one rank and the
+    whole world (Horovod's global set) are left out, as are repeats. Declare them at start-up:
+    ``hvd.init(process_sets=pipeline_process_sets(hvd_size, 2))``.
+
+    Example:
+        >>> pipeline_process_sets(4, 2)
+        [[0, 1], [2, 3], [0, 2], [1, 3]]
+        >>> pipeline_process_sets(3, 3, graph=True)
+        [[0, 1], [1, 2], [0, 2]]
+    """
+    grid = RankGrid.build(world_size, stages)
+    candidates: List[List[int]] = []
+    for group in grid.pipeline_groups:
+        candidates += [[a, b] for a, b in zip(group, group[1:])]
+        if graph:
+            candidates += [[group[p], group[c]] for c in range(len(group)) for p in range(c - 1)]
+    candidates += grid.pipeline_groups + grid.stage_groups
+    chosen: List[List[int]] = []
+    for ranks in candidates:
+        if 1 < len(ranks) < world_size and ranks not in chosen:
+            chosen.append(ranks)
+    return chosen

@@ -11,7 +11,8 @@ import itertools
 from typing import Any, Dict, Generic, List, Optional, Sequence, Tuple, TypeVar
 
 from dualframe.backend import Backend, PointToPoint, StageWork, Wire
-from dualframe.pipeline.schedule import Action, pipeline_process_sets
+from dualframe.pipeline.action import Action
+from dualframe.pipeline.layout import pipeline_process_sets
 from dualframe.pipeline.link import StageLink
 from dualframe.pipeline.walk import RecordBook, StepRecord, pipeline_bubble, read_agreement, step_agreement, walk
 from dualframe.pipeline.layout import DTYPE_NAMES, StageLayout

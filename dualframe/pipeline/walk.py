@@ -17,7 +17,7 @@ from dualframe.backend import StageWork
 from dualframe.errors import ChunksError, StrategyError
 from dualframe.pipeline.layout import MAX_DIMS
 from dualframe.pipeline.microbatch import micro_batch_sizes
-from dualframe.pipeline.schedule import FORWARD, Action
+from dualframe.pipeline.action import FORWARD, Action
 
 T = TypeVar("T")
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
 from dualframe.pipeline.partition import partition_ranges
-from dualframe.pipeline.schedule import gpipe_bubble
+from dualframe.pipeline.clock import gpipe_bubble
 from dualframe.plan.cuts import balance_of, checkpoint_starts, stage_starts
 from dualframe.plan.hardware import Hardware, format_bytes
 from dualframe.plan.memory import Memory, Training, best_segments, group_memory

@@ -16,7 +16,7 @@ from torch import nn
 
 from dualframe.errors import StrategyError
 from dualframe.pipeline.graph import stage_count
-from dualframe.pipeline.schedule import Action
+from dualframe.pipeline.action import Action
 from dualframe.pipeline.stage import StageView, open_stage
 from dualframe.pipeline.walk import StepRecord
 from dualframe.pipeline.layout import StageLayout, layout_pipeline

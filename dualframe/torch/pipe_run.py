@@ -17,7 +17,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from dualframe.pipeline.executor import RecordFn, run_ticks
-from dualframe.pipeline.schedule import Cell, one_process_ticks
+from dualframe.pipeline.action import Cell
+from dualframe.pipeline.schedule import one_process_ticks
 from dualframe.pipeline.split import Split
 
 

@@ -17,7 +17,7 @@ from torch import nn
 
 import dualframe.torch as hvd
 from dualframe.launch.topology import detect
-from dualframe.pipeline.schedule import pipeline_process_sets
+from dualframe.pipeline.layout import pipeline_process_sets
 from dualframe.torch.distributed_pipeline import DistributedPipeline
 
 TOPOLOGY = detect()  # read at collection, before init: every rank decides the same skips

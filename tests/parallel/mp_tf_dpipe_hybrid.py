@@ -14,7 +14,7 @@ import tensorflow as tf
 
 import dualframe.tensorflow as hvd
 import dualframe.tensorflow.keras as hvd_keras
-from dualframe.pipeline.schedule import pipeline_process_sets
+from dualframe.pipeline.layout import pipeline_process_sets
 from dualframe.tensorflow.distributed_pipeline import DistributedPipeline
 
 STEPS, GLOBAL_BATCH, CHUNKS = 3, 16, 4  # each replica 8 rows: micro-batches of 2

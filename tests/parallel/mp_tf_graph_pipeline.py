@@ -13,7 +13,7 @@ import pytest
 import tensorflow as tf
 
 import dualframe.tensorflow as hvd
-from dualframe.pipeline.schedule import pipeline_process_sets
+from dualframe.pipeline.layout import pipeline_process_sets
 from dualframe.tensorflow.distributed_pipeline import DistributedPipeline
 
 STEPS, BATCH, CHUNKS = 3, 10, 4

@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 
 import dualframe.tensorflow as hvd
-from dualframe.pipeline.schedule import pipeline_process_sets
+from dualframe.pipeline.layout import pipeline_process_sets
 from dualframe.tensorflow.distributed_pipeline import DistributedPipeline
 
 STEPS, GLOBAL_BATCH, T, VOCAB = 3, 16, 6, 30

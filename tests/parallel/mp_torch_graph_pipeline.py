@@ -15,7 +15,7 @@ from torch import nn
 
 import dualframe.torch as hvd
 from dualframe.errors import SplitPointError
-from dualframe.pipeline.schedule import pipeline_process_sets
+from dualframe.pipeline.layout import pipeline_process_sets
 from dualframe.torch.distributed_pipeline import DistributedPipeline
 
 STEPS, BATCH, CHUNKS = 3, 10, 4

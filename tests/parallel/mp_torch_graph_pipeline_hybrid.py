@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import dualframe.torch as hvd
-from dualframe.pipeline.schedule import pipeline_process_sets
+from dualframe.pipeline.layout import pipeline_process_sets
 from dualframe.torch.distributed_pipeline import DistributedPipeline
 
 STEPS, GLOBAL_BATCH = 3, 16

@@ -4,7 +4,8 @@ import json
 import pytest
 
 from dualframe.errors import StrategyError
-from dualframe.pipeline.schedule import gpipe_bubble, one_process_ticks
+from dualframe.pipeline.clock import gpipe_bubble
+from dualframe.pipeline.schedule import one_process_ticks
 from dualframe.observe.timeline import (
     Event, Timeline, measured_bubble, read_chrome_trace, render_png, summary, to_chrome_trace, write_chrome_trace,
 )

@@ -4,27 +4,28 @@ import pytest
 
 import dualframe
 from dualframe.errors import ChunksError, ScheduleError
-from dualframe.pipeline.schedule import (
-    Action,
-    check_link_order,
+from dualframe.pipeline.action import Action
+from dualframe.pipeline.clock import (
     check_rows,
     clock_table,
     format_grid,
     format_table,
-    gpipe,
     gpipe_bubble,
     grid_rows,
-    link_messages,
+    pass_ticks,
+    peak_live_activations,
+    table_bubble,
+)
+from dualframe.pipeline.link_order import check_link_order, link_messages
+from dualframe.pipeline.schedule import (
+    gpipe,
     one_f_one_b,
     one_process,
     one_process_ticks,
-    pass_ticks,
-    peak_live_activations,
     rank_schedule,
     register,
     registered,
     schedule_names,
-    table_bubble,
     unregister,
 )
 
@@ -330,3 +331,13 @@ def test_a_table_that_mixes_the_passes_has_no_one_process_ticks():
         "  6   .  B2\n"
         "  7  B2   ."
     )
+
+
+def test_names_that_moved_out_of_the_schedule_module_still_import_with_a_warning():
+    from dualframe.pipeline import clock, layout, link_order, schedule
+
+    for name, home in [("format_table", clock), ("Message", link_order), ("pipeline_process_sets", layout)]:
+        with pytest.warns(DeprecationWarning, match=f"{name} moved to {home.__name__}"):
+            assert getattr(schedule, name) is getattr(home, name)
+    with pytest.raises(AttributeError):
+        schedule.no_such_name

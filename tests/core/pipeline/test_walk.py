@@ -3,7 +3,7 @@ import pytest
 
 from dualframe.errors import StrategyError
 from dualframe.pipeline.walk import RecordBook, StepRecord, pipeline_bubble
-from dualframe.pipeline.schedule import gpipe_bubble
+from dualframe.pipeline.clock import gpipe_bubble
 
 
 def gpipe_two_stages(m: int, forward: float, backward: float):
