@@ -162,7 +162,15 @@ class StageWork(Protocol[T]):
     def backward(self, i: int, grad: Optional[T]) -> Optional[T]:
         """Backward of micro-batch i from its output's gradient (None on the last stage: from the loss).
 
-        Returns the gradient of the stage's input (None on the first stage)."""
+        Returns the gradient of the stage's input (None on the first stage). With a split backward
+        (the schedule has W actions) it computes only that; the weights' gradient waits for ``weight``."""
+
+
+class SplitStageWork(StageWork[T], Protocol):
+    """A ``StageWork`` that can split its backward, for zero-bubble schedules (``W`` actions)."""
+
+    def weight(self, i: int) -> None:
+        """The weights' gradient of micro-batch i (W i), after its backward computed the input's."""
 
 
 class StagePart(Protocol):

@@ -12,14 +12,26 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from dualframe.errors import ScheduleError
-from dualframe.pipeline.action import BACKWARD, FORWARD, Action, Cell, Table, Ticks
+from dualframe.pipeline.action import BACKWARD, FORWARD, KINDS, WEIGHT, Action, Cell, Table, Ticks
 
 
-def peak_live_activations(actions: Sequence[Action]) -> int:
-    """Most micro-batches whose forward ran and whose backward has not, at any point of ``actions``."""
+def peak_live_activations(actions: Sequence[Action], held_until: str = BACKWARD) -> int:
+    """Most micro-batches whose forward ran and whose ``held_until`` pass has not, at any point of ``actions``.
+
+    ``held_until="B"`` (default) counts the activations a backward frees; with a split backward
+    (W actions) ``held_until="W"`` counts the micro-batches still holding anything (what the W pass
+    reads: each layer's input and its output's gradient).
+
+    Example:
+        >>> from dualframe.pipeline.schedule import zb_h1
+        >>> [peak_live_activations(a) for a in zb_h1(2, 4)], [peak_live_activations(a, "W") for a in zb_h1(2, 4)]
+        ([2, 1], [2, 2])
+    """
+    if held_until not in (BACKWARD, WEIGHT):
+        raise ScheduleError(f"held_until must be one of {BACKWARD}, {WEIGHT} (held_until: {held_until!r})")
     live = peak = 0
     for action in actions:
-        live += 1 if action.kind == FORWARD else -1
+        live += 1 if action.kind == FORWARD else -1 if action.kind == held_until else 0
         peak = max(peak, live)
     return peak
 
@@ -28,6 +40,9 @@ def _ready(action: Action, j: int, n: int, finished: Dict[Tuple[int, Action], in
     """Whether stage j may start ``action`` at tick k: what it needs finished before tick k."""
     if action.kind == FORWARD:
         needed = (j - 1, action) if j > 0 else None
+    elif action.kind == WEIGHT:
+        # The weight gradient reads the output's gradient that this stage's own B i received.
+        needed = (j, Action(BACKWARD, action.micro))
     else:
         # The last stage turns its own forward into the loss; the others wait for the gradient.
         needed = (j + 1, action) if j < n - 1 else (j, Action(FORWARD, action.micro))
@@ -35,20 +50,23 @@ def _ready(action: Action, j: int, n: int, finished: Dict[Tuple[int, Action], in
 
 
 def _validate_lists(lists: Sequence[Sequence[Action]]) -> int:
-    """Check each stage runs F i and B i once each for the same micro-batches; return m."""
+    """Check each stage runs F i and B i (and W i on every stage or on none) once each; return m."""
     if not lists:
         raise ScheduleError("a schedule needs at least one stage (action lists: [])")
-    m = len(lists[0]) // 2
-    expected = sorted([Action(FORWARD, i) for i in range(m)] + [Action(BACKWARD, i) for i in range(m)])
+    m = sum(action.kind == FORWARD for action in lists[0])
+    kinds = KINDS if any(action.kind == WEIGHT for actions in lists for action in actions) else KINDS[:2]
+    expected = sorted(Action(kind, i) for kind in kinds for i in range(m))
     for j, actions in enumerate(lists):
         if sorted(actions) != expected:
+            names = [f"{kind}0..{kind}{m - 1}" for kind in kinds]
             raise ScheduleError(
-                f"stage {j} must run F0..F{m - 1} and B0..B{m - 1} once each "
+                f"stage {j} must run {', '.join(names[:-1])} and {names[-1]} once each "
                 f"(stage {j}: {' '.join(map(str, actions))})"
             )
         for position, action in enumerate(actions):
-            if action.kind == BACKWARD and Action(FORWARD, action.micro) not in actions[:position]:
-                raise ScheduleError(f"stage {j} runs {action} before F{action.micro} (position {position})")
+            before = {FORWARD: None, BACKWARD: FORWARD, WEIGHT: BACKWARD}[action.kind]
+            if before is not None and Action(before, action.micro) not in actions[:position]:
+                raise ScheduleError(f"stage {j} runs {action} before {before}{action.micro} (position {position})")
     return m
 
 
@@ -56,7 +74,7 @@ def clock_table(lists: Sequence[Sequence[Action]]) -> Table:
     """Lay per-stage action lists on a clock: ``table[k][j]`` is stage j's action at tick k, or None.
 
     Every action takes one tick and starts as soon as its input is ready (the previous stage's
-    forward, the next stage's backward). Raises ScheduleError with the grid, blocked cell marked,
+    forward, the next stage's backward; a weight gradient W i, this stage's own B i). Raises ScheduleError with the grid, blocked cell marked,
     when no stage can move (stuck cells marked).
 
     Example:
@@ -124,6 +142,19 @@ def gpipe_bubble(stages: int, chunks: int) -> float:
         0.1579
     """
     return (stages - 1) / (chunks + stages - 1)
+
+
+def zb_h1_bubble(stages: int, chunks: int) -> float:
+    """ZB-H1's idle share with equal F, B and W cells and ``chunks >= stages``: ``(n - 1) / (3m + n - 1)``.
+
+    A stage's n - 1 idle ticks now sit in a step of 3m busy ones (F, B, W per micro-batch), against
+    1F1B's n - 1 idle backward-and-weight ticks of double length: about a third of 1F1B's bubble.
+
+    Example:
+        >>> round(zb_h1_bubble(stages=4, chunks=8), 4), round(gpipe_bubble(stages=4, chunks=8), 4)
+        (0.1111, 0.2727)
+    """
+    return (stages - 1) / (3 * chunks + stages - 1)
 
 
 def pass_ticks(table: Table, kind: str) -> Ticks:

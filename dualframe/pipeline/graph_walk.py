@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple, TypeVar
+from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple, TypeVar, cast
 
 from dualframe.pipeline.graph import GraphSplit
 from dualframe.pipeline.link import StageLink
-from dualframe.pipeline.action import FORWARD, Action
+from dualframe.pipeline.action import FORWARD, WEIGHT, Action
 from dualframe.pipeline.stage import PipelineStage
 from dualframe.pipeline.walk import StageLinks, StepRecord
 
@@ -83,7 +83,15 @@ class GraphStageWork(Protocol[T]):
     def backward(self, i: int, grads: Mapping[int, T]) -> Dict[int, T]:
         """Backward of micro-batch i from the gradient messages of each target stage (none on the last stage).
 
-        Returns one gradient message per source stage."""
+        Returns one gradient message per source stage. With a split backward (the schedule has W
+        actions) only the gradients those messages carry; the weights' wait for ``weight``."""
+
+
+class SplitGraphStageWork(GraphStageWork[T], Protocol):
+    """A ``GraphStageWork`` that can split its backward, for zero-bubble schedules (``W`` actions)."""
+
+    def weight(self, i: int) -> None:
+        """The weights' gradient of micro-batch i (W i), after its backward computed the inputs'."""
 
 
 def graph_walk(actions: Sequence[Action], edges: Edges, inputs: Sequence[Any], work: "GraphStageWork[T]",
@@ -102,6 +110,10 @@ def graph_walk(actions: Sequence[Action], edges: Edges, inputs: Sequence[Any], w
             record.actions.append((tag, begin, clock()))
             for c in edges.targets:
                 links[c].send(tag, sends[c])
+        elif action.kind == WEIGHT:
+            begin = clock()
+            cast("SplitGraphStageWork[T]", work).weight(i)  # lists with W come with a split work
+            record.actions.append((tag, begin, clock()))
         else:
             grads = {c: links[c].receive(tag) for c in edges.targets}
             begin = clock()

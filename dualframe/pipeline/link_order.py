@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import List, Sequence
 
 from dualframe.errors import ScheduleError
-from dualframe.pipeline.action import BACKWARD, FORWARD, Action
+from dualframe.pipeline.action import BACKWARD, FORWARD, WEIGHT, Action
 
 
 @dataclass(frozen=True)
@@ -30,10 +30,13 @@ def link_messages(lists: Sequence[Sequence[Action]], j: int) -> List[Message]:
 
     Stage j receives ``F i`` from j - 1 before running F i and sends its output to j + 1 after;
     it receives ``B i`` from j + 1 before running B i and sends its input's gradient to j - 1 after.
+    ``W i`` (a weight gradient) stays on its stage.
     """
     n = len(lists)
     messages = []
     for action in lists[j]:
+        if action.kind == WEIGHT:
+            continue
         upstream, downstream = (j - 1, j + 1) if action.kind == FORWARD else (j + 1, j - 1)
         if 0 <= upstream < n:
             messages.append(Message(str(action), upstream, j))

@@ -1,8 +1,9 @@
-"""Pipeline schedules as data: the per-stage action lists (GPipe, 1F1B) and the registry that names them.
+"""Pipeline schedules as data: the per-stage action lists (GPipe, 1F1B, ZB-H1) and the registry that names them.
 
 Index names as in ``dualframe.pipeline.action``: ``i`` micro-batch, ``j`` stage, ``k`` clock tick, ``m``
 micro-batches (``chunks``), ``n`` stages. A schedule is a list with one entry per stage j: the ordered
-actions that stage runs in one training step, ``F i`` (forward of micro-batch i) and ``B i`` (its backward).
+actions that stage runs in one training step, ``F i`` (forward of micro-batch i) and ``B i`` (its backward),
+or, for a zero-bubble schedule, ``B i`` (its input gradient) and ``W i`` (its weight gradient).
 
 A schedule joins the house in one place, ``register``: its builder, and whether the one-process
 ``Pipeline`` (whose caller computes the loss after forward returns) can run it. Everything else
@@ -17,10 +18,10 @@ import functools
 import importlib
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from dualframe.errors import ScheduleError
-from dualframe.pipeline.action import BACKWARD, FORWARD, Action, ActionLists, Ticks
+from dualframe.pipeline.action import BACKWARD, FORWARD, WEIGHT, Action, ActionLists, Ticks
 from dualframe.pipeline.clock import clock_table, pass_ticks
 from dualframe.pipeline.microbatch import validate_chunks
 
@@ -61,6 +62,34 @@ def one_f_one_b(stages: int, chunks: int) -> ActionLists:
             actions += [Action(FORWARD, warmup + i), Action(BACKWARD, i)]
         actions += [Action(BACKWARD, i) for i in range(m - warmup, m)]
         lists.append(actions)
+    return lists
+
+
+def zb_h1(stages: int, chunks: int) -> ActionLists:
+    """ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): 1F1B with the backward split in two.
+
+    ``B i`` computes only the input's gradient, which is all the previous stage waits for, so the
+    backwards run down the pipeline a pass sooner; ``W i`` computes the weights' gradient later, in
+    the ticks 1F1B leaves idle. Stage j keeps 1F1B's order of F and B and runs ``W(i - j)`` right
+    after ``B i``, the last j weight passes at the end: every stage then holds at most n micro-batches
+    (forward run, weight pass not yet), as 1F1B's first stage does, and the activations a B frees
+    peak exactly as 1F1B's. With equal F, B and W the idle share is ``(n - 1) / (3m + n - 1)`` for
+    ``m >= n`` (``clock.zb_h1_bubble``), about a third of 1F1B's.
+
+    Example:
+        >>> [" ".join(map(str, actions)) for actions in zb_h1(2, 3)]
+        ['F0 F1 B0 W0 F2 B1 W1 B2 W2', 'F0 B0 F1 B1 W0 F2 B2 W1 W2']
+    """
+    lists = []
+    for j, actions in enumerate(one_f_one_b(stages, chunks)):
+        m = len(actions) // 2
+        split: List[Action] = []
+        for action in actions:
+            split.append(action)
+            if action.kind == BACKWARD and action.micro >= j:
+                split.append(Action(WEIGHT, action.micro - j))
+        split += [Action(WEIGHT, i) for i in range(max(m - j, 0), m)]
+        lists.append(split)
     return lists
 
 
@@ -168,6 +197,10 @@ register("1f1b", one_f_one_b, one_process=False,
          why_not="1f1b interleaves backward with forward (B0 runs before the last forward), which needs "
                  "the loss inside the pipeline, but this Pipeline returns the output and its caller "
                  "computes the loss after forward returns")
+register("zb-h1", zb_h1, one_process=False,
+         why_not="zb-h1 interleaves backward with forward as 1f1b does (B0 and W0 run before the last "
+                 "forward), which needs the loss inside the pipeline, but this Pipeline returns the output "
+                 "and its caller computes the loss after forward returns")
 
 
 def one_process_ticks(schedule: str, chunks: int, stages: int, kind: str) -> Ticks:

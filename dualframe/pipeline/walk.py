@@ -3,7 +3,8 @@
 A stage process runs its list from ``dualframe.pipeline.schedule`` in order. ``F i`` takes micro-batch i
 (from the inputs on the first stage, from the previous stage otherwise), runs the stage and sends
 the output on; ``B i`` takes the output's gradient (from the next stage; the last stage starts from
-its loss), runs backward and sends the input's gradient back. The framework supplies the work
+its loss), runs backward and sends the input's gradient back; ``W i`` (zero-bubble schedules, whose
+``B i`` computes only the input's gradient) computes the weights' gradient and sends nothing. The framework supplies the work
 (``StageWork``, declared in ``dualframe.backend``) and the transport (``StageLinks``); this module
 only walks and times.
 """
@@ -11,13 +12,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Protocol, Sequence, Tuple, TypeVar
+from typing import Callable, List, Optional, Protocol, Sequence, Tuple, TypeVar, cast
 
-from dualframe.backend import StageWork
+from dualframe.backend import SplitStageWork, StageWork
 from dualframe.errors import ChunksError, StrategyError
 from dualframe.pipeline.layout import MAX_DIMS
 from dualframe.pipeline.microbatch import micro_batch_sizes
-from dualframe.pipeline.action import FORWARD, Action
+from dualframe.pipeline.action import FORWARD, WEIGHT, Action
 
 T = TypeVar("T")
 
@@ -95,6 +96,10 @@ def walk(
             record.actions.append((tag, begin, clock()))
             if j < n - 1 and y is not None:
                 links.send(tag, y)
+        elif action.kind == WEIGHT:
+            begin = clock()
+            cast("SplitStageWork[T]", work).weight(i)  # lists with W come with a SplitStageWork
+            record.actions.append((tag, begin, clock()))
         else:
             grad = links.receive(tag) if j < n - 1 else None
             begin = clock()

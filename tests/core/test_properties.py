@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import dualframe
-from dualframe.pipeline import schedule
+from dualframe.pipeline import clock, link_order, schedule
 from dualframe.reliability.failure import Watchdog, stall_timeout
 from dualframe.launch.topology import detect
 
@@ -83,14 +83,14 @@ def test_pipeline_and_hybrid(balance, chunks, checkpoint, sched, devices, world,
 
 
 @FAST
-@given(name=st.one_of(st.sampled_from(["gpipe", "1f1b", "GPipe", "other"]), ANY), stages=ANY, chunks=ANY)
+@given(name=st.one_of(st.sampled_from(["gpipe", "1f1b", "zb-h1", "GPipe", "other"]), ANY), stages=ANY, chunks=ANY)
 def test_rank_schedules(name, stages, chunks):
     lists = planned(schedule.rank_schedule, name, stages, chunks)
     if lists is not None:
         assert len(lists) == stages
-        table = schedule.clock_table(lists)
-        assert 0 <= schedule.table_bubble(table) < 1
-        schedule.check_link_order(lists)
+        table = clock.clock_table(lists)
+        assert 0 <= clock.table_bubble(table) < 1
+        link_order.check_link_order(lists)
 
 
 @FAST

@@ -155,7 +155,7 @@ def test_bad_input_is_refused_with_the_rule():
         rank_schedule("gpipe", 2, 0)
     with pytest.raises(ScheduleError, match=r"stages must be an int >= 1 \(stages: 0\)"):
         one_f_one_b(0, 2)
-    with pytest.raises(ScheduleError, match=r"an action is F<micro-batch> or B<micro-batch> \(action: 'X1'\)"):
+    with pytest.raises(ScheduleError, match=r"an action is F<micro-batch>, B<micro-batch> or W<micro-batch> \(action: 'X1'\)"):
         Action.parse("X1")
 
 
@@ -270,8 +270,8 @@ def toy():
     unregister("fifo")
 
 
-def test_the_registry_holds_gpipe_and_1f1b_and_says_which_one_process_runs():
-    assert schedule_names() == ("gpipe", "1f1b")
+def test_the_registry_holds_gpipe_1f1b_zb_h1_and_says_which_one_process_runs():
+    assert schedule_names() == ("gpipe", "1f1b", "zb-h1")
     assert schedule_names(one_process=True) == ("gpipe",)
     assert registered("1F1B").build is one_f_one_b and registered("gpipe").build is gpipe
 
@@ -284,7 +284,7 @@ def test_a_registered_schedule_is_accepted_everywhere_from_that_one_call(toy):
         ["B0", "B1"],
         ["B1", _],
     ])
-    with pytest.raises(ScheduleError, match=r"unknown schedule 'zigzag'; choose one of gpipe, 1f1b, fifo"):
+    with pytest.raises(ScheduleError, match=r"unknown schedule 'zigzag'; choose one of gpipe, 1f1b, zb-h1, fifo"):
         dualframe.Pipeline([1, 1], schedule="zigzag")
 
 

@@ -46,3 +46,41 @@ def test_record_book_leaves_out_the_first_step():
         book.add(StepRecord(0.0, 4.0, [("F0", 0.0, 1.0), ("B0", 2.0, 3.0)]))
     assert len(book.records) == 3
     assert (book.mean_wall(), book.mean_busy(), book.mean_bubble()) == (4.0, 2.0, 0.5)
+
+
+class _Log:
+    """A fake stage work and links that log every call (values are the tags)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def forward(self, i, x):
+        self.calls.append(f"forward {i}")
+        return f"y{i}"
+
+    def backward(self, i, grad):
+        self.calls.append(f"backward {i}")
+        return f"dx{i}"
+
+    def weight(self, i):
+        self.calls.append(f"weight {i}")
+
+    def receive(self, tag):
+        self.calls.append(f"receive {tag}")
+        return tag
+
+    def send(self, tag, tensor):
+        self.calls.append(f"send {tag}")
+
+
+def test_walk_runs_w_as_the_weights_gradient_on_the_stage_without_messages():
+    from dualframe.pipeline.schedule import zb_h1
+    from dualframe.pipeline.walk import walk
+
+    log = _Log()
+    record = walk(zb_h1(2, 2)[1], stage=1, stages=2, inputs=[], work=log, links=log)
+    assert log.calls == [
+        "receive F0", "forward 0", "backward 0", "send B0",
+        "receive F1", "forward 1", "backward 1", "send B1", "weight 0", "weight 1",
+    ]
+    assert [tag for tag, _, _ in record.actions] == ["F0", "B0", "F1", "B1", "W0", "W1"]
