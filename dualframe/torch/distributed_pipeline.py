@@ -1,4 +1,4 @@
-"""DistributedPipeline: an nn.Sequential split over processes, one stage per rank, GPipe or 1F1B.
+"""DistributedPipeline: an nn.Sequential split over processes, one stage per rank, GPipe, 1F1B or ZB-H1.
 
 Rank j of a pipeline group keeps only stage j; micro-batches' activations flow forward and their
 gradients backward between neighbouring ranks (``dualframe.torch.pipeline_transport``), in the
@@ -16,7 +16,7 @@ from torch import nn
 
 from dualframe.errors import StrategyError
 from dualframe.pipeline.graph import stage_count
-from dualframe.pipeline.action import Action
+from dualframe.pipeline.action import Action, splits_backward
 from dualframe.pipeline.stage import StageView, open_stage
 from dualframe.pipeline.walk import StepRecord
 from dualframe.pipeline.layout import StageLayout, layout_pipeline
@@ -27,6 +27,7 @@ from dualframe.torch.distributed_graph import GraphPart
 from dualframe.torch.graph import Leaves
 from dualframe.torch.graph_stage_work import TorchGraphStageWork
 from dualframe.torch.model_parallel import is_graph_split
+from dualframe.torch.split_backward import SplitBackward
 
 
 def _layout(module: nn.Module, balance: Sequence[int], chunks: int, schedule: str, loss_fn: Any,
@@ -51,7 +52,10 @@ class DistributedPipeline(StageView, nn.Module):
         module: the whole model, an ``nn.Sequential`` or any ``nn.Module`` cut as a graph.
         balance: layers per stage, e.g. ``[3, 3]`` (a graph: top-level units per stage); one stage per rank.
         chunks: micro-batches per mini-batch.
-        schedule: ``"gpipe"`` or ``"1f1b"`` (at most ``stages`` micro-batches' activations alive).
+        schedule: ``"gpipe"``, ``"1f1b"`` (at most ``stages`` micro-batches' activations alive) or ``"zb-h1"``
+            (1F1B with the backward split into the input's gradient, sent back at once, and the weights',
+            computed in ticks 1F1B leaves idle: ``dualframe.torch.split_backward``; at most ``stages``
+            micro-batches held on every stage).
         loss_fn: ``loss_fn(output, target)``, the mean over a micro-batch's rows (e.g. ``nn.MSELoss()``);
             ``output`` is what the model returns (a tuple or dict for several outputs).
         devices: one device per stage (default: CPU).
@@ -102,6 +106,8 @@ class DistributedPipeline(StageView, nn.Module):
             stage = OrderedDict(items[r] for r in layout.ranges[j])
             self.stage = nn.Sequential(stage).to(self.device)  # type: ignore[arg-type]
         self.meter = ActivationMeter(self.stage.parameters())
+        # A zero-bubble schedule: backward as B (the input's gradient) then, later, W (the weights').
+        self.split_backward = SplitBackward(self.stage) if splits_backward(self.actions) else None
 
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[Tuple[str, nn.Parameter]]:
@@ -155,10 +161,11 @@ class DistributedPipeline(StageView, nn.Module):
         if self.graph is not None:
             micro_inputs = self.graph.micro_inputs(values, sizes, self.device) if self.is_first else []
             work = TorchGraphStageWork(self.stage, self.graph.split, self.stage_index, self.graph.captured,
-                                       self.device, self.loss_fn if train else None, micro_targets, weights, self.meter)
+                                       self.device, self.loss_fn if train else None, micro_targets, weights, self.meter,
+                                       self.split_backward)
         else:
             work = TorchStageWork(self.stage, self.is_first, self.is_last, self.loss_fn if train else None,
-                                  micro_targets, weights, self.meter)
+                                  micro_targets, weights, self.meter, self.split_backward)
         with torch.set_grad_enabled(train), self.meter.counting():
             record = self.role.step(actions, micro_inputs, work, train)
         return work, record

@@ -20,6 +20,7 @@ from dualframe.pipeline.link import MAX_DIMS
 from dualframe.torch.graph import Captured
 from dualframe.torch.pipeline_transport import DTYPES, dtype_code
 from dualframe.torch.pipeline_work import ActivationMeter
+from dualframe.torch.split_backward import SplitBackward
 
 _FIELDS = 2 + MAX_DIMS  # per tensor: dtype code, ndim, dims
 
@@ -70,8 +71,9 @@ class TorchGraphStageWork:
 
     def __init__(self, stage: nn.Module, split: GraphSplit, j: int, captured: Captured, device: torch.device,
                  loss_fn: Optional[Callable[[Any, torch.Tensor], torch.Tensor]], targets: List[torch.Tensor],
-                 weights: List[float], meter: ActivationMeter) -> None:
+                 weights: List[float], meter: ActivationMeter, split_backward: Optional[SplitBackward] = None) -> None:
         self.stage, self.split, self.j, self.captured, self.device = stage, split, j, captured, device
+        self.split_backward = split_backward
         self.loss_fn, self.targets, self.weights, self.meter = loss_fn, targets, weights, meter
         self.last = j == split.stages - 1
         edges = stage_edges(split, j)
@@ -89,7 +91,12 @@ class TorchGraphStageWork:
             tensors = [t.requires_grad_() if training and t.is_floating_point() else t for t in unpack(received[p])]
             values.update(zip(names, tensors))
             held[p] = tensors
-        sends = self.stage(*[values[v] for v in self.split.reads[self.j]])
+        args = [values[v] for v in self.split.reads[self.j]]
+        if training and self.split_backward is not None:
+            with self.split_backward.recording(i):
+                sends = self.stage(*args)
+        else:
+            sends = self.stage(*args)
         values.update(zip(self.split.sends[self.j], sends))
         messages = {c: pack([values[v] for v in names], names, self.device) for c, names in self.outgoing.items()}
         if self.last:
@@ -107,17 +114,29 @@ class TorchGraphStageWork:
 
     def backward(self, i: int, grads: Mapping[int, torch.Tensor]) -> Dict[int, torch.Tensor]:
         held, sent, loss = self._saved.pop(i)
-        if loss is not None:
-            torch.autograd.backward(loss)
+        roots, upstream = ([loss], [None]) if loss is not None else self._roots(sent, grads)
+        if self.split_backward is not None:
+            inputs = [t for tensors in held.values() for t in tensors if t.requires_grad]
+            found = iter(self.split_backward.input_pass(i, roots, upstream, inputs))
+            back = {p: [next(found) if t.requires_grad else None for t in tensors] for p, tensors in held.items()}
         else:
-            roots, upstream = [], []
-            for c, message in grads.items():
-                for t, g in zip(sent[c], unpack(message)):
-                    if isinstance(t, torch.Tensor) and t.requires_grad:
-                        roots.append(t)
-                        upstream.append(g.to(t.device))
             if roots:
                 torch.autograd.backward(roots, upstream)  # a value sent to two stages: both gradients add up
-        return {p: pack([t.grad if t.grad is not None else torch.zeros_like(t) for t in tensors], self.incoming[p],
+            back = {p: [t.grad for t in tensors] for p, tensors in held.items()}
+        return {p: pack([g if g is not None else torch.zeros_like(t) for t, g in zip(held[p], gs)], self.incoming[p],
                         self.device)
-                for p, tensors in held.items()}
+                for p, gs in back.items()}
+
+    def weight(self, i: int) -> None:
+        assert self.split_backward is not None, "W actions come with a split backward"
+        self.split_backward.weight_pass(i)
+
+    @staticmethod
+    def _roots(sent: Mapping[int, List[Any]], grads: Mapping[int, torch.Tensor]) -> Tuple[List[Any], List[Any]]:
+        roots, upstream = [], []
+        for c, message in grads.items():
+            for t, g in zip(sent[c], unpack(message)):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    roots.append(t)
+                    upstream.append(g.to(t.device))
+        return roots, upstream

@@ -7,6 +7,8 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tupl
 import torch
 from torch import nn
 
+from dualframe.torch.split_backward import SplitBackward
+
 
 class ActivationMeter:
     """Counts the bytes autograd keeps for backward (activations), and their peak, parameters excluded.
@@ -29,7 +31,9 @@ class ActivationMeter:
     def _pack(self, tensor: torch.Tensor) -> Any:
         if tensor.untyped_storage().data_ptr() in self._parameter_storages:
             return tensor
-        return _Counted(tensor, self)
+        # Detached: a saved output would otherwise hold its own grad_fn, a cycle Python's collector cannot
+        # see, and a graph kept with retain_graph (a split backward) would never be freed.
+        return _Counted(tensor.detach(), self)
 
     @staticmethod
     def _unpack(packed: Any) -> torch.Tensor:
@@ -59,14 +63,16 @@ class TorchStageWork:
     """Forward and backward of one stage on micro-batch i, keeping what backward needs until it runs.
 
     The last stage turns each output into its loss, weighted by the micro-batch's share of rows,
-    so the summed gradients are those of the mini-batch's mean loss.
+    so the summed gradients are those of the mini-batch's mean loss. With ``split`` (a zero-bubble
+    schedule), ``backward`` computes the input's gradient only and ``weight`` the weights' later.
     """
 
     def __init__(self, stage: nn.Module, first: bool, last: bool,
                  loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]],
-                 targets: List[torch.Tensor], weights: List[float], meter: ActivationMeter) -> None:
+                 targets: List[torch.Tensor], weights: List[float], meter: ActivationMeter,
+                 split: Optional[SplitBackward] = None) -> None:
         self.stage, self.first, self.last, self.loss_fn = stage, first, last, loss_fn
-        self.targets, self.weights, self.meter = targets, weights, meter
+        self.targets, self.weights, self.meter, self.split = targets, weights, meter, split
         self._saved: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
         self.outputs: List[torch.Tensor] = []
         self.loss_sum = 0.0
@@ -75,7 +81,11 @@ class TorchStageWork:
         training = self.loss_fn is not None
         if training and not self.first and x.is_floating_point():
             x = x.detach().requires_grad_(True)
-        y = self.stage(x)
+        if training and self.split is not None:
+            with self.split.recording(i):
+                y = self.stage(x)
+        else:
+            y = self.stage(x)
         if not self.last:
             if training:
                 self._saved[i] = (x, y)
@@ -91,5 +101,13 @@ class TorchStageWork:
 
     def backward(self, i: int, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         x, y = self._saved.pop(i)
+        if self.split is not None:
+            inputs = [x] if not self.first and x.requires_grad else []
+            found = self.split.input_pass(i, [y], [grad], inputs)
+            return found[0] if inputs else None
         torch.autograd.backward(y, grad)
         return None if self.first else x.grad
+
+    def weight(self, i: int) -> None:
+        assert self.split is not None, "W actions come with a split backward"
+        self.split.weight_pass(i)

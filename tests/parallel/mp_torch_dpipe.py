@@ -1,4 +1,4 @@
-"""DistributedPipeline on 2 processes (one stage each), GPipe and 1F1B, against one process training the whole model."""
+"""DistributedPipeline on 2 processes (one stage each), GPipe, 1F1B and ZB-H1, against one process training the whole model."""
 import copy
 import os
 
@@ -65,7 +65,7 @@ def test_bad_input_is_refused_on_every_rank_before_communication():
         DistributedPipeline(make_model(), [3, 2], chunks=2, loss_fn=nn.MSELoss(), data_parallel=2)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
 def test_training_equals_one_process(schedule):
     model, data = make_model(), batches()
     expected_losses, expected_state = reference(model, data)
@@ -87,16 +87,17 @@ def test_training_equals_one_process(schedule):
     assert pipe.records.records[-1].wall > 0
 
 
-def test_1f1b_keeps_fewer_activations_alive_than_gpipe():
+def test_1f1b_and_zb_h1_keep_fewer_activations_alive_than_gpipe():
     x, y = torch.randn(64, 6), torch.randn(64, 3)
     peaks = {}
-    for schedule in ("gpipe", "1f1b"):
+    for schedule in ("gpipe", "1f1b", "zb-h1"):
         pipe = DistributedPipeline(make_model(), balance=[3, 2], chunks=8, schedule=schedule, loss_fn=nn.MSELoss())
         pipe.train_step(x, y)
         peaks[schedule] = pipe.meter.peak_bytes
         assert pipe.meter.live_bytes == 0
-    if hvd.rank() == 0:  # stage 0 holds all 8 micro-batches with GPipe, at most 2 with 1F1B
+    if hvd.rank() == 0:  # stage 0 holds all 8 micro-batches with GPipe, at most 2 with 1F1B and ZB-H1
         assert peaks["1f1b"] * 3 < peaks["gpipe"], peaks
+        assert peaks["zb-h1"] <= peaks["1f1b"], peaks  # B keeps the graph until W, within 1F1B's count
 
 
 def test_inference_forward_equals_the_whole_model():

@@ -33,7 +33,7 @@ def started():
     assert hvd.size() == 4
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
 def test_hybrid_equals_one_process_on_the_global_batch(schedule):
     model = make_model()
     generator = torch.Generator().manual_seed(5)

@@ -80,7 +80,7 @@ def test_edges_skip_the_stage_that_does_not_read():
         DistributedPipeline(make_model(), chunks=2, loss_fn=loss_fn, split_points=["b1", "b3"])
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
 def test_training_equals_one_process(schedule):
     model, data = make_model(), batches()
     reference = copy.deepcopy(model)

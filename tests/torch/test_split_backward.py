@@ -1,0 +1,126 @@
+"""The backward split in two (B: input gradient, W: weight gradient) against one plain backward, in one process:
+SplitBackward on its own, and whole ZB-H1 steps of TorchStageWork stages run in the clock table's order."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from dualframe.pipeline.clock import clock_table
+from dualframe.pipeline.schedule import rank_schedule
+from dualframe.torch.pipeline_work import ActivationMeter, TorchStageWork
+from dualframe.torch.split_backward import SplitBackward
+
+
+class Scaled(nn.Module):
+    """Owns a parameter and a child that owns others: its W walks through the child's ops again."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(1.5))
+        self.inner = nn.Linear(6, 6)
+
+    def forward(self, x):
+        return self.inner(x * self.scale), x  # a tuple: the second output needs no gradient of its own
+
+
+class Pick(nn.Module):
+    def forward(self, pair):
+        return pair[0] + 0.1 * pair[1]
+
+
+def make_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), nn.ReLU(inplace=True), Scaled(), Pick(), nn.LayerNorm(6), nn.Linear(6, 3))
+
+
+def test_b_then_w_give_the_gradients_of_one_backward():
+    model, reference = make_model(), make_model()
+    x = torch.randn(5, 4)
+    grad = torch.randn(5, 3)
+    xr = x.clone().requires_grad_()
+    reference(xr).backward(grad)
+
+    split = SplitBackward(model)
+    xs = x.clone().requires_grad_()
+    with split.recording(0):
+        y = model(xs)
+    (grad_x,) = split.input_pass(0, [y], [grad], [xs])
+    assert all(p.grad is None for p in model.parameters())  # B computed no weight gradient
+    torch.testing.assert_close(grad_x, xr.grad, rtol=0, atol=1e-6)
+    fired = []
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: fired.append(p))
+    split.weight_pass(0)
+    assert len(fired) == len(list(model.parameters()))  # autograd accumulated: DistributedOptimizer's hooks fire
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-6)
+    split.close()
+
+
+def run_pipeline(schedule, stages, chunks, x, y):
+    """Every stage of a DistributedPipeline's work in one process, actions run in the clock table's order."""
+    model = make_model()
+    cuts = [(0, 2), (2, 4), (4, 6)] if stages == 3 else [(0, 4), (4, 6)]
+    parts = [nn.Sequential(*list(model)[a:b]) for a, b in cuts]
+    lists = rank_schedule(schedule, stages, chunks)
+    xs, ys = list(x.chunk(chunks)), list(y.chunk(chunks))
+    weights = [len(t) / len(x) for t in xs]
+    works = [TorchStageWork(part, j == 0, j == stages - 1, nn.MSELoss(), ys, weights,
+                            ActivationMeter(part.parameters()),
+                            SplitBackward(part) if schedule == "zb-h1" else None) for j, part in enumerate(parts)]
+    messages = {}
+    for row in clock_table(lists):
+        for j, action in enumerate(row):
+            if action is None:
+                continue
+            i = action.micro
+            if action.kind == "F":
+                out = works[j].forward(i, xs[i] if j == 0 else messages[("F", i, j)])
+                messages[("F", i, j + 1)] = out
+            elif action.kind == "B":
+                messages[("B", i, j - 1)] = works[j].backward(i, messages.get(("B", i, j)))
+            else:
+                works[j].weight(i)
+    return model, works[-1].loss_sum
+
+
+@pytest.mark.parametrize("stages, chunks", [(2, 4), (3, 4)])
+def test_a_zb_h1_step_equals_a_1f1b_step_and_the_plain_model(stages, chunks):
+    torch.manual_seed(1)
+    x, y = torch.randn(16, 4), torch.randn(16, 3)
+    zb, zb_loss = run_pipeline("zb-h1", stages, chunks, x, y)
+    ofob, ofob_loss = run_pipeline("1f1b", stages, chunks, x, y)
+    plain = make_model()
+    loss = nn.MSELoss()(plain(x), y)
+    loss.backward()
+    assert zb_loss == pytest.approx(float(loss), abs=1e-6) and ofob_loss == pytest.approx(float(loss), abs=1e-6)
+    for a, b, c in zip(zb.parameters(), ofob.parameters(), plain.parameters()):
+        torch.testing.assert_close(a.grad, c.grad, rtol=0, atol=1e-5)
+        torch.testing.assert_close(b.grad, c.grad, rtol=0, atol=1e-5)
+
+
+def test_a_parameter_used_outside_a_module_call_gets_its_gradient_in_b():
+    class Bare(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4, 4))
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):  # self.w is this module's own: its hook fires, after self.lin's
+            return self.lin(x @ self.w)
+
+    torch.manual_seed(0)
+    model = Bare()
+    reference = copy.deepcopy(model)
+    x = torch.randn(3, 4)
+    reference(x).sum().backward()
+    split = SplitBackward(model.lin)  # only the Linear is hooked: self.w is "outside"
+    split.parameters.append(model.w)
+    with split.recording(0):
+        out = model(x).sum()
+    split.input_pass(0, [out], [None], [])
+    torch.testing.assert_close(model.w.grad, reference.w.grad)
+    assert model.lin.weight.grad is None
+    split.weight_pass(0)
+    torch.testing.assert_close(model.lin.weight.grad, reference.lin.weight.grad)
