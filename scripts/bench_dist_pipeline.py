@@ -14,9 +14,15 @@ Prints, from interleaved rounds (A B C A B C ..., median of the per-round ratios
      chunks=1 come from the same run;
   2. the measured bubble (the pipeline's idle share: 1 - mean stage busy / longest stage step,
      ``dualframe.pipeline.walk.pipeline_bubble``) against (n-1)/(m+n-1) for m = 1..16;
-  3. peak activation bytes per rank, gpipe vs 1f1b (chunks=8).
+  3. peak activation bytes per rank, gpipe vs 1f1b (chunks=8);
+  4. ZB-H1 against 1F1B at chunks=8 in their own interleaved rounds: throughput zb-h1 / 1f1b, each one's
+     measured bubble beside its theory ((n-1)/(m+n-1) and (n-1)/(3m+n-1)), and torch.distributed.pipelining's
+     Schedule1F1B, ScheduleInterleavedZeroBubble and ScheduleZBVZeroBubble (two stages per rank, V-shaped) on
+     the same model where they run (an error is printed instead where one does not).
+  ``--only-zb`` runs part 4 alone.
 """
 import argparse
+import copy
 import functools
 import os
 import time
@@ -27,6 +33,7 @@ from torch import nn
 import dualframe
 import dualframe.torch as hvd
 from dualframe.observe.bench_rounds import bubble_line, interleaved, ratio_line, seconds_line
+from dualframe.pipeline.clock import gpipe_bubble, zb_h1_bubble
 from dualframe.pipeline.walk import pipeline_bubble
 from dualframe.torch.distributed_pipeline import DistributedPipeline
 
@@ -52,25 +59,33 @@ def ours(model, chunks, schedule="gpipe", transport="auto"):
     return pipe, step
 
 
-def torch_gpipe(model, chunks):
-    """PyTorch's own pipelining (ScheduleGPipe over gloo) on the same split."""
+def torch_gpipe(model, chunks, name="ScheduleGPipe"):
+    """PyTorch's own pipelining (``name``, a schedule of torch.distributed.pipelining, over gloo) on the same split.
+
+    ``ScheduleZBVZeroBubble`` needs two stages per rank: the model in four, rank r holding parts r and 3 - r.
+    """
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+    from torch.distributed import pipelining
 
     rank = dualframe.detect_topology().rank
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29533")
         dist.init_process_group("gloo", rank=rank, world_size=2)
-    half = len(model) // 2
-    part = nn.Sequential(*(list(model)[:half] if rank == 0 else list(model)[half:]))
-    stage = PipelineStage(part, stage_index=rank, num_stages=2, device=torch.device("cpu"))
-    schedule = ScheduleGPipe(stage, n_microbatches=chunks, loss_fn=nn.MSELoss())
-    optimizer = torch.optim.SGD(part.parameters(), lr=1e-4)
+    layers, parts = list(model), 4 if name == "ScheduleZBVZeroBubble" else 2
+    size = len(layers) // parts
+    held = [rank, parts - 1 - rank] if parts == 4 else [rank]
+    modules = [nn.Sequential(*layers[k * size:(k + 1) * size]) for k in held]
+    stages = [pipelining.PipelineStage(part, stage_index=k, num_stages=parts, device=torch.device("cpu"))
+              for k, part in zip(held, modules)]
+    single = name in ("ScheduleGPipe", "Schedule1F1B")
+    schedule = getattr(pipelining, name)(stages[0] if single else stages, n_microbatches=chunks, loss_fn=nn.MSELoss())
+    optimizer = torch.optim.SGD([p for part in modules for p in part.parameters()], lr=1e-4)
+    first, last = 0 in held, parts - 1 in held
 
     def step(x, y):
         optimizer.zero_grad()
-        schedule.step(x) if rank == 0 else schedule.step(target=y, losses=[])
+        schedule.step(*([x] if first else []), **({"target": y, "losses": []} if last else {}))
         optimizer.step()
     return step
 
@@ -84,6 +99,35 @@ def timed(step, x, y, steps):
     return time.perf_counter() - start
 
 
+def zero_bubble_report(model, x, y, rounds, steps):
+    """Part 4: zb-h1 against 1f1b at chunks=8 (and torch's nearest schedules), interleaved rounds, bubbles."""
+    pipes, configs = {}, {}
+    for schedule in ("1f1b", "zb-h1"):
+        pipes[schedule], configs[f"{schedule} m=8"] = ours(copy.deepcopy(model), 8, schedule)
+    errors = []
+    for name in ("Schedule1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble"):
+        try:
+            step = torch_gpipe(copy.deepcopy(model), 8, name)
+            step(x, y)
+            configs[f"torch {name} m=8"] = step
+        except Exception as error:  # noqa: BLE001 - reported, not hidden: which of torch's schedules run here
+            errors.append(f"torch {name}: does not run here: {type(error).__name__}: {str(error)[:160]}")
+    for step in configs.values():
+        step(x, y)
+    times = interleaved({name: functools.partial(timed, step, x, y, steps) for name, step in configs.items()}, rounds)
+    report = [f"zb-h1 against 1f1b, messages over {pipes['zb-h1'].transport}",
+              ratio_line("zb-h1 m=8 / 1f1b m=8", times["1f1b m=8"], times["zb-h1 m=8"])]
+    report += [ratio_line(f"zb-h1 m=8 / {name}", times[name], times["zb-h1 m=8"])
+               for name in times if name.startswith("torch")]
+    report += errors + [seconds_line(times)]
+    theory = {"1f1b": gpipe_bubble(2, 8), "zb-h1": zb_h1_bubble(2, 8)}
+    for schedule, pipe in pipes.items():
+        busy, walls = zip(*hvd.allgather_object((pipe.records.mean_busy(), pipe.records.mean_wall())))
+        report.append(f"bubble {schedule} m=8: measured {pipeline_bubble(busy, walls):.1%}, theory "
+                      f"{theory[schedule]:.1%} (per stage busy s: {' '.join(f'{b:.3f}' for b in busy)})")
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=512)
@@ -91,6 +135,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2048)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--only-zb", action="store_true", help="run part 4 (zb-h1 against 1f1b) alone")
     args = parser.parse_args()
     torch.set_num_threads(1)
     hvd.init()
@@ -98,6 +143,13 @@ def main() -> None:
         raise SystemExit(f"run with 2 processes (processes: {hvd.size()})")
     x, y = torch.randn(args.batch, args.width), torch.randn(args.batch, args.width)
     model = build_model(args.width, args.blocks)
+    header = (f"{args.blocks} x (Linear({args.width}, {args.width}), ReLU), batch {args.batch}, 2 stages, "
+              f"1 thread per process, {args.rounds} rounds of {args.steps} steps")
+    if args.only_zb:
+        report = zero_bubble_report(model, x, y, args.rounds, args.steps)
+        if hvd.rank() == 0:
+            print(header + "\n" + "\n".join(report), flush=True)
+        return
     configs = {"chunks=1": ours(model, 1)[1], "chunks=8": ours(model, 8)[1], "torch ScheduleGPipe m=8": torch_gpipe(model, 8)}
     transport = ours(model, 8)[0].transport
     if transport != "horovod":  # point-to-point: the same pipelines with Horovod broadcasts, side by side
@@ -122,7 +174,7 @@ def main() -> None:
             step(x, y)
         busy, walls = zip(*hvd.allgather_object((pipe.records.mean_busy(), pipe.records.mean_wall())))
         report.append(bubble_line(m, pipeline_bubble(busy, walls)))
-    for schedule in ("gpipe", "1f1b"):
+    for schedule in ("gpipe", "1f1b", "zb-h1"):
         pipe, step = ours(model, 8, schedule)
         step(x, y)
         pipe.meter.reset_peak()
@@ -130,10 +182,9 @@ def main() -> None:
         peaks = hvd.allgather_object(pipe.meter.peak_bytes)
         report.append(f"peak activation MiB per rank, {schedule}, chunks=8: "
                       + ", ".join(f"rank {r} {b / 2**20:.1f}" for r, b in enumerate(peaks)))
+    report += zero_bubble_report(model, x, y, args.rounds, args.steps)
     if hvd.rank() == 0:
-        print(f"{args.blocks} x (Linear({args.width}, {args.width}), ReLU), batch {args.batch}, 2 stages, "
-              f"1 thread per process, {args.rounds} rounds of {args.steps} steps, messages over {transport}")
-        print("\n".join(report), flush=True)
+        print(f"{header}, messages over {transport}\n" + "\n".join(report), flush=True)
 
 
 if __name__ == "__main__":
