@@ -247,6 +247,8 @@ class Backend(Protocol[T]):
     caster: TensorCaster[T]
     batches: BatchOps[T]
     placement: Placement
+    #: Whether the adapter's process pipelines run a split backward (``W`` actions: ``SplitStageWork``).
+    split_backward: bool
 
     def wire(self, device: Any) -> Wire[T]:
         """The pipeline wire whose receive buffers live on ``device`` (a ``placement.device``)."""
@@ -266,6 +268,8 @@ class AdapterBackend(Generic[T]):
         collectives, caster, batches, placement: the adapter's implementations of those protocols.
         wire: makes the pipeline ``Wire`` for a device; ``point_to_point``, ``process_sets``: the
             adapter's functions behind those members.
+        split_backward: the adapter's stage work runs zero-bubble schedules' ``W`` (``SplitStageWork``);
+            False: ``open_stage`` refuses such a schedule before any communication.
 
     Example:
         >>> BACKEND = AdapterBackend("torch", collectives, TorchCaster(), TorchBatchOps(), TorchPlacement(),
@@ -275,9 +279,11 @@ class AdapterBackend(Generic[T]):
     def __init__(self, name: str, collectives: Collectives[T], caster: TensorCaster[T], batches: BatchOps[T],
                  placement: Placement, wire: Callable[[Any], Wire[T]],
                  point_to_point: Callable[[Any, int, str], Optional[PointToPoint[T]]],
-                 process_sets: Callable[[Sequence[Sequence[int]]], Dict[Tuple[int, ...], Any]]) -> None:
+                 process_sets: Callable[[Sequence[Sequence[int]]], Dict[Tuple[int, ...], Any]], *,
+                 split_backward: bool = False) -> None:
         self.name, self.collectives, self.caster, self.batches, self.placement = (
             name, collectives, caster, batches, placement)
+        self.split_backward = split_backward
         self._wire, self._point_to_point, self._process_sets = wire, point_to_point, process_sets
 
     def wire(self, device: Any) -> Wire[T]:

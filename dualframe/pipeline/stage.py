@@ -11,11 +11,11 @@ import itertools
 from typing import Any, Dict, Generic, List, Optional, Sequence, Tuple, TypeVar
 
 from dualframe.backend import Backend, PointToPoint, StageWork, Wire
-from dualframe.pipeline.action import Action
-from dualframe.pipeline.layout import pipeline_process_sets
+from dualframe.errors import ScheduleError
+from dualframe.pipeline.action import Action, splits_backward
 from dualframe.pipeline.link import StageLink
 from dualframe.pipeline.walk import RecordBook, StepRecord, pipeline_bubble, read_agreement, step_agreement, walk
-from dualframe.pipeline.layout import DTYPE_NAMES, StageLayout
+from dualframe.pipeline.layout import DTYPE_NAMES, StageLayout, pipeline_process_sets
 
 T = TypeVar("T")
 _INT64, _FLOAT64 = DTYPE_NAMES.index("int64"), DTYPE_NAMES.index("float64")
@@ -171,6 +171,10 @@ def open_stage(backend: "Backend[T]", layout: StageLayout, step_names: bool = Tr
         >>> role = open_stage(BACKEND, layout_pipeline(4, [2, 2], 4, world_size=2))  # doctest: +SKIP
         >>> role.index, role.device                                                  # doctest: +SKIP
     """
+    if not backend.split_backward and any(splits_backward(actions) for actions in layout.actions):
+        raise ScheduleError(
+            f"schedule {layout.schedule!r} splits the backward into B (input gradient) and W (weight gradient), "
+            f"which {backend.name}'s process pipeline does not run yet; use schedule='1f1b' or 'gpipe' here")
     grid = layout.grid
     world = grid.replicas * grid.stages
     needed = pipeline_process_sets(world, grid.stages)

@@ -32,9 +32,10 @@ class Pipeline(ModelParallel):
         checkpoint: ``"except_last"`` (default), ``"always"`` or ``"never"``. Recomputation reruns the
             layers: with Dropout (new random mask) or BatchNormalization (moving statistics updated
             twice) use ``"never"``.
-        schedule: a registered schedule one process can run (``"gpipe"``). ``"1f1b"`` is refused by
-            name: it interleaves backward with forward, which needs the loss inside the pipeline, and
-            here Keras computes the loss after ``call`` returns; use ``DistributedPipeline`` for it.
+        schedule: a registered schedule one process can run (``"gpipe"``). ``"1f1b"`` and ``"zb-h1"`` are
+            refused by name: they interleave backward with forward, which needs the loss inside the
+            pipeline, and here Keras computes the loss after ``call`` returns; use ``DistributedPipeline``
+            for them (zb-h1 there: torch today, Keras with its process pipeline's split backward).
 
     Raises:
         BalanceError, DeviceError, ChunksError, StrategyError, ScheduleError: before any variable is made.

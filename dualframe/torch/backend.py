@@ -26,4 +26,4 @@ class TorchPlacement:
 #: The torch adapter's one Backend (``dualframe.backend``).
 BACKEND: AdapterBackend[torch.Tensor] = AdapterBackend(
     "torch", collectives, TorchCaster(), TorchBatchOps(), TorchPlacement(), TorchWire,
-    point_to_point, process_sets)
+    point_to_point, process_sets, split_backward=True)

@@ -42,9 +42,10 @@ class Pipeline(ModelParallel):
         overlap_cpu: run the cells of a tick whose stages are all on ``"cpu"`` in threads too, one per
             cell, so that they overlap on a multi-core CPU when each op uses fewer threads than there
             are cores (how the schedule is shown on a CPU-only machine); costs thread hand-offs.
-        schedule: a registered schedule one process can run (``"gpipe"``). ``"1f1b"`` is refused by
-            name: it interleaves backward with forward, which needs the loss inside the pipeline, and
-            here the caller computes the loss after forward returns; use ``DistributedPipeline`` for it.
+        schedule: a registered schedule one process can run (``"gpipe"``). ``"1f1b"`` and ``"zb-h1"`` are
+            refused by name: they interleave backward with forward, which needs the loss inside the
+            pipeline, and here the caller computes the loss after forward returns; use
+            ``DistributedPipeline`` for them.
         split_points, stages, sample, by, leaves: cutting any model as a graph, as in ``ModelParallel``.
 
     Raises:

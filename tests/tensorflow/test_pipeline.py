@@ -99,6 +99,10 @@ def test_1f1b_is_refused_by_name_before_any_variable_with_the_reason_and_what_to
         "the one-process Pipeline cannot run schedule '1f1b': 1f1b interleaves backward with forward")
     assert "use schedule='gpipe' here, or DistributedPipeline(..., schedule='1f1b', loss_fn=...)" in str(error.value)
     assert not any(layer.built for layer in model_layers)
+    with pytest.raises(ScheduleError, match=r"cannot run schedule 'zb-h1': zb-h1 interleaves backward with forward as "
+                                            r"1f1b does .* DistributedPipeline\(\.\.\., schedule='zb-h1', loss_fn=\.\.\.\)"):
+        hvd.Pipeline(model_layers, [2, 2], ["/CPU:1", "/CPU:2"], chunks=4, schedule="zb-h1")
+    assert not any(layer.built for layer in model_layers)
     with pytest.raises(ScheduleError, match=r"unknown schedule 'zigzag'; choose one of gpipe, 1f1b"):
         hvd.Pipeline(layers(), [2, 2], ["/CPU:1", "/CPU:2"], schedule="zigzag")
 

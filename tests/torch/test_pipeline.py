@@ -85,6 +85,9 @@ def test_1f1b_is_refused_by_name_before_any_compute_with_the_reason_and_what_to_
         "the one-process Pipeline cannot run schedule '1f1b': 1f1b interleaves backward with forward")
     assert "needs the loss inside the pipeline" in str(error.value)
     assert "use schedule='gpipe' here, or DistributedPipeline(..., schedule='1f1b', loss_fn=...)" in str(error.value)
+    with pytest.raises(ScheduleError, match=r"cannot run schedule 'zb-h1': zb-h1 interleaves backward with forward as "
+                                            r"1f1b does .* DistributedPipeline\(\.\.\., schedule='zb-h1', loss_fn=\.\.\.\)"):
+        hvd.Pipeline(nn.Sequential(Untouchable(), Untouchable()), [1, 1], ["cpu", "cpu"], chunks=4, schedule="zb-h1")
     with pytest.raises(ScheduleError, match=r"unknown schedule 'zigzag'; choose one of gpipe, 1f1b"):
         hvd.Pipeline(mlp(), [4, 4], ["cpu", "cpu"], schedule="zigzag")
     assert hvd.Pipeline(mlp(), [4, 4], ["cpu", "cpu"]).schedule == "gpipe"

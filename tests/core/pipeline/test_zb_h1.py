@@ -130,3 +130,20 @@ def test_w_waits_for_its_own_stage_b_and_a_list_must_hold_every_w_or_none():
         clock_table([parse("F0 B0 W0 F1 B1 W1"), parse("F0 B0 F1 B1")])
     with pytest.raises(ScheduleError, match=r"held_until must be one of B, W \(held_until: 'F'\)"):
         peak_live_activations(parse("F0 B0"), held_until="F")
+
+
+def test_a_process_pipeline_whose_adapter_cannot_split_the_backward_refuses_zb_h1_before_communicating():
+    from dualframe.pipeline.layout import layout_pipeline
+    from dualframe.pipeline.stage import open_stage
+
+    class NoSplit:
+        name, split_backward = "tensorflow", False
+
+        def __getattr__(self, attribute):
+            raise AssertionError(f"the refusal must come before any use of the backend ({attribute})")
+
+    layout = layout_pipeline(4, [2, 2], chunks=4, schedule="zb-h1", world=2)
+    with pytest.raises(ScheduleError, match=r"schedule 'zb-h1' splits the backward into B \(input gradient\) and W "
+                                            r"\(weight gradient\), which tensorflow's process pipeline does not run "
+                                            r"yet; use schedule='1f1b' or 'gpipe' here"):
+        open_stage(NoSplit(), layout)
