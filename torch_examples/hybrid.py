@@ -18,7 +18,7 @@ STAGES = 2
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b"])
+    parser.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "zb-h1"])
     parser.add_argument("--chunks", type=int, default=4)
     parser.add_argument("--global-batch", type=int, default=512)
     parser.add_argument("--width", type=int, default=256)

@@ -23,7 +23,7 @@ def build_model(width: int, blocks: int) -> nn.Sequential:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--schedule", default="gpipe", choices=["gpipe", "1f1b"])
+    parser.add_argument("--schedule", default="gpipe", choices=["gpipe", "1f1b", "zb-h1"])
     parser.add_argument("--chunks", type=int, default=8)
     parser.add_argument("--batch", type=int, default=512)
     parser.add_argument("--width", type=int, default=256)
@@ -61,7 +61,7 @@ def main() -> None:
               f"{args.steps * args.batch / elapsed:.0f} samples/s, final loss {loss:.5f}")
         for line in timings:
             print("  " + line)
-        print(f"  bubble in theory (n-1)/(m+n-1) = {theory:.1%}")
+        print(f"  bubble in theory (the schedule's clock table, equal passes) = {theory:.1%}")
 
 
 if __name__ == "__main__":
