@@ -88,6 +88,10 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
     """
     check_initialized("broadcast_optimizer_state()")
     dp_checks.check_root_rank(root_rank, hvd.size())
+    if isinstance(optimizer, DistributedOptimizer) and optimizer.shard is not None:
+        # A sharded optimizer's state lives in slices: gathered, broadcast, re-cut (no zero-gradient step).
+        optimizer.broadcast_state(root_rank)  # type: ignore[attr-defined]
+        return
     inner = optimizer.optimizer if isinstance(optimizer, DistributedOptimizer) else optimizer
     if not isinstance(inner, torch.optim.Optimizer):
         raise StrategyError(f"optimizer must be a torch.optim.Optimizer (optimizer: {type(optimizer).__name__})")

@@ -10,6 +10,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Set,
 import torch
 
 from dualframe.dp.settings import ReduceSettings
+from dualframe.dp.shard import check_shard
 from dualframe.errors import StrategyError
 from dualframe.torch import dp_checks
 from dualframe.torch.collectives import OPS, check_initialized, hvd
@@ -67,6 +68,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         groups: an int (that many fused groups) or lists of parameters reduced together.
         sparse_as_dense: reduce sparse gradients as dense tensors.
         process_set: the ranks to reduce over (a registered ``ProcessSet``).
+        shard: None; ``"optimizer"`` (ZeRO-1: each rank keeps the optimizer state of 1/N of the
+            parameters) or ``"gradients"`` (ZeRO-2: and only 1/N of the reduced gradients) builds a
+            ``dualframe.torch.shard.ShardedOptimizer``.
 
     Raises:
         NotInitializedError: before ``hvd.init()``.
@@ -80,17 +84,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
         >>> loss_fn(model(x), y).backward(); opt.step()                          # doctest: +SKIP
     """
 
+    def __new__(cls, *args: Any, shard: Optional[str] = None, **kwargs: Any) -> "DistributedOptimizer":
+        # shard= picks the sharded class; an unknown value reaches check_shard in either __init__.
+        if cls is DistributedOptimizer and shard is not None and not (isinstance(shard, str) and shard.lower() == "none"):
+            from dualframe.torch.shard import ShardedOptimizer
+            return super().__new__(ShardedOptimizer)
+        return super().__new__(cls)
+
     def __init__(self, optimizer: torch.optim.Optimizer,
                  named_parameters: Optional[Iterable[Tuple[str, torch.Tensor]]] = None,
                  compression: Any = Compression.none, backward_passes_per_step: int = 1,
                  op: Any = hvd.Average, gradient_predivide_factor: float = 1.0, num_groups: int = 0,
                  groups: dp_checks.GroupsArg = None, sparse_as_dense: bool = False,
-                 process_set: Any = hvd.global_process_set) -> None:
+                 process_set: Any = hvd.global_process_set, shard: Optional[str] = None) -> None:
         check_initialized("DistributedOptimizer")
         self._optimizer = _check_optimizer(optimizer)
         self._compression = dp_checks.check_compression(compression, Compression)
         self.op_name = dp_checks.check_numbers(backward_passes_per_step, op, gradient_predivide_factor)
         self.op = OPS[self.op_name]
+        self.shard = check_shard(shard, self.op_name)
         self._names = dp_checks.parameter_names(optimizer, named_parameters)
         if num_groups:
             warnings.warn("num_groups is deprecated; use groups", DeprecationWarning, stacklevel=2)

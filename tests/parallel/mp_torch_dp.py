@@ -303,3 +303,166 @@ def test_collectives_and_objects():
     hvd.broadcast_(y, root_rank=1)
     assert torch.equal(y, torch.ones(2))
     assert hvd.metric_average(float(r)) == 0.5
+
+
+# --- Sharded optimizer (ZeRO-1/2): equal to plain data parallelism, 1/N of the state per rank ------------------
+class Residual(nn.Module):
+    """A small residual net with a LayerNorm: several tensors of several shapes per bucket."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.block, self.norm, self.out = nn.Linear(6, 8), nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        return self.out(self.norm(h + torch.tanh(self.block(h))))
+
+
+def make_residual(seed):
+    torch.manual_seed(seed)
+    return Residual()
+
+
+SHARD_OPTIMIZERS = {
+    "sgd-momentum": sgd,
+    "adam": lambda m: torch.optim.Adam(m.parameters(), lr=0.01),
+    "adamw-decay": lambda m: torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.1),
+}
+
+
+def state_bytes(optimizer):
+    return sum(v.numel() * v.element_size() for s in optimizer.state.values() for k, v in s.items()
+               if torch.is_tensor(v) and k != "step")
+
+
+def train_sharded(make_optimizer, data, passes=1, build=make_residual, schedule=False, **wrap):
+    model = build(hvd.rank())
+    optimizer = hvd.DistributedOptimizer(make_optimizer(model), named_parameters=model.named_parameters(), **wrap)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5) if schedule else None
+    for x, y in data:
+        optimizer.zero_grad()
+        x_local, y_local = hvd.shard_batch(x), hvd.shard_batch(y)
+        for xp, yp in zip(x_local.chunk(passes), y_local.chunk(passes)):
+            (mse(model, xp, yp) / passes).backward()
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+    return model, optimizer
+
+
+def train_plain(make_optimizer, data, build=make_residual, schedule=False):
+    model = build(0)
+    optimizer = make_optimizer(model)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5) if schedule else None
+    for x, y in data:
+        optimizer.zero_grad()
+        mse(model, x, y).backward()
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+    return model, optimizer
+
+
+@pytest.mark.parametrize("shard", ["optimizer", "gradients"])
+@pytest.mark.parametrize("name", sorted(SHARD_OPTIMIZERS))
+def test_sharded_equals_one_process_with_half_the_state(name, shard):
+    data = batches()
+    model, optimizer = train_sharded(SHARD_OPTIMIZERS[name], data, shard=shard, schedule=name == "adam")
+    reference, ref_optimizer = train_plain(SHARD_OPTIMIZERS[name], data, schedule=name == "adam")
+    assert_same_everywhere(model, reference)
+    assert optimizer.param_groups[0]["lr"] == ref_optimizer.param_groups[0]["lr"]  # StepLR reached the slices
+    assert optimizer.inner.param_groups[0]["lr"] == ref_optimizer.param_groups[0]["lr"]
+    padding = sum(slot.flat.element_size() for slot in optimizer._slots) * 2
+    assert state_bytes(optimizer) <= state_bytes(ref_optimizer) / hvd.size() + padding
+    assert state_bytes(optimizer.optimizer) == 0  # the wrapped optimizer never holds state
+    grads = [p.grad for p in model.parameters()]
+    assert all(g is None for g in grads) if shard == "gradients" else all(g is not None for g in grads)
+
+
+@pytest.mark.parametrize("shard", ["optimizer", "gradients"])
+def test_sharded_backward_passes_per_step_two_half_batches(shard):
+    data = batches()
+    adam = SHARD_OPTIMIZERS["adam"]
+    model, _ = train_sharded(adam, data, passes=2, shard=shard, backward_passes_per_step=2)
+    assert_same_everywhere(model, train_plain(adam, data)[0])
+
+
+def test_sharded_fp16_compression_equals_plain_fp16():
+    data = batches()
+    sharded, _ = train_sharded(sgd, data, shard="gradients", compression=hvd.Compression.fp16)
+    plain, _ = train_sharded(sgd, data, compression=hvd.Compression.fp16)
+    assert_same_everywhere(sharded, plain, tol=1e-3)
+    assert_same_everywhere(sharded, train_plain(sgd, data)[0], tol=2e-3)
+
+
+def test_sharded_on_a_process_set_shards_among_its_ranks():
+    """Each rank shards over its own one-rank set: local training on its own half of the batch."""
+    data = batches(2)
+    model, optimizer = train_sharded(sgd, data, shard="optimizer", process_set=SINGLETONS[hvd.rank()])
+    assert optimizer.ranks == 1
+    local = [(hvd.shard_batch(x), hvd.shard_batch(y)) for x, y in data]
+    reference, _ = train_plain(sgd, local)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.allclose(p, q, atol=TOL)
+
+
+def test_sharded_checkpoint_round_trip_and_resize():
+    """Full state gathered on every rank loads into a plain optimizer and back, and re-cuts for 1 or 2 ranks."""
+    data = batches(6)
+    adam = SHARD_OPTIMIZERS["adamw-decay"]
+    reference, ref_optimizer = train_plain(adam, data[:3])
+    model, optimizer = train_sharded(adam, data[:3], shard="gradients")
+    full = optimizer.state_dict()
+    ref_full = ref_optimizer.state_dict()
+    assert sorted(full["state"]) == sorted(ref_full["state"])
+    for i, entry in ref_full["state"].items():
+        for key, value in entry.items():
+            assert torch.allclose(full["state"][i][key], value, atol=TOL), (i, key)
+    # sharded -> plain: a plain optimizer takes the gathered dict and goes on as the sharded one does.
+    plain_model = make_residual(0)
+    plain_model.load_state_dict(model.state_dict())
+    plain = adam(plain_model)
+    plain.load_state_dict(full)
+    # plain -> sharded, at another size: each rank alone (its one-rank set) on the whole batch.
+    alone_model = make_residual(0)
+    alone_model.load_state_dict(reference.state_dict())
+    alone = hvd.DistributedOptimizer(adam(alone_model), alone_model.named_parameters(), shard="optimizer",
+                                     process_set=SINGLETONS[hvd.rank()])
+    alone.load_state_dict(ref_full)
+    for x, y in data[3:]:
+        for m, o, batch in ((plain_model, plain, (x, y)), (reference, ref_optimizer, (x, y)),
+                            (alone_model, alone, (x, y)), (model, optimizer, (hvd.shard_batch(x), hvd.shard_batch(y)))):
+            o.zero_grad()
+            mse(m, *batch).backward()
+            o.step()
+    assert_same_everywhere(model, reference)
+    assert_same_everywhere(plain_model, reference)
+    assert_same_everywhere(alone_model, reference)
+    # 1 rank -> 2 ranks: the one-rank state, loaded by a sharded optimizer over both ranks.
+    grown = hvd.DistributedOptimizer(adam(alone_model), alone_model.named_parameters(), shard="gradients")
+    grown.load_state_dict(alone.state_dict())
+    assert grown.ranks == 2 and state_bytes(grown) < state_bytes(alone)
+    assert all(torch.allclose(grown.state_dict()["state"][i]["exp_avg"], e["exp_avg"], atol=TOL)
+               for i, e in ref_optimizer.state_dict()["state"].items())
+
+
+def test_sharded_bad_input_is_refused_on_every_rank():
+    model = make_residual(0)
+    fresh = lambda: torch.optim.SGD(model.parameters(), lr=0.1)  # noqa: E731
+    cases = [
+        ({"shard": "weights"}, fresh, r"unknown shard 'weights'"),
+        ({"shard": "optimizer", "op": hvd.Adasum}, fresh, r"needs op Average or Sum \(op: adasum\)"),
+        ({"shard": "gradients", "op": hvd.Max}, fresh, r"needs op Average or Sum \(op: max\)"),
+        ({"shard": "optimizer", "groups": 2}, fresh, r"drop groups="),
+        ({"shard": "optimizer"}, lambda: torch.optim.LBFGS(model.parameters()), r"element-wise optimizer.*LBFGS"),
+        ({"shard": "optimizer"}, lambda: torch.optim.Adafactor(model.parameters()), r"element-wise .*Adafactor"),
+    ]
+    for kwargs, make, message in cases:
+        with pytest.raises(StrategyError, match=message):
+            hvd.DistributedOptimizer(make(), model.named_parameters(), **kwargs)
+    # A parameter set that differs (rank 1 has one layer more): one allgather, then every rank refuses.
+    other = nn.Sequential(model, nn.Linear(3, 3)) if hvd.rank() == 1 else nn.Sequential(model)
+    with pytest.raises(StrategyError, match=r"same parameters .* rank 1 differs from rank 0 \(parameters: 10 against 8\)"):
+        hvd.DistributedOptimizer(torch.optim.SGD(other.parameters(), lr=0.1), other.named_parameters(), shard="optimizer")
+    hvd.barrier()  # both ranks are still in step

@@ -1,0 +1,357 @@
+"""Sharded data parallelism for torch (ZeRO-1/2): ``DistributedOptimizer(..., shard="optimizer"|"gradients")``.
+
+The core's ``dualframe.dp.shard.ShardLayout`` cuts each param group's trainable parameters into
+buckets (flat buffers of one dtype) and each bucket into one equal slice per rank of the process set.
+Here, per bucket: as soon as backward has produced every gradient of the bucket, the flat gradient
+is reduce-scattered (asynchronously, overlapping the rest of backward); ``step()`` gives each rank's
+reduced slice to a copy of the user's optimizer class whose parameters are the rank's flat slices
+(so it holds state for 1/N of the elements), then allgathers the updated slices back into every
+parameter. ``shard="gradients"`` also drops each parameter's full ``.grad`` once its bucket is sent.
+"""
+from __future__ import annotations
+
+import inspect
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+
+import torch
+
+from dualframe.dp.shard import Bucket, ShardLayout, check_same_parameters, check_shard, parameter_signature
+from dualframe.errors import StrategyError
+from dualframe.torch import dp_checks
+from dualframe.torch.collectives import OPS, check_initialized, hvd
+from dualframe.torch.compression import Compression
+from dualframe.torch.optimizer import DistributedOptimizer, _check_optimizer, _WRAPPED
+from dualframe.torch import shard_state
+
+#: Largest bucket, in elements (16 MiB of float32): small enough that the first reduce-scatters start
+#: while backward still runs, large enough that each collective moves a few MiB.
+BUCKET_ELEMENTS = 1 << 22
+
+#: Optimizers whose update of an element reads only that element's parameter, gradient and state
+#: (plus scalars such as the step count): a slice of the flat parameters steps exactly as the whole.
+ELEMENTWISE = tuple(getattr(torch.optim, name) for name in (
+    "SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "RMSprop", "Rprop", "NAdam", "RAdam", "ASGD")
+    if hasattr(torch.optim, name))
+
+
+def check_elementwise(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse optimizers whose update of an element depends on other elements (the rule of sharding).
+
+    Allowed: the built-in element-wise classes (``ELEMENTWISE``), or a class that declares
+    ``dualframe_elementwise = True``. Refused: LBFGS (a line search over all parameters, closures),
+    Adafactor (row and column statistics of each matrix), Muon (orthogonalizes each matrix),
+    SparseAdam (sparse gradients), and any other class, including subclasses of allowed ones, whose
+    ``step`` could read whole tensors (norms, trust ratios as in LAMB/LARS).
+    """
+    cls = type(optimizer)
+    if cls in ELEMENTWISE or getattr(cls, "dualframe_elementwise", False) is True:
+        return
+    raise StrategyError(
+        f"shard= needs an element-wise optimizer, whose update of an element reads only that element's "
+        f"parameter, gradient and state ({cls.__name__} is not known to be one; allowed: "
+        f"{', '.join(c.__name__ for c in ELEMENTWISE)}). LBFGS, Adafactor, Muon, LAMB/LARS read whole "
+        f"tensors; use shard=None, or set {cls.__name__}.dualframe_elementwise = True if its update is element-wise"
+    )
+
+
+@dataclass(eq=False)
+class Slot:
+    """One bucket at run time: its parameters, the rank's flat slice (an inner-optimizer parameter), a pending reduction."""
+
+    name: str
+    bucket: Bucket
+    params: List[torch.Tensor]  # the param group's trainable parameters (the layout's tensor list)
+    flat: torch.nn.Parameter
+    start: int  # this rank's first element in the padded flat buffer
+    ready: int = 0
+    pending: Optional[Tuple[Any, Any]] = None
+    members: List[torch.Tensor] = field(default_factory=list)
+
+    def gather_into(self, values: torch.Tensor, out: Dict[torch.Tensor, torch.Tensor]) -> None:
+        """Cut a padded flat buffer back into one tensor per parameter of the bucket."""
+        for t, offset, size in zip(self.bucket.tensors, self.bucket.offsets, self.bucket.sizes):
+            p = self.params[t]
+            out[p] = values[offset:offset + size].view_as(p)
+
+    def refresh(self, rank: int) -> None:
+        """Copy the current parameter values of the rank's slice into ``flat`` (they may have been loaded or broadcast)."""
+        with torch.no_grad():
+            for piece in self.bucket.pieces(rank):
+                source = self.params[piece.tensor].detach().reshape(-1)[piece.start:piece.start + piece.length]
+                self.flat[piece.offset:piece.offset + piece.length].copy_(source)
+
+
+def _weak_hook(wrapper: "ShardedOptimizer") -> Callable[[torch.Tensor], None]:
+    ref = weakref.ref(wrapper)
+
+    def hook(p: torch.Tensor) -> None:
+        alive = ref()
+        if alive is not None:
+            alive._on_gradient(p)
+    return hook
+
+
+def _make_inner(cls: type, groups: List[Dict[str, Any]], defaults: Dict[str, Any]) -> torch.optim.Optimizer:
+    # Same class, same hyperparameters: the defaults the constructor accepts, the groups' own values.
+    accepted = inspect.signature(cls.__init__).parameters
+    kwargs = {k: v for k, v in defaults.items() if k in accepted and k != "params"}
+    return cls(groups, **kwargs)  # type: ignore[no-any-return]
+
+
+class ShardedOptimizer(DistributedOptimizer):
+    """``DistributedOptimizer(..., shard="optimizer"|"gradients")``: optimizer state (and gradients) kept 1/N per rank.
+
+    Built by ``DistributedOptimizer`` when ``shard`` is given; the arguments are its arguments.
+    ``param_groups`` are the wrapped optimizer's (an LR scheduler's changes reach the slices at the
+    next step); ``state_dict()`` is a collective that returns the full state in the unsharded
+    optimizer's format on every rank, and ``load_state_dict`` takes such a dict (from a plain or a
+    sharded optimizer, at any number of ranks) and keeps this rank's slice.
+
+    Example:
+        >>> opt = torch.optim.Adam(model.parameters(), lr=1e-3)                            # doctest: +SKIP
+        >>> opt = hvd.DistributedOptimizer(opt, model.named_parameters(), shard="optimizer")  # doctest: +SKIP
+        >>> loss_fn(model(x), y).backward(); opt.step(); opt.zero_grad()                    # doctest: +SKIP
+        >>> full = opt.state_dict()   # every rank calls it (it gathers the slices)         # doctest: +SKIP
+
+    Raises:
+        StrategyError: unknown ``shard``, op Adasum/Min/Max/Product, ``groups``, a non element-wise
+            optimizer, a rank outside ``process_set`` (all before any communication); parameters that
+            differ between ranks (after one allgather of their signature, on every rank).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer,
+                 named_parameters: Optional[Iterable[Tuple[str, torch.Tensor]]] = None,
+                 compression: Any = Compression.none, backward_passes_per_step: int = 1,
+                 op: Any = hvd.Average, gradient_predivide_factor: float = 1.0, num_groups: int = 0,
+                 groups: dp_checks.GroupsArg = None, sparse_as_dense: bool = False,
+                 process_set: Any = hvd.global_process_set, shard: Optional[str] = "optimizer") -> None:
+        check_initialized("DistributedOptimizer")
+        self._optimizer = _check_optimizer(optimizer)
+        self._compression = dp_checks.check_compression(compression, Compression)
+        self.op_name = dp_checks.check_numbers(backward_passes_per_step, op, gradient_predivide_factor)
+        self.op = OPS[self.op_name]
+        self.shard = check_shard(shard, self.op_name)
+        if groups is not None or num_groups:
+            raise StrategyError(f"groups= fuses allreduces; with shard={self.shard!r} the buckets are the fusion "
+                                f"(groups: {groups if groups is not None else num_groups}); drop groups=")
+        check_elementwise(optimizer)
+        self._names = dp_checks.parameter_names(optimizer, named_parameters)
+        self.process_set = dp_checks.check_process_set(process_set)
+        if not self.process_set.included():
+            raise StrategyError(f"this rank ({hvd.rank()}) is not in process_set {self.process_set}; a sharded "
+                                f"optimizer shards among the ranks of its set; wrap with a set that includes it")
+        trainable = [p for p in dp_checks.optimizer_params(optimizer) if p.requires_grad]
+        if not trainable:
+            raise StrategyError("shard= needs at least one parameter with requires_grad=True in the optimizer")
+        from dualframe.dp.settings import ReduceSettings
+        self.settings = ReduceSettings(compression=self._compression, op=self.op_name, sparse_as_dense=True,
+                                       gradient_predivide_factor=float(gradient_predivide_factor),
+                                       process_set=self.process_set, backward_passes_per_step=backward_passes_per_step)
+        self._check_same_parameters()  # the one collective before a refusal: every rank raises alike
+        self._delay: Dict[torch.Tensor, int] = {p: backward_passes_per_step for p in trainable}
+        self._handles: Dict[Any, Any] = {}  # unused by sharding; DistributedOptimizer's methods read it
+        self._synchronized = False
+        self._should_synchronize = True
+        self._adasum = False
+        self._active = True
+        self._elastic = False
+        self._build()
+        _WRAPPED.add(optimizer)
+        self._hook_handles = [p.register_post_accumulate_grad_hook(_weak_hook(self)) for p in trainable]
+
+    def __repr__(self) -> str:
+        return f"DistributedOptimizer(shard={self.shard!r}, op={self.op_name}, {self._optimizer!r})"
+
+    # -- layout ---------------------------------------------------------------------------------
+    def _check_same_parameters(self) -> None:
+        entries = [(f"{g}/{self._names[p]}", tuple(p.shape), str(p.dtype))
+                   for g, group in enumerate(self._optimizer.param_groups) for p in group["params"] if p.requires_grad]
+        mine = torch.tensor([[parameter_signature(entries), len(entries)]], dtype=torch.int64)
+        every = hvd.allgather(mine, name="dualframe.shard.signature", process_set=self.process_set)
+        check_same_parameters(every[:, 0].tolist(), every[:, 1].tolist())
+
+    def _build(self) -> None:
+        """Cut each param group for the process set's current size and make the inner optimizer (no state)."""
+        self.ranks, self.rank = self.process_set.size(), self.process_set.rank()
+        self._slots: List[Slot] = []
+        self._slot_of: Dict[torch.Tensor, Slot] = {}
+        self._group_of: List[Tuple[int, int]] = []  # (outer group, inner group)
+        inner_groups = []
+        for g, group in enumerate(self._optimizer.param_groups):
+            params = [p for p in group["params"] if p.requires_grad]
+            if not params:
+                continue
+            layout = ShardLayout.build([p.numel() for p in params], self.ranks, dtypes=[str(p.dtype) for p in params],
+                                       bucket_elements=BUCKET_ELEMENTS)
+            flats = []
+            for b, bucket in enumerate(layout.buckets):
+                first = params[bucket.tensors[0]]
+                flat = torch.nn.Parameter(torch.zeros(bucket.shard, dtype=first.dtype, device=first.device))
+                slot = Slot(f"{g}.{b}", bucket, params, flat, self.rank * bucket.shard,
+                            members=[params[t] for t in bucket.tensors])
+                slot.refresh(self.rank)
+                for p in slot.members:
+                    self._slot_of[p] = slot
+                self._slots.append(slot)
+                flats.append(flat)
+            self._group_of.append((g, len(inner_groups)))
+            inner_groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": flats})
+        self._inner = _make_inner(type(self._optimizer), inner_groups, self._optimizer.defaults)
+
+    @property
+    def inner(self) -> torch.optim.Optimizer:
+        """The optimizer of this rank's slices (its state is the rank's share; its hyperparameters follow ``param_groups``)."""
+        self._sync_hyperparameters()
+        return self._inner
+
+    @property  # type: ignore[override]
+    def state(self) -> Any:  # type: ignore[override]
+        """The inner optimizer's state: one entry per flat slice this rank owns."""
+        return self._inner.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self._inner.state = value
+
+    # -- gradients: one asynchronous reduce-scatter per bucket, as soon as its gradients are ready --
+    def _on_gradient(self, p: torch.Tensor) -> None:
+        slot = self._slot_of.get(p)
+        if slot is None:
+            return
+        if slot.pending is not None:
+            raise AssertionError(
+                f"gradients were computed more than backward_passes_per_step ({self.backward_passes_per_step}) "
+                f"times before step(); raise backward_passes_per_step (parameter {self._names.get(p)})")
+        self._delay[p] -= 1
+        if self._delay[p] > 0:
+            return
+        slot.ready += 1
+        if slot.ready == len(slot.members):
+            self._reduce(slot)
+
+    def _reduce(self, slot: Slot) -> None:
+        bucket = slot.bucket
+        first = slot.members[0]
+        flat = torch.zeros(bucket.padded, dtype=first.dtype, device=first.device)
+        for p, offset, size in zip(slot.members, bucket.offsets, bucket.sizes):
+            if p.grad is not None:  # another rank may have a gradient for it: this rank sends zeros
+                grad = p.grad.to_dense() if p.grad.is_sparse else p.grad
+                flat[offset:offset + size].copy_(grad.reshape(-1))
+            if self.shard == "gradients":
+                p.grad = None  # ZeRO-2: the full gradient is not kept, only the reduced slice
+        compressed, ctx = self._compression.compress(flat)
+        prescale, postscale = self.settings.scale_factors()
+        handle = hvd.reducescatter_async(compressed, name=f"dualframe.shard.grad.{slot.name}", op=self.op,
+                                         process_set=self.process_set, prescale_factor=prescale,
+                                         postscale_factor=postscale)
+        slot.pending = (handle, ctx)
+
+    def synchronize(self) -> None:
+        """Wait for every bucket's reduce-scatter (starting those not started); slices' gradients are then set."""
+        for slot in self._slots:
+            if slot.pending is None:
+                self._reduce(slot)
+        for slot in self._slots:
+            assert slot.pending is not None
+            handle, ctx = slot.pending
+            reduced = self._compression.decompress(hvd.synchronize(handle), ctx)
+            slot.flat.grad = reduced.to(slot.flat.dtype)
+            slot.pending, slot.ready = None, 0
+            for p in slot.members:
+                self._delay[p] = self.backward_passes_per_step
+        self._synchronized = True
+
+    def _pending(self) -> bool:
+        return any(slot.pending is not None or slot.ready for slot in self._slots)
+
+    # -- step: the slices, then the allgather -----------------------------------------------------
+    def _sync_hyperparameters(self) -> None:
+        # An LR scheduler (or the user) changes the wrapped optimizer's groups: the slices follow.
+        for g, i in self._group_of:
+            outer, inner = self._optimizer.param_groups[g], self._inner.param_groups[i]
+            for key, value in outer.items():
+                if key != "params":
+                    inner[key] = value
+
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # type: ignore[override]
+        """Reduce-scatter (unless inside ``skip_synchronize()``), step this rank's slices, allgather the parameters."""
+        if closure is not None:
+            raise StrategyError("step(closure) is not available with shard= (a closure recomputes gradients that "
+                                "would not be reduce-scattered); call loss.backward() before step()")
+        if self._should_synchronize:
+            if self._synchronized:
+                import warnings
+                warnings.warn("optimizer.step() called after optimizer.synchronize() without "
+                              "optimizer.skip_synchronize(); the gradients were reduced again", stacklevel=2)
+            self.synchronize()
+        self._synchronized = False
+        self._sync_hyperparameters()
+        for slot in self._slots:
+            slot.refresh(self.rank)
+        self._inner.step()
+        handles = [hvd.allgather_async(slot.flat.detach(), name=f"dualframe.shard.param.{slot.name}",
+                                       process_set=self.process_set) for slot in self._slots]
+        with torch.no_grad():
+            for slot, handle in zip(self._slots, handles):
+                values: Dict[torch.Tensor, torch.Tensor] = {}
+                slot.gather_into(hvd.synchronize(handle), values)
+                for p, value in values.items():
+                    p.copy_(value)
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the parameters' gradients and the slices'; refused while reduce-scatters are pending."""
+        if self._pending():
+            raise AssertionError(
+                "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
+                "optimizer.synchronize(); that would race with the pending gradient reductions")
+        self._optimizer.zero_grad(set_to_none=set_to_none)
+        self._inner.zero_grad(set_to_none=set_to_none)
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Change how many backward passes are accumulated before a reduction."""
+        super().set_backward_passes_per_step(passes)
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """Refused: every rank would have to re-cut its slices; add groups to the optimizer before wrapping it."""
+        raise StrategyError("add_param_group is not available with shard=; give the optimizer all its param "
+                            "groups before wrapping it")
+
+    def register_step_pre_hook(self, hook: Callable[..., Any]) -> Any:
+        """Register on the inner optimizer of the slices (the hook receives it)."""
+        return self._inner.register_step_pre_hook(hook)
+
+    def register_step_post_hook(self, hook: Callable[..., Any]) -> Any:
+        """Register on the inner optimizer of the slices (the hook receives it)."""
+        return self._inner.register_step_post_hook(hook)
+
+    # -- state: gathered full on every rank, loaded as the rank's slice ----------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        """The full optimizer state in the unsharded optimizer's format (a collective: every rank calls it)."""
+        self._sync_hyperparameters()
+        return shard_state.gather(self)
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Load a full state dict (plain or sharded, any size): re-cut for the current size, keep this rank's slice."""
+        for slot in getattr(self, "_slots", []):
+            slot.pending, slot.ready = None, 0
+        self._synchronized = False
+        self._should_synchronize = True
+        for p in self._delay:
+            self._delay[p] = self.backward_passes_per_step
+        self._optimizer.load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
+        self._build()
+        shard_state.scatter(self, state_dict)
+
+    def resize(self) -> None:
+        """Re-cut for the process set's current size if it changed (elastic), keeping no state across a change."""
+        if self.process_set.size() != self.ranks or self.process_set.rank() != self.rank:
+            self._build()
+
+    def broadcast_state(self, root_rank: int = 0) -> None:
+        """Make every rank's state and hyperparameters root_rank's (``broadcast_optimizer_state`` for shards)."""
+        from dualframe.torch.functions import broadcast_object
+        full = broadcast_object(self.state_dict(), root_rank=root_rank, process_set=self.process_set)
+        self.load_state_dict(full)
