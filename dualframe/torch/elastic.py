@@ -13,10 +13,11 @@ from typing import Any, Callable, TypeVar
 
 import torch
 from horovod.torch import elastic as _elastic
-from horovod.torch.elastic.state import OptimizerStateHandler
+from horovod.torch.elastic.state import OptimizerStateHandler, StateHandler
 
 from dualframe.errors import StrategyError
-from dualframe.torch.functions import broadcast_optimizer_state
+from dualframe.torch.functions import broadcast_object, broadcast_optimizer_state
+from dualframe.torch.optimizer import DistributedOptimizer
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -46,10 +47,19 @@ class TorchState(_elastic.TorchState):  # type: ignore[misc]
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise StrategyError(f"optimizer must be a torch.optim.Optimizer or None "
                                 f"(optimizer: {type(optimizer).__name__})")
-        super().__init__(model=model, optimizer=optimizer, **kwargs)
+        # Horovod's handler saves a state_dict at construction: for a sharded optimizer that is a
+        # collective a joining worker would run alone. Sharded optimizers get their own handler.
+        sharded = {name: value for name, value in dict(kwargs, optimizer=optimizer).items()
+                   if isinstance(value, DistributedOptimizer) and value.shard is not None}
+        kwargs = {name: value for name, value in kwargs.items() if name not in sharded}
+        super().__init__(model=model, optimizer=None if "optimizer" in sharded else optimizer, **kwargs)
         for name, handler in list(self._handlers.items()):
             if type(handler) is OptimizerStateHandler:
                 self._handlers[name] = _OptimizerHandler(handler.value)
+        for name, value in sharded.items():
+            self._saved_state.pop(name, None)
+            self._handlers[name] = _ShardedOptimizerHandler(value)
+            object.__setattr__(self, name, value)
 
 
 class _OptimizerHandler(OptimizerStateHandler):  # type: ignore[misc]
@@ -62,6 +72,36 @@ class _OptimizerHandler(OptimizerStateHandler):  # type: ignore[misc]
 
     def sync(self) -> None:
         broadcast_optimizer_state(self.value, root_rank=0)
+
+
+class _ShardedOptimizerHandler(StateHandler):  # type: ignore[misc]
+    """A sharded optimizer's commits: the full state gathered (commit is a collective), re-cut at each sync.
+
+    ``save`` gathers the full state on every rank (``state_dict``), so a lost rank's slices survive;
+    ``restore`` loads the last commit locally; ``sync`` (every rank, after a reset) checks that all
+    ranks hold the same parameters, sends rank 0's last commit to all and re-cuts it for the new size.
+    Nothing communicates at construction, where a joining worker is alone.
+    """
+
+    def __init__(self, value: Any) -> None:
+        super().__init__(value)
+        self._saved: Any = None
+
+    def save(self) -> None:
+        self._saved = self.value.state_dict()
+
+    def restore(self) -> None:
+        if self._saved is not None:
+            self.value.load_state_dict(self._saved)
+
+    def sync(self) -> None:
+        self.value.check_same_parameters()
+        # Named: Horovod names an object broadcast by its type, which differs where a rank holds None.
+        if broadcast_object(self._saved is not None, root_rank=0, name="dualframe.shard.has_commit"):
+            self._saved = broadcast_object(self._saved, root_rank=0, name="dualframe.shard.commit")
+            self.value.load_state_dict(self._saved)
+        else:  # no commit yet: nothing has been stepped that must survive; cut for the current size
+            self.value.resize()
 
 
 def run(func: F) -> F:

@@ -11,6 +11,7 @@ parameter. ``shard="gradients"`` also drops each parameter's full ``.grad`` once
 from __future__ import annotations
 
 import inspect
+import os
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
@@ -149,14 +150,17 @@ class ShardedOptimizer(DistributedOptimizer):
         self.settings = ReduceSettings(compression=self._compression, op=self.op_name, sparse_as_dense=True,
                                        gradient_predivide_factor=float(gradient_predivide_factor),
                                        process_set=self.process_set, backward_passes_per_step=backward_passes_per_step)
-        self._check_same_parameters()  # the one collective before a refusal: every rank raises alike
+        # The one collective before a refusal: every rank raises alike. Elastic workers build their
+        # optimizers at different times: there the check runs at each sync (dualframe.torch.elastic).
+        self._elastic = os.environ.get("HOROVOD_ELASTIC") == "1"
+        if not self._elastic:
+            self.check_same_parameters()
         self._delay: Dict[torch.Tensor, int] = {p: backward_passes_per_step for p in trainable}
         self._handles: Dict[Any, Any] = {}  # unused by sharding; DistributedOptimizer's methods read it
         self._synchronized = False
         self._should_synchronize = True
         self._adasum = False
         self._active = True
-        self._elastic = False
         self._build()
         _WRAPPED.add(optimizer)
         self._hook_handles = [p.register_post_accumulate_grad_hook(_weak_hook(self)) for p in trainable]
@@ -165,7 +169,8 @@ class ShardedOptimizer(DistributedOptimizer):
         return f"DistributedOptimizer(shard={self.shard!r}, op={self.op_name}, {self._optimizer!r})"
 
     # -- layout ---------------------------------------------------------------------------------
-    def _check_same_parameters(self) -> None:
+    def check_same_parameters(self) -> None:
+        """Refuse, on every rank of the set, parameters that differ between ranks (one allgather of a signature)."""
         entries = [(f"{g}/{self._names[p]}", tuple(p.shape), str(p.dtype))
                    for g, group in enumerate(self._optimizer.param_groups) for p in group["params"] if p.requires_grad]
         mine = torch.tensor([[parameter_signature(entries), len(entries)]], dtype=torch.int64)
@@ -353,5 +358,6 @@ class ShardedOptimizer(DistributedOptimizer):
     def broadcast_state(self, root_rank: int = 0) -> None:
         """Make every rank's state and hyperparameters root_rank's (``broadcast_optimizer_state`` for shards)."""
         from dualframe.torch.functions import broadcast_object
-        full = broadcast_object(self.state_dict(), root_rank=root_rank, process_set=self.process_set)
+        full = broadcast_object(self.state_dict(), root_rank=root_rank, name="dualframe.shard.broadcast_state",
+                                process_set=self.process_set)
         self.load_state_dict(full)

@@ -33,8 +33,9 @@ def started():
     assert hvd.size() == 4
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
-def test_hybrid_equals_one_process_on_the_global_batch(schedule):
+@pytest.mark.parametrize("schedule, shard", [("gpipe", None), ("1f1b", "gradients"), ("zb-h1", None)])
+def test_hybrid_equals_one_process_on_the_global_batch(schedule, shard):
+    """With shard=, each stage's optimizer state and gradients are sharded among that stage's replicas."""
     model = make_model()
     generator = torch.Generator().manual_seed(5)
     data = [(torch.randn(GLOBAL_BATCH, 5, generator=generator), torch.randn(GLOBAL_BATCH, 2, generator=generator))
@@ -44,7 +45,8 @@ def test_hybrid_equals_one_process_on_the_global_batch(schedule):
     pipe = DistributedPipeline(copy.deepcopy(model), balance=[3, 2], chunks=4, schedule=schedule,
                                loss_fn=nn.MSELoss(), data_parallel=2)
     assert (pipe.replica, pipe.stage_index) == divmod(hvd.rank(), 2)
-    optimizer = pipe.distributed_optimizer(torch.optim.SGD(pipe.parameters(), lr=0.2))
+    optimizer = pipe.distributed_optimizer(torch.optim.SGD(pipe.parameters(), lr=0.2), shard=shard)
+    assert getattr(optimizer, "ranks", 2) == 2  # sharded among the 2 replicas of the stage
     rows = GLOBAL_BATCH // 2
     for step, (x, y) in enumerate(data):
         ref_optimizer.zero_grad()

@@ -55,24 +55,29 @@ def discovery_script(folder: pathlib.Path, second_after: "pathlib.Path | None" =
     return script
 
 
-@pytest.mark.parametrize("script, finished", [
-    ("torch_elastic.py", r"elastic run finished 12 steps on 1 worker\(s\), equal to the reference"),
-    ("keras_elastic.py", r"elastic run finished 2 epochs on 1 worker\(s\), equal to the reference"),
-], ids=["torch", "keras"])
+@pytest.mark.parametrize("script, finished, extra", [
+    ("torch_elastic.py", r"elastic run finished 12 steps on 1 worker\(s\), equal to the reference", []),
+    ("torch_elastic.py", r"elastic run finished 12 steps on 1 worker\(s\), equal to the reference",
+     ["--shard", "optimizer"]),
+    ("keras_elastic.py", r"elastic run finished 2 epochs on 1 worker\(s\), equal to the reference", []),
+], ids=["torch", "torch-sharded", "keras"])
 def test_elastic_worker_killed_mid_epoch_survivor_finishes_from_the_last_commit(
-        script: str, finished: str, tmp_path: pathlib.Path) -> None:
-    output = run_elastic(2, [str(WORKERS / script)], discovery_script(tmp_path))
+        script: str, finished: str, extra: "list[str]", tmp_path: pathlib.Path) -> None:
+    """With a sharded optimizer the lost worker's slices come back from the last commit (gathered in full)."""
+    output = run_elastic(2, [str(WORKERS / script), *extra], discovery_script(tmp_path))
     assert "dualframe-test: fault kill at" in output, f"the worker was never killed:\n{output[-6000:]}"
     assert "reset, now 1 worker(s)" in output, output[-6000:]
     assert re.search(finished, output), output[-6000:]
 
 
-@pytest.mark.parametrize("script, finished", [
-    ("torch_elastic.py", r"grown run finished 12 steps on 2 workers, rank {rank} equal to the reference"),
-    ("keras_elastic.py", r"grown run finished 2 epochs on 2 workers, rank {rank} equal to the reference"),
-], ids=["torch", "keras"])
+@pytest.mark.parametrize("script, finished, extra", [
+    ("torch_elastic.py", r"grown run finished 12 steps on 2 workers, rank {rank} equal to the reference", []),
+    ("torch_elastic.py", r"grown run finished 12 steps on 2 workers, rank {rank} equal to the reference",
+     ["--shard", "gradients"]),
+    ("keras_elastic.py", r"grown run finished 2 epochs on 2 workers, rank {rank} equal to the reference", []),
+], ids=["torch", "torch-sharded", "keras"])
 def test_elastic_job_grows_from_one_worker_to_two_and_matches_one_process(
-        script: str, finished: str, tmp_path: pathlib.Path) -> None:
+        script: str, finished: str, extra: "list[str]", tmp_path: pathlib.Path) -> None:
     """One slot until the first worker has committed (it writes the marker), then two; the job finishes on two.
 
     The global batch per step is fixed and split over the current workers, so both workers must end
@@ -80,7 +85,7 @@ def test_elastic_job_grows_from_one_worker_to_two_and_matches_one_process(
     optimizer kept the 1-worker decision (no allreduce) after the reset.
     """
     marker = tmp_path / "first-worker-committed"
-    output = run_elastic(1, [str(WORKERS / script), "--grow", str(marker)], discovery_script(tmp_path, marker))
+    output = run_elastic(1, [str(WORKERS / script), "--grow", str(marker), *extra], discovery_script(tmp_path, marker))
     assert marker.exists(), output[-6000:]
     assert "reset, now 2 worker(s)" in output, f"the job never grew:\n{output[-6000:]}"
     for rank in (0, 1):

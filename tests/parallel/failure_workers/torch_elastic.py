@@ -12,6 +12,9 @@ Each step trains on one global batch of ``GLOBAL`` rows split over the current w
 result does not depend on the world size. After the commit of step ``COMMIT_EVERY`` the worker
 writes MARKER and waits (committing, which is where Horovod notices new hosts) until a second worker
 joins; the two finish, and both must equal a one-process reference on the whole batches, and each other.
+
+``--shard optimizer|gradients``: the same runs with a sharded optimizer, whose state is gathered at
+each commit and re-cut for the new number of workers at each reset.
 """
 import argparse
 import os
@@ -87,10 +90,10 @@ def wait_for_a_second_worker(state, marker):
     raise SystemExit(f"no second worker joined within {GROW_WAIT_S} s of {marker}")
 
 
-def grow(marker):
+def grow(marker, shard_mode=None):
     hvd.init()
     model, optimizer = fresh()
-    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), shard=shard_mode)
     state = elastic.TorchState(model, optimizer, step=0)
     state.register_reset_callbacks([lambda: print(f"dualframe-test: reset, now {hvd.size()} worker(s)", flush=True)])
 
@@ -119,12 +122,13 @@ def grow(marker):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--grow", type=pathlib.Path, help="marker file the discovery script waits for")
+    parser.add_argument("--shard", default=None, help="DistributedOptimizer(shard=...): re-cut at each reset")
     args = parser.parse_args()
     if args.grow:
-        return grow(args.grow)
+        return grow(args.grow, args.shard)
     hvd.init()
     model, optimizer = fresh()
-    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), shard=args.shard)
     state = elastic.TorchState(model, optimizer, step=0, restarts=0)
     state.register_reset_callbacks([lambda: print(f"dualframe-test: reset, now {hvd.size()} worker(s)", flush=True)])
 
