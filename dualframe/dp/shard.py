@@ -24,6 +24,9 @@ from dualframe.errors import StrategyError
 SHARD_MODES = ("optimizer", "gradients")
 #: The reduction ops a reduce-scatter can carry.
 SHARD_OPS = ("average", "sum")
+#: The adapters' largest bucket, in elements (16 MiB of float32): small enough that the first
+#: reduce-scatters start while backward still runs, large enough that each moves a few MiB.
+BUCKET_ELEMENTS = 1 << 22
 
 
 def check_shard(shard: object, op: str = "average") -> Optional[str]:

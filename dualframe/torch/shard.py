@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from dualframe.dp.shard import Bucket, ShardLayout, check_same_parameters, check_shard, parameter_signature
+from dualframe.dp.shard import BUCKET_ELEMENTS, Bucket, ShardLayout, check_same_parameters, check_shard, parameter_signature
 from dualframe.errors import StrategyError
 from dualframe.torch import dp_checks
 from dualframe.torch.collectives import OPS, check_initialized, hvd
@@ -26,9 +26,8 @@ from dualframe.torch.compression import Compression
 from dualframe.torch.optimizer import DistributedOptimizer, _check_optimizer, _WRAPPED
 from dualframe.torch import shard_state
 
-#: Largest bucket, in elements (16 MiB of float32): small enough that the first reduce-scatters start
-#: while backward still runs, large enough that each collective moves a few MiB.
-BUCKET_ELEMENTS = 1 << 22
+#: Buckets whose updated slices are being allgathered at once.
+GATHER_WINDOW = 2
 
 #: Optimizers whose update of an element reads only that element's parameter, gradient and state
 #: (plus scalars such as the step count): a slice of the flat parameters steps exactly as the whole.
@@ -68,6 +67,7 @@ class Slot:
     start: int  # this rank's first element in the padded flat buffer
     ready: int = 0
     pending: Optional[Tuple[Any, Any]] = None
+    done: bool = False
     members: List[torch.Tensor] = field(default_factory=list)
 
     def gather_into(self, values: torch.Tensor, out: Dict[torch.Tensor, torch.Tensor]) -> None:
@@ -252,6 +252,19 @@ class ShardedOptimizer(DistributedOptimizer):
                                          process_set=self.process_set, prescale_factor=prescale,
                                          postscale_factor=postscale)
         slot.pending = (handle, ctx)
+        slot.done = False
+        # Horovod holds a sent buffer until it is synchronized: collect finished buckets now, so that
+        # (with ZeRO-2) the full gradients are not all alive again at the end of backward as flat copies.
+        for other in self._slots:
+            if other is not slot and other.pending is not None and not other.done and hvd.poll(other.pending[0]):
+                self._finish(other)
+
+    def _finish(self, slot: Slot) -> None:
+        assert slot.pending is not None
+        handle, ctx = slot.pending
+        reduced = self._compression.decompress(hvd.synchronize(handle), ctx)
+        slot.flat.grad = reduced if reduced.dtype == slot.flat.dtype else reduced.to(slot.flat.dtype)
+        slot.done = True
 
     def synchronize(self) -> None:
         """Wait for every bucket's reduce-scatter (starting those not started); slices' gradients are then set."""
@@ -259,11 +272,9 @@ class ShardedOptimizer(DistributedOptimizer):
             if slot.pending is None:
                 self._reduce(slot)
         for slot in self._slots:
-            assert slot.pending is not None
-            handle, ctx = slot.pending
-            reduced = self._compression.decompress(hvd.synchronize(handle), ctx)
-            slot.flat.grad = reduced.to(slot.flat.dtype)
-            slot.pending, slot.ready = None, 0
+            if not slot.done:
+                self._finish(slot)
+            slot.pending, slot.ready, slot.done = None, 0, False
             for p in slot.members:
                 self._delay[p] = self.backward_passes_per_step
         self._synchronized = True
@@ -296,15 +307,24 @@ class ShardedOptimizer(DistributedOptimizer):
         for slot in self._slots:
             slot.refresh(self.rank)
         self._inner.step()
-        handles = [hvd.allgather_async(slot.flat.detach(), name=f"dualframe.shard.param.{slot.name}",
-                                       process_set=self.process_set) for slot in self._slots]
-        with torch.no_grad():
-            for slot, handle in zip(self._slots, handles):
-                values: Dict[torch.Tensor, torch.Tensor] = {}
-                slot.gather_into(hvd.synchronize(handle), values)
-                for p, value in values.items():
-                    p.copy_(value)
+        # At most GATHER_WINDOW buckets gathered at once: the gathered copies never hold all parameters again.
+        in_flight: List[Tuple[Slot, Any]] = []
+        for slot in self._slots:
+            in_flight.append((slot, hvd.allgather_async(slot.flat.detach(), name=f"dualframe.shard.param.{slot.name}",
+                                                        process_set=self.process_set)))
+            if len(in_flight) > GATHER_WINDOW:
+                self._write_back(*in_flight.pop(0))
+        for slot, handle in in_flight:
+            self._write_back(slot, handle)
         return None
+
+    @staticmethod
+    def _write_back(slot: Slot, handle: Any) -> None:
+        values: Dict[torch.Tensor, torch.Tensor] = {}
+        slot.gather_into(hvd.synchronize(handle), values)
+        with torch.no_grad():
+            for p, value in values.items():
+                p.copy_(value)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the parameters' gradients and the slices'; refused while reduce-scatters are pending."""
@@ -341,7 +361,7 @@ class ShardedOptimizer(DistributedOptimizer):
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load a full state dict (plain or sharded, any size): re-cut for the current size, keep this rank's slice."""
         for slot in getattr(self, "_slots", []):
-            slot.pending, slot.ready = None, 0
+            slot.pending, slot.ready, slot.done = None, 0, False
         self._synchronized = False
         self._should_synchronize = True
         for p in self._delay:
