@@ -58,11 +58,16 @@ def check_elementwise(optimizer: torch.optim.Optimizer) -> None:
 
 @dataclass(eq=False)
 class Slot:
-    """One bucket at run time: its parameters, the rank's flat slice (an inner-optimizer parameter), a pending reduction."""
+    """One bucket at run time: its parameters, stored as views of one flat buffer, and the rank's slice of it.
+
+    ``flat`` (the inner optimizer's parameter) is a view of ``buffer``: stepping it updates this
+    rank's part of the model's parameters in place, with no copy of the slice to keep in sync.
+    """
 
     name: str
     bucket: Bucket
     params: List[torch.Tensor]  # the param group's trainable parameters (the layout's tensor list)
+    buffer: torch.Tensor  # the bucket's padded flat buffer; its parameters are views of it
     flat: torch.nn.Parameter
     start: int  # this rank's first element in the padded flat buffer
     ready: int = 0
@@ -76,12 +81,24 @@ class Slot:
             p = self.params[t]
             out[p] = values[offset:offset + size].view_as(p)
 
-    def refresh(self, rank: int) -> None:
-        """Copy the current parameter values of the rank's slice into ``flat`` (they may have been loaded or broadcast)."""
-        with torch.no_grad():
-            for piece in self.bucket.pieces(rank):
-                source = self.params[piece.tensor].detach().reshape(-1)[piece.start:piece.start + piece.length]
-                self.flat[piece.offset:piece.offset + piece.length].copy_(source)
+    def check_views(self) -> None:
+        """Refuse parameters that no longer live in the buffer (moved or re-assigned after wrapping)."""
+        for p, offset in zip(self.members, self.bucket.offsets):
+            if p.data_ptr() != self.buffer[offset:].data_ptr():
+                raise StrategyError(
+                    f"a parameter of a sharded optimizer was moved or re-assigned after wrapping (shape "
+                    f"{tuple(p.shape)}, e.g. by model.to(...) or p.data = ...); move the model first, then wrap")
+
+
+def _adopt(params: List[torch.Tensor], bucket: Bucket) -> torch.Tensor:
+    """Copy a bucket's parameters into one padded flat buffer and make each parameter a view of it."""
+    first = params[0]
+    buffer = torch.zeros(bucket.padded, dtype=first.dtype, device=first.device)
+    with torch.no_grad():
+        for p, offset, size in zip(params, bucket.offsets, bucket.sizes):
+            buffer[offset:offset + size].copy_(p.detach().reshape(-1))
+            p.data = buffer[offset:offset + size].view_as(p)
+    return buffer
 
 
 def _weak_hook(wrapper: "ShardedOptimizer") -> Callable[[torch.Tensor], None]:
@@ -192,11 +209,11 @@ class ShardedOptimizer(DistributedOptimizer):
                                        bucket_elements=BUCKET_ELEMENTS)
             flats = []
             for b, bucket in enumerate(layout.buckets):
-                first = params[bucket.tensors[0]]
-                flat = torch.nn.Parameter(torch.zeros(bucket.shard, dtype=first.dtype, device=first.device))
-                slot = Slot(f"{g}.{b}", bucket, params, flat, self.rank * bucket.shard,
-                            members=[params[t] for t in bucket.tensors])
-                slot.refresh(self.rank)
+                members = [params[t] for t in bucket.tensors]
+                buffer = _adopt(members, bucket)
+                start = self.rank * bucket.shard
+                flat = torch.nn.Parameter(buffer[start:start + bucket.shard])  # a view: shares the buffer
+                slot = Slot(f"{g}.{b}", bucket, params, buffer, flat, start, members=members)
                 for p in slot.members:
                     self._slot_of[p] = slot
                 self._slots.append(slot)
@@ -305,7 +322,7 @@ class ShardedOptimizer(DistributedOptimizer):
         self._synchronized = False
         self._sync_hyperparameters()
         for slot in self._slots:
-            slot.refresh(self.rank)
+            slot.check_views()
         self._inner.step()
         # At most GATHER_WINDOW buckets gathered at once: the gathered copies never hold all parameters again.
         in_flight: List[Tuple[Slot, Any]] = []
@@ -320,11 +337,8 @@ class ShardedOptimizer(DistributedOptimizer):
 
     @staticmethod
     def _write_back(slot: Slot, handle: Any) -> None:
-        values: Dict[torch.Tensor, torch.Tensor] = {}
-        slot.gather_into(hvd.synchronize(handle), values)
         with torch.no_grad():
-            for p, value in values.items():
-                p.copy_(value)
+            slot.buffer.copy_(hvd.synchronize(handle))  # the parameters are views of the buffer
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the parameters' gradients and the slices'; refused while reduce-scatters are pending."""
