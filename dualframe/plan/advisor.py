@@ -1,6 +1,8 @@
 """The advisor: every strategy's per-device memory for one model, and the one to use, with its arguments.
 
 The rule, in order: the whole model fits one device -> data parallelism over every device; it fits
+once the optimizer state (then also the gradients) is sharded over the replicas -> data parallelism
+with a sharded optimizer (ZeRO-1, then ZeRO-2: the same bytes moved, no recomputation); it fits
 once activations shrink -> data parallelism with activation checkpointing (or gradient
 accumulation); it does not fit -> the fewest pipeline stages that fit (GPipe, ``chunks >= 4 x
 stages`` so the bubble ``(n-1)/(m+n-1)`` stays small), and with devices to spare, replicas of that
@@ -24,6 +26,10 @@ from dualframe.plan.profile import ModelProfile
 
 #: GPipe's idle share of a step, ``bubble(stages, chunks)``: the schedule module's one formula.
 bubble = gpipe_bubble
+
+
+#: The sharded data-parallel rows and their ``DistributedOptimizer(shard=...)``.
+SHARDED = {"data parallel + sharded optimizer": "optimizer", "data parallel + sharded gradients": "gradients"}
 
 
 def pipeline_chunks(stages: int, batch_size: int) -> int:
@@ -54,6 +60,7 @@ class Option:
     segments: int = 1
     cuts: Tuple[int, ...] = ()
     split_points: Tuple[str, ...] = ()
+    shard: Optional[str] = None
 
     @property
     def devices(self) -> int:
@@ -87,17 +94,18 @@ class Plan:
 
 def _option(kind: str, profile: ModelProfile, training: Training, hardware: Hardware, balance: Sequence[int],
             replicas: int, chunks: int = 1, checkpoint: str = "never", passes: int = 1, segments: int = 1,
-            cuts: Sequence[int] = ()) -> Option:
+            cuts: Sequence[int] = (), shard: Optional[str] = None) -> Option:
     step = Training(math.ceil(training.batch_size / passes), training.optimizer, training.dtype,
                     training.mixed_precision)
     ranges = partition_ranges(balance, profile.num_layers)
-    per_device = [group_memory(profile, layers, step, chunks, checkpoint, replicas, segments, cuts)
+    per_device = [group_memory(profile, layers, step, chunks, checkpoint, replicas, segments, cuts, shard)
                   for layers in ranges]
     worst = max(per_device, key=lambda memory: memory.total)
     # A split's stages, or a graph's checkpointed segments, begin at these nodes.
     points = profile.split_points(cuts or [layers.start for layers in ranges])
     return Option(kind, len(balance), replicas, chunks, tuple(balance), worst,
-                  worst.total <= hardware.usable_memory, checkpoint, passes, segments, tuple(cuts), tuple(points))
+                  worst.total <= hardware.usable_memory, checkpoint, passes, segments, tuple(cuts), tuple(points),
+                  shard)
 
 
 def _checkpointing(profile: ModelProfile, training: Training, hardware: Hardware) -> Option:
@@ -115,8 +123,11 @@ def _checkpointing(profile: ModelProfile, training: Training, hardware: Hardware
 
 def _data_parallel(profile: ModelProfile, training: Training, hardware: Hardware) -> List[Option]:
     everything, replicas = [profile.num_layers], hardware.devices
-    options = [_option("data parallel", profile, training, hardware, everything, replicas),
-               _checkpointing(profile, training, hardware)]
+    options = [_option("data parallel", profile, training, hardware, everything, replicas)]
+    if replicas > 1:  # sharding needs replicas to share with
+        options += [_option(kind, profile, training, hardware, everything, replicas, shard=shard)
+                    for kind, shard in SHARDED.items()]
+    options.append(_checkpointing(profile, training, hardware))
     # Fewest backward passes per step whose smaller per-pass batch fits.
     passes = [k for k in range(2, training.batch_size + 1) if k == training.batch_size or training.batch_size % k == 0]
     accumulation = None
@@ -174,11 +185,14 @@ def advise(profile: ModelProfile, training: Training, hardware: Hardware) -> Pla
     plain = by_kind["data parallel"]
     if plain.fits:
         return Plan(profile, training, hardware, found, plain, "the whole model and its batch fit one device")
-    fitting_dp = [by_kind[k] for k in ("data parallel + checkpointing", "data parallel + accumulation")
+    fitting_dp = [by_kind[k] for k in (*SHARDED, "data parallel + checkpointing", "data parallel + accumulation")
                   if k in by_kind and by_kind[k].fits]
     if fitting_dp:
+        what = (f"sharding the {'optimizer state' if fitting_dp[0].shard == 'optimizer' else 'optimizer state and gradients'}"
+                f" over the {plain.replicas} replicas brings a device to {_gib(fitting_dp[0].memory.total)}"
+                if fitting_dp[0].shard else "activations must shrink")
         return Plan(profile, training, hardware, found, fitting_dp[0],
-                    f"the model nearly fits: activations must shrink ({_gib(plain.memory.total)} needed, "
+                    f"the model nearly fits: {what} ({_gib(plain.memory.total)} needed, "
                     f"{_gib(usable)} usable per device)", tuple(fitting_dp[1:]))
     fitting = [by_kind[k] for k in ("hybrid", "pipeline") if k in by_kind and by_kind[k].fits]
     staged = fitting[0] if fitting else by_kind.get("pipeline")

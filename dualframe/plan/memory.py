@@ -3,14 +3,17 @@
 Per device: parameters, gradients, optimizer state (SGD 0, momentum 1x, Adam 2x the parameters),
 saved activations (the whole batch, or stage boundaries plus one recomputed micro-batch when
 checkpointing), and buffers (gradients flowing back, half-precision weight copies under mixed
-precision, Horovod's fusion buffer when there are replicas).
+precision, Horovod's fusion buffer when there are replicas). With a sharded optimizer over N
+replicas (``dualframe.dp.shard``) the optimizer state is 1/N, and with sharded gradients the
+gradients too; the flat buckets in flight join the buffers.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Sequence
+from typing import List, Optional, Sequence, Tuple
 
+from dualframe.dp.shard import BUCKET_ELEMENTS, check_shard
 from dualframe.errors import StrategyError
 from dualframe.plan.profile import ModelProfile, dtype_bytes
 
@@ -86,6 +89,24 @@ class Memory:
         return self.parameters + self.gradients + self.optimizer + self.activations + self.buffers
 
 
+def shard_divisors(shard: Optional[str], replicas: int) -> Tuple[float, int]:
+    """How many times smaller a rank's (gradients, optimizer state) are with ``shard`` over ``replicas``.
+
+    ZeRO-1 (``"optimizer"``) keeps the full gradients plus the reduced gradient of the rank's slice
+    (1 + 1/N of them) and 1/N of the state; ZeRO-2 (``"gradients"``) keeps 1/N of both.
+
+    Example:
+        >>> shard_divisors(None, 4), shard_divisors("optimizer", 4), shard_divisors("gradients", 4)
+        ((1.0, 1), (0.8, 4), (4.0, 4))
+    """
+    mode = check_shard(shard)
+    if mode is None:
+        return 1.0, 1
+    if mode == "optimizer":
+        return replicas / (replicas + 1.0), replicas
+    return float(replicas), replicas
+
+
 def sequential_segments(layers: int, segments: int) -> List[range]:
     """The runs ``torch.utils.checkpoint.checkpoint_sequential`` makes: equal runs, the rest in the last.
 
@@ -141,7 +162,7 @@ def best_segments(profile: ModelProfile, training: Training) -> int:
 
 def group_memory(profile: ModelProfile, layers: range, training: Training, chunks: int = 1,
                  checkpoint: str = "never", replicas: int = 1, segments: int = 1,
-                 cuts: Sequence[int] = ()) -> Memory:
+                 cuts: Sequence[int] = (), shard: Optional[str] = None) -> Memory:
     """Memory of the device holding ``layers`` of ``profile``.
 
     Args:
@@ -154,6 +175,7 @@ def group_memory(profile: ModelProfile, layers: range, training: Training, chunk
         segments: equal runs of layers for ``checkpoint="segments"`` (``checkpoint_sequential``).
         cuts: for ``checkpoint="segments"`` on a graph: the nodes where segments begin (the first
             is ``layers.start``); overrides ``segments``.
+        shard: None, ``"optimizer"`` or ``"gradients"``: data-parallel sharding over ``replicas``.
 
     Returns:
         The Memory breakdown.
@@ -170,10 +192,13 @@ def group_memory(profile: ModelProfile, layers: range, training: Training, chunk
     flowing = 2 * max(layer.largest for layer in group) * micro_batch * training.activation_bytes
     half_weights = trainable * 2 if training.mixed_precision else 0
     fusion = min(FUSION_BUFFER_BYTES, trainable * size) if replicas > 1 else 0
+    gradients_divisor, optimizer_divisor = shard_divisors(shard, replicas)
+    # Sharding: a bucket's flat gradient in flight and the window of gathered buckets (two in all).
+    buckets = 2 * min(trainable, BUCKET_ELEMENTS) * size if shard is not None else 0
     return Memory(
         parameters=(trainable + frozen) * size,
-        gradients=trainable * size,
-        optimizer=trainable * size * OPTIMIZER_SLOTS[training.optimizer],
+        gradients=trainable * size / gradients_divisor,
+        optimizer=trainable * size * OPTIMIZER_SLOTS[training.optimizer] / optimizer_divisor,
         activations=activations * training.activation_bytes,
-        buffers=flowing + half_weights + fusion,
+        buffers=flowing + half_weights + fusion + buckets,
     )

@@ -64,7 +64,8 @@ def adapter_line(option: Option, framework: str, hardware: Hardware) -> str:
     if option.kind.startswith("data parallel"):
         passes = f", backward_passes_per_step={option.backward_passes_per_step}" if option.backward_passes_per_step > 1 else ""
         named = ", named_parameters=model.named_parameters()" if framework == "torch" else ""
-        return f"optimizer = hvd.DistributedOptimizer(optimizer{named}{passes})"
+        shard = f", shard={option.shard!r}" if option.shard else ""
+        return f"optimizer = hvd.DistributedOptimizer(optimizer{named}{passes}{shard})"
     if option.kind == "model split":
         return f"model = hvd.ModelParallel({model}, balance={balance}, devices={devices})"
     if processes(option, hardware) == 1:

@@ -113,7 +113,7 @@ def _weak_hook(wrapper: "ShardedOptimizer") -> Callable[[torch.Tensor], None]:
 
 def _make_inner(cls: type, groups: List[Dict[str, Any]], defaults: Dict[str, Any]) -> torch.optim.Optimizer:
     # Same class, same hyperparameters: the defaults the constructor accepts, the groups' own values.
-    accepted = inspect.signature(cls.__init__).parameters
+    accepted = inspect.signature(cls).parameters
     kwargs = {k: v for k, v in defaults.items() if k in accepted and k != "params"}
     return cls(groups, **kwargs)  # type: ignore[no-any-return]
 
@@ -200,7 +200,7 @@ class ShardedOptimizer(DistributedOptimizer):
         self._slots: List[Slot] = []
         self._slot_of: Dict[torch.Tensor, Slot] = {}
         self._group_of: List[Tuple[int, int]] = []  # (outer group, inner group)
-        inner_groups = []
+        inner_groups: List[Dict[str, Any]] = []
         for g, group in enumerate(self._optimizer.param_groups):
             params = [p for p in group["params"] if p.requires_grad]
             if not params:
@@ -251,9 +251,9 @@ class ShardedOptimizer(DistributedOptimizer):
             return
         slot.ready += 1
         if slot.ready == len(slot.members):
-            self._reduce(slot)
+            self._reduce_bucket(slot)
 
-    def _reduce(self, slot: Slot) -> None:
+    def _reduce_bucket(self, slot: Slot) -> None:
         bucket = slot.bucket
         first = slot.members[0]
         flat = torch.zeros(bucket.padded, dtype=first.dtype, device=first.device)
@@ -274,9 +274,9 @@ class ShardedOptimizer(DistributedOptimizer):
         # (with ZeRO-2) the full gradients are not all alive again at the end of backward as flat copies.
         for other in self._slots:
             if other is not slot and other.pending is not None and not other.done and hvd.poll(other.pending[0]):
-                self._finish(other)
+                self._finish_bucket(other)
 
-    def _finish(self, slot: Slot) -> None:
+    def _finish_bucket(self, slot: Slot) -> None:
         assert slot.pending is not None
         handle, ctx = slot.pending
         reduced = self._compression.decompress(hvd.synchronize(handle), ctx)
@@ -287,10 +287,10 @@ class ShardedOptimizer(DistributedOptimizer):
         """Wait for every bucket's reduce-scatter (starting those not started); slices' gradients are then set."""
         for slot in self._slots:
             if slot.pending is None:
-                self._reduce(slot)
+                self._reduce_bucket(slot)
         for slot in self._slots:
             if not slot.done:
-                self._finish(slot)
+                self._finish_bucket(slot)
             slot.pending, slot.ready, slot.done = None, 0, False
             for p in slot.members:
                 self._delay[p] = self.backward_passes_per_step
