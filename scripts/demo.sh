@@ -38,6 +38,7 @@ while read -r framework launcher np script args; do
   run "$launcher" "$np" "$script" $args
 done <<'LIST'
 torch horovodrun 2 torch_examples/data_parallel.py --epochs 2
+torch mpirun     2 torch_examples/sharded_optimizer.py --epochs 2
 tf    mpirun     2 tf_examples/data_parallel.py --epochs 2
 tf    mpirun     2 tf_examples/sharded_optimizer.py --epochs 2
 torch single     1 torch_examples/model_split.py

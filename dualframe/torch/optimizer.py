@@ -68,9 +68,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         groups: an int (that many fused groups) or lists of parameters reduced together.
         sparse_as_dense: reduce sparse gradients as dense tensors.
         process_set: the ranks to reduce over (a registered ``ProcessSet``).
-        shard: None; ``"optimizer"`` (ZeRO-1: each rank keeps the optimizer state of 1/N of the
-            parameters) or ``"gradients"`` (ZeRO-2: and only 1/N of the reduced gradients) builds a
-            ``dualframe.torch.shard.ShardedOptimizer``.
+        shard: None, ``"optimizer"`` (ZeRO-1: a rank keeps 1/N of the optimizer state) or ``"gradients"``
+            (ZeRO-2: and 1/N of the gradients), which builds a ``dualframe.torch.shard.ShardedOptimizer``.
 
     Raises:
         NotInitializedError: before ``hvd.init()``.
@@ -85,8 +84,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     """
 
     def __new__(cls, *args: Any, shard: Optional[str] = None, **kwargs: Any) -> "DistributedOptimizer":
-        # shard= picks the sharded class; an unknown value reaches check_shard in either __init__.
-        if cls is DistributedOptimizer and shard is not None and not (isinstance(shard, str) and shard.lower() == "none"):
+        if cls is DistributedOptimizer and not (shard is None or str(shard).lower() == "none"):  # shard: that class
             from dualframe.torch.shard import ShardedOptimizer
             return super().__new__(ShardedOptimizer)
         return super().__new__(cls)
@@ -96,7 +94,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  compression: Any = Compression.none, backward_passes_per_step: int = 1,
                  op: Any = hvd.Average, gradient_predivide_factor: float = 1.0, num_groups: int = 0,
                  groups: dp_checks.GroupsArg = None, sparse_as_dense: bool = False,
-                 process_set: Any = hvd.global_process_set, shard: Optional[str] = None) -> None:
+                 process_set: Any = hvd.global_process_set, *, shard: Optional[str] = None) -> None:
         check_initialized("DistributedOptimizer")
         self._optimizer = _check_optimizer(optimizer)
         self._compression = dp_checks.check_compression(compression, Compression)

@@ -144,7 +144,7 @@ class ShardedOptimizer(DistributedOptimizer):
                  compression: Any = Compression.none, backward_passes_per_step: int = 1,
                  op: Any = hvd.Average, gradient_predivide_factor: float = 1.0, num_groups: int = 0,
                  groups: dp_checks.GroupsArg = None, sparse_as_dense: bool = False,
-                 process_set: Any = hvd.global_process_set, shard: Optional[str] = "optimizer") -> None:
+                 process_set: Any = hvd.global_process_set, *, shard: Optional[str] = "optimizer") -> None:
         check_initialized("DistributedOptimizer")
         self._optimizer = _check_optimizer(optimizer)
         self._compression = dp_checks.check_compression(compression, Compression)
