@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import inspect
 import os
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
+from dualframe.dp.settings import ReduceSettings
 from dualframe.dp.shard import BUCKET_ELEMENTS, Bucket, ShardLayout, check_same_parameters, check_shard, parameter_signature
 from dualframe.errors import StrategyError
 from dualframe.torch import dp_checks
@@ -163,7 +165,6 @@ class ShardedOptimizer(DistributedOptimizer):
         trainable = [p for p in dp_checks.optimizer_params(optimizer) if p.requires_grad]
         if not trainable:
             raise StrategyError("shard= needs at least one parameter with requires_grad=True in the optimizer")
-        from dualframe.dp.settings import ReduceSettings
         self.settings = ReduceSettings(compression=self._compression, op=self.op_name, sparse_as_dense=True,
                                        gradient_predivide_factor=float(gradient_predivide_factor),
                                        process_set=self.process_set, backward_passes_per_step=backward_passes_per_step)
@@ -297,7 +298,10 @@ class ShardedOptimizer(DistributedOptimizer):
         self._synchronized = True
 
     def _pending(self) -> bool:
-        return any(slot.pending is not None or slot.ready for slot in self._slots)
+        # Between backward and step: a bucket sent or partly ready, or gradients accumulating locally.
+        passes = self.backward_passes_per_step
+        return any(slot.pending is not None or slot.ready for slot in self._slots) or any(
+            delay != passes for delay in self._delay.values())
 
     # -- step: the slices, then the allgather -----------------------------------------------------
     def _sync_hyperparameters(self) -> None:
@@ -315,7 +319,6 @@ class ShardedOptimizer(DistributedOptimizer):
                                 "would not be reduce-scattered); call loss.backward() before step()")
         if self._should_synchronize:
             if self._synchronized:
-                import warnings
                 warnings.warn("optimizer.step() called after optimizer.synchronize() without "
                               "optimizer.skip_synchronize(); the gradients were reduced again", stacklevel=2)
             self.synchronize()
@@ -348,10 +351,6 @@ class ShardedOptimizer(DistributedOptimizer):
                 "optimizer.synchronize(); that would race with the pending gradient reductions")
         self._optimizer.zero_grad(set_to_none=set_to_none)
         self._inner.zero_grad(set_to_none=set_to_none)
-
-    def set_backward_passes_per_step(self, passes: int) -> None:
-        """Change how many backward passes are accumulated before a reduction."""
-        super().set_backward_passes_per_step(passes)
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """Refused: every rank would have to re-cut its slices; add groups to the optimizer before wrapping it."""

@@ -99,3 +99,19 @@ def test_torch_state_commits_a_sharded_optimizer_without_a_collective_at_constru
     for key, value in net.state_dict().items():
         assert torch.equal(value, saved[key])
     state.sync()
+
+
+def test_zero_grad_is_refused_while_gradients_accumulate_or_are_sent():
+    hvd.init()
+    net = model()
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), shard="gradients",
+                                         backward_passes_per_step=2)
+    net(torch.ones(2, 6)).sum().backward()
+    with pytest.raises(AssertionError, match="zero_grad"):
+        optimizer.zero_grad()
+    net(torch.ones(2, 6)).sum().backward()
+    with pytest.raises(AssertionError, match="zero_grad"):
+        optimizer.zero_grad()
+    optimizer.step()
+    optimizer.zero_grad()
+    assert all(p.grad is None for p in net.parameters())
