@@ -11,7 +11,8 @@ one thread per process) and prints, for each np,
 2. per-rank gradient bytes alive at ``step()`` (``.grad`` of the parameters and of the slices);
 3. peak resident memory per rank (``getrusage`` maxrss of a process that trains only that
    configuration, minus its resident size before the model was built), medians over the memory
-   rounds, which take turns (A B C A B C ...);
+   rounds, which take turns (A B C A B C ...); with ``MALLOC_MMAP_THRESHOLD_=131072`` unless
+   ``--malloc default`` (glibc otherwise keeps freed large blocks, which the high-water mark counts);
 4. step time of each sharded configuration / plain DP, interleaved in one process (median of
    per-round ratios; goal <= 1.10).
 
@@ -118,7 +119,13 @@ def launch(np: int, args: argparse.Namespace, *extra: str) -> Dict[str, Any]:
                str(args.depth), *extra]
     bindir = pathlib.Path(sys.executable).parent
     env = dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}", PYTHONPATH=str(ROOT), **thread_env(1))
-    command = mpirun_command(np, program, oversubscribe=True, export=("PATH", "PYTHONPATH", *thread_env(1)))
+    exported = ("PATH", "PYTHONPATH", *thread_env(1))
+    if args.malloc == "mmap":
+        # glibc raises its mmap threshold after freeing a large block, then keeps freed 16 MiB blocks in
+        # its heap: the high-water mark would measure the allocator's retention, not live tensors.
+        env["MALLOC_MMAP_THRESHOLD_"] = "131072"
+        exported += ("MALLOC_MMAP_THRESHOLD_",)
+    command = mpirun_command(np, program, oversubscribe=True, export=exported)
     output = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=1800).stdout
     lines = [line.split("RESULT ", 1)[1] for line in output.splitlines() if "RESULT " in line]
     if not lines:
@@ -164,13 +171,16 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--depth", type=int, default=12)
+    parser.add_argument("--malloc", choices=("mmap", "default"), default="mmap",
+                        help="mmap: MALLOC_MMAP_THRESHOLD_=131072 (large tensors returned to the system when "
+                             "freed); default: glibc's dynamic threshold")
     args = parser.parse_args()
     if args.worker:
         worker(args)
         return
     print(f"model: MLP {args.depth} x Linear({args.width}, {args.width}) "
           f"({args.depth * (args.width ** 2 + args.width) / 1e6:.1f} M parameters), Adam, batch {args.batch_size} "
-          f"per rank; load average at start {os.getloadavg()[0]:.1f}")
+          f"per rank; malloc {args.malloc}; load average at start {os.getloadavg()[0]:.1f}")
     for np in (int(n) for n in args.np.split(",")):
         memory: Dict[str, List[Dict[str, Any]]] = {mode: [] for mode in MODES}
         for _ in range(args.memory_rounds):

@@ -30,6 +30,8 @@ from dualframe.torch import shard_state
 
 #: Buckets whose updated slices are being allgathered at once.
 GATHER_WINDOW = 2
+#: Buckets whose flat gradients are being reduce-scattered at once (beyond: wait for the oldest).
+REDUCE_WINDOW = 4
 
 #: Optimizers whose update of an element reads only that element's parameter, gradient and state
 #: (plus scalars such as the step count): a slice of the flat parameters steps exactly as the whole.
@@ -75,6 +77,7 @@ class Slot:
     ready: int = 0
     pending: Optional[Tuple[Any, Any]] = None
     done: bool = False
+    order: int = 0  # when its reduce-scatter was started
     members: List[torch.Tensor] = field(default_factory=list)
 
     def gather_into(self, values: torch.Tensor, out: Dict[torch.Tensor, torch.Tensor]) -> None:
@@ -179,6 +182,7 @@ class ShardedOptimizer(DistributedOptimizer):
         self._should_synchronize = True
         self._adasum = False
         self._active = True
+        self._sent = 0
         self._build()
         _WRAPPED.add(optimizer)
         self._hook_handles = [p.register_post_accumulate_grad_hook(_weak_hook(self)) for p in trainable]
@@ -264,6 +268,8 @@ class ShardedOptimizer(DistributedOptimizer):
                 flat[offset:offset + size].copy_(grad.reshape(-1))
             if self.shard == "gradients":
                 p.grad = None  # ZeRO-2: the full gradient is not kept, only the reduced slice
+        self._sent += 1
+        slot.order = self._sent
         compressed, ctx = self._compression.compress(flat)
         prescale, postscale = self.settings.scale_factors()
         handle = hvd.reducescatter_async(compressed, name=f"dualframe.shard.grad.{slot.name}", op=self.op,
@@ -271,10 +277,12 @@ class ShardedOptimizer(DistributedOptimizer):
                                          postscale_factor=postscale)
         slot.pending = (handle, ctx)
         slot.done = False
-        # Horovod holds a sent buffer until it is synchronized: collect finished buckets now, so that
-        # (with ZeRO-2) the full gradients are not all alive again at the end of backward as flat copies.
-        for other in self._slots:
-            if other is not slot and other.pending is not None and not other.done and hvd.poll(other.pending[0]):
+        # Horovod holds a sent buffer until it is synchronized: collect finished buckets now, and wait
+        # for the oldest beyond REDUCE_WINDOW, so that the flat copies never add up to the full gradients.
+        sent = [other for other in self._slots if other.pending is not None and not other.done]
+        sent.sort(key=lambda other: other.order)
+        for k, other in enumerate(sent):
+            if k < len(sent) - REDUCE_WINDOW or hvd.poll(other.pending[0]):  # type: ignore[index]
                 self._finish_bucket(other)
 
     def _finish_bucket(self, slot: Slot) -> None:
