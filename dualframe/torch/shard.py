@@ -261,9 +261,12 @@ class ShardedOptimizer(DistributedOptimizer):
     def _reduce_bucket(self, slot: Slot) -> None:
         bucket = slot.bucket
         first = slot.members[0]
-        flat = torch.zeros(bucket.padded, dtype=first.dtype, device=first.device)
+        flat = torch.empty(bucket.padded, dtype=first.dtype, device=first.device)  # every element written below
+        flat[bucket.length:].zero_()
         for p, offset, size in zip(slot.members, bucket.offsets, bucket.sizes):
-            if p.grad is not None:  # another rank may have a gradient for it: this rank sends zeros
+            if p.grad is None:  # another rank may have a gradient for it: this rank sends zeros
+                flat[offset:offset + size].zero_()
+            else:
                 grad = p.grad.to_dense() if p.grad.is_sparse else p.grad
                 flat[offset:offset + size].copy_(grad.reshape(-1))
             if self.shard == "gradients":
