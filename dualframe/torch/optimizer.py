@@ -69,7 +69,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         sparse_as_dense: reduce sparse gradients as dense tensors.
         process_set: the ranks to reduce over (a registered ``ProcessSet``).
         shard: None, ``"optimizer"`` (ZeRO-1: a rank keeps 1/N of the optimizer state) or ``"gradients"``
-            (ZeRO-2: and 1/N of the gradients), which builds a ``dualframe.torch.shard.ShardedOptimizer``.
+            (ZeRO-2: and 1/N of the gradients), which builds a ``dualframe.torch.sharded_optimizer.ShardedOptimizer``.
 
     Raises:
         NotInitializedError: before ``hvd.init()``.
@@ -85,7 +85,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def __new__(cls, *args: Any, shard: Optional[str] = None, **kwargs: Any) -> "DistributedOptimizer":
         if cls is DistributedOptimizer and not (shard is None or str(shard).lower() == "none"):  # shard: that class
-            from dualframe.torch.shard import ShardedOptimizer
+            from dualframe.torch.sharded_optimizer import ShardedOptimizer
             return super().__new__(ShardedOptimizer)
         return super().__new__(cls)
 

@@ -17,7 +17,7 @@ from dualframe.torch import dp_checks
 from dualframe.torch.collectives import hvd
 
 if TYPE_CHECKING:
-    from dualframe.torch.shard import ShardedOptimizer
+    from dualframe.torch.sharded_optimizer import ShardedOptimizer
 
 #: State keys that hold one value for the whole tensor even when the tensor has a single element.
 SCALAR_STATE = frozenset({"step", "eta", "mu"})

@@ -11,7 +11,7 @@ import torch.nn as nn
 
 import dualframe
 import dualframe.torch as hvd
-import dualframe.torch.shard as shard_module
+import dualframe.torch.sharded_optimizer as shard_module
 from dualframe.errors import NotInitializedError, StrategyError
 
 LAUNCHER = os.environ.get("DUALFRAME_TEST_LAUNCHER", "")

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 import dualframe.torch as hvd
-import dualframe.torch.shard as shard_module
+import dualframe.torch.sharded_optimizer as shard_module
 
 TOL = 1e-5
 PAIRS = [hvd.ProcessSet([0, 1]), hvd.ProcessSet([2, 3])]
