@@ -9,12 +9,16 @@
 The same model family (blocks x (Dense(width), ReLU)), batch and method as the PyTorch script, the
 rounds and report lines from ``dualframe.observe.bench_rounds``. Prints, from interleaved rounds (A B A B ...,
 median of the per-round ratios):
-  1. throughput of DistributedPipeline chunks=8 over chunks=1 (naive model parallelism), GPipe and 1F1B;
-     where the messages go point-to-point (MPI under mpirun, ZeroMQ under horovodrun --gloo: the
-     default), also GPipe's chunks=8 / chunks=1 with them as Horovod broadcasts, in the same rounds;
+  1. throughput of DistributedPipeline chunks=8 over chunks=1 (naive model parallelism), GPipe and 1F1B,
+     each stage compiled with XLA (the default), and GPipe again with plain tf.functions on both sides
+     (``jit_compile=False``: the gain is not a slower baseline); then the seconds per step, the steady
+     state: each configuration runs one warm-up step (traces, XLA compilation, shape headers) before
+     the rounds, and a round's seconds are divided by its steps;
   2. the measured bubble (the pipeline's: 1 - mean stage busy / longest stage step,
      ``dualframe.pipeline.walk.pipeline_bubble``) against (n-1)/(m+n-1) for m = 1..16,
-     with the step and computing seconds per stage (what micro-batching costs vs what waiting costs);
+     with the walk's seconds (the longest stage's schedule, without the step agreement, loss and
+     optimizer that the timed steps above include) and computing seconds per stage (what
+     micro-batching costs vs what waiting costs), the first of 1 + steps steps left out;
   3. per rank, the most micro-batches held at once (tapes; on the last stage, a micro-batch run in
      one compiled call holds only its input's gradient), gpipe vs 1f1b (chunks=8), and at most the
      layer outputs they hold (computed: held x rows x width x 4 bytes x layers of the stage; Keras
@@ -49,11 +53,10 @@ def build_model(width: int, blocks: int) -> keras.Sequential:
     return keras.Sequential([keras.Input((width,))] + layers)
 
 
-def ours(model, chunks, schedule="gpipe", transport="auto"):
+def ours(model, chunks, schedule="gpipe", jit_compile=True):
     half = len(model.layers) // 2
-    os.environ["DUALFRAME_PIPELINE_TRANSPORT"] = transport  # read when the pipeline is built
-    pipe = DistributedPipeline(model, [half, half], chunks=chunks, schedule=schedule, loss_fn="mse")
-    os.environ.pop("DUALFRAME_PIPELINE_TRANSPORT")
+    pipe = DistributedPipeline(model, [half, half], chunks=chunks, schedule=schedule, loss_fn="mse",
+                               jit_compile=jit_compile)
     optimizer = keras.optimizers.SGD(1e-4)
 
     def step(x, y):
@@ -98,21 +101,22 @@ def main() -> None:
     y = rng.randn(args.batch, args.width).astype("float32")
     model = build_model(args.width, args.blocks)
     naive, naive_step = ours(model, 1)
-    transport = naive.transport
-    configs = {"chunks=1": naive_step, "chunks=8": ours(model, 8)[1], "chunks=8 1f1b": ours(model, 8, "1f1b")[1]}
-    if transport != "horovod":  # point-to-point: the same pipelines with Horovod broadcasts, side by side
-        configs["chunks=1 Horovod broadcasts"] = ours(model, 1, transport="horovod")[1]
-        configs["chunks=8 Horovod broadcasts"] = ours(model, 8, transport="horovod")[1]
-    for step in configs.values():  # warm-up: tracing of the message functions, shape headers
+    transport = "MPI point-to-point" if naive.direct is not None else "Horovod broadcasts"
+    configs = {"chunks=1": naive_step, "chunks=8": ours(model, 8)[1], "chunks=8 1f1b": ours(model, 8, "1f1b")[1],
+               "chunks=1 no XLA": ours(model, 1, jit_compile=False)[1],
+               "chunks=8 no XLA": ours(model, 8, jit_compile=False)[1]}
+    for step in configs.values():  # warm-up, not timed: traces, XLA compilation, shape headers
         step(x, y)
     times = interleaved({name: functools.partial(timed, step, x, y, args.steps) for name, step in configs.items()},
                         args.rounds)
+    per_step = {name: [t / args.steps for t in ts] for name, ts in times.items()}
     report = [ratio_line("chunks=8 / chunks=1", times["chunks=1"], times["chunks=8"]),
-              ratio_line("chunks=8 1f1b / chunks=1", times["chunks=1"], times["chunks=8 1f1b"])]
-    if "chunks=8 Horovod broadcasts" in times:
-        report.append(ratio_line("chunks=8 / chunks=1, Horovod broadcasts", times["chunks=1 Horovod broadcasts"],
-                                 times["chunks=8 Horovod broadcasts"]))
-    report.append(seconds_line(times))
+              ratio_line("chunks=8 1f1b / chunks=1", times["chunks=1"], times["chunks=8 1f1b"]),
+              ratio_line("chunks=8 / chunks=1, no XLA", times["chunks=1 no XLA"], times["chunks=8 no XLA"]),
+              ratio_line("chunks=1 / chunks=1 no XLA (XLA at 2048 rows)", times["chunks=1 no XLA"],
+                         times["chunks=1"]),
+              seconds_line(per_step).replace("step seconds (median)",
+                                             "seconds per step (median over rounds, after 1 warm-up step each)")]
     for m in (1, 2, 4, 8, 16):
         pipe, step = ours(model, m)
         for _ in range(args.steps + 1):
@@ -120,7 +124,7 @@ def main() -> None:
         book = pipe.records
         walls, busy = zip(*hvd.allgather_object((book.mean_wall(), book.mean_busy())))
         report.append(bubble_line(m, pipeline_bubble(busy, walls))
-                      + f"; step {max(walls):.3f} s, computing {statistics.mean(busy):.3f} s per stage")
+                      + f"; walk {max(walls):.3f} s, computing {statistics.mean(busy):.3f} s per stage")
     report += [memory_line(model, schedule, x, y, 8, args.width) for schedule in ("gpipe", "1f1b")]
     if hvd.rank() == 0:
         print(f"Keras {keras.__version__}: {args.blocks} x (Dense({args.width}), ReLU), batch {args.batch}, 2 stages, "

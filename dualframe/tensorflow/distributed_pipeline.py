@@ -82,6 +82,9 @@ class DistributedPipeline(StageView):
         devices: one TF device per stage (default: the process's default placement).
         data_parallel: replicas of the pipeline (default: processes // stages); checked against the world.
         timeout: seconds to wait for a neighbouring stage before raising PeerLostError.
+        jit_compile: compile each micro-batch's pass with XLA (default), where XLA compiles the stage
+            (else a plain ``tf.function``, decided at the first call); False: plain ``tf.function``s.
+            TensorFlow's own CPU kernels slow down per row at micro-batch sizes, XLA's much less.
 
     Raises:
         BalanceError, ChunksError, ScheduleError, StrategyError: bad arguments, on every rank, before
@@ -98,7 +101,10 @@ class DistributedPipeline(StageView):
     def __init__(self, layers: Any, balance: Optional[Sequence[int]] = None, chunks: int = 1, schedule: str = "gpipe",
                  loss_fn: Optional[Callable[[Any, Any], Any]] = None, devices: Optional[Sequence[str]] = None,
                  data_parallel: Optional[int] = None, timeout: float = 45.0, *,
-                 split_points: Optional[Sequence[str]] = None, stages: Optional[int] = None) -> None:
+                 split_points: Optional[Sequence[str]] = None, stages: Optional[int] = None,
+                 jit_compile: bool = True) -> None:
+        if not isinstance(jit_compile, bool):
+            raise StrategyError(f"jit_compile must be True or False (jit_compile: {jit_compile!r})")
         captured = _graph_of(layers)
         loss_fn = _loss_of(loss_fn)
         world = BACKEND.collectives.world_size()
@@ -132,7 +138,8 @@ class DistributedPipeline(StageView):
         self._all_layers = all_layers
         # One trace per training flag and (relaxed) input shape, kept across steps (see pipeline_work);
         # a graph's stage runs eagerly under a tape per micro-batch (graph_stage_work).
-        self._functions = StageFunctions(self.layers, self.is_first, loss_fn) if self.split is None else None
+        self._functions = (StageFunctions(self.layers, self.is_first, loss_fn, jit_compile) if self.split is None
+                           else None)
         self.gradients: List[Optional[tf.Tensor]] = []
         self.peak_live = 0
 

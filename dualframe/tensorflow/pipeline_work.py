@@ -1,11 +1,13 @@
 """One TensorFlow pipeline stage's work on micro-batches (the core's StageWork): compiled stage functions, a tape per micro-batch where one must outlive the call."""
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
 Gradients = List[Optional[tf.Tensor]]
+_LOG = logging.getLogger(__name__)
 
 
 def _stage_variables(layers: Sequence[Any]) -> List[tf.Variable]:
@@ -17,57 +19,108 @@ def _dense(gradients: Sequence[Any]) -> Gradients:
     return [None if g is None else tf.convert_to_tensor(g) for g in gradients]
 
 
+def _summed(sums: Optional[Sequence[Any]], gradients: Gradients) -> Gradients:
+    """``sums + gradients`` term by term (None: a variable not connected to the loss); ``sums`` None: the first."""
+    if sums is None:
+        return list(gradients)
+    return [a if b is None else b if a is None else a + b for a, b in zip(sums, gradients)]
+
+
+class _Compiled:
+    """A ``tf.function`` compiled with XLA where XLA compiles it, else a plain one, decided at its first call.
+
+    XLA's kernels keep their speed per row at micro-batch sizes where TensorFlow's own CPU matmul
+    slows down (here 1.4x per row at 256 rows against 2048, docs/benchmarks.md), so micro-batching
+    costs little. A stage whose ops XLA cannot compile (strings, some dynamic shapes) falls back to a
+    plain ``tf.function`` once, with a log line; XLA compiles before running, so nothing ran twice.
+    """
+
+    def __init__(self, python: Callable[..., Any], jit_compile: bool) -> None:
+        self.python, self.jit_compile = python, jit_compile
+        self.function = tf.function(python, jit_compile=jit_compile or None, reduce_retracing=True)
+        self._proven = not jit_compile
+
+    def __call__(self, *args: Any) -> Any:
+        if self._proven:
+            return self.function(*args)
+        try:
+            result = self.function(*args)
+        except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError, tf.errors.InternalError) as error:
+            _LOG.info("XLA could not compile %s (%s); running it as a plain tf.function",
+                      getattr(self.python, "__name__", "a stage function"), error.message.strip().splitlines()[0])
+            self.jit_compile = False
+            self.function = tf.function(self.python, reduce_retracing=True)
+            result = self.function(*args)
+        self._proven = True
+        return result
+
+    def tracing_count(self) -> int:
+        """How many times the function traced so far (the same after every step once the shapes were seen)."""
+        return int(self.function.experimental_get_tracing_count())
+
+
 class StageFunctions:
     """The compiled functions of one stage, made once per pipeline so their traces live across steps.
 
-    * ``forward(x, training)``: the stage's layers in one ``tf.function`` (a tape records the call as one op);
-    * ``last_step(x, target, weight)``: the last stage's whole micro-batch in one ``tf.function``: forward,
-      weighted loss, and the gradients of the loss for the stage's variables and its input. The last
-      stage needs no gradient from a neighbour, so its backward can run in the same compiled call as
-      its forward: one call instead of a forward with side outputs, a tape and a backward call (what
-      made 8 taped micro-batches cost 1.2-1.8x one batch, docs/benchmarks.md);
-    * ``accumulate(sums, gradients)``: a step's gradient sums in one call instead of one eager add each.
+    One compiled call per micro-batch and pass, everything of that pass inside it:
 
-    All trace once per (relaxed) input shape; they are used only once every layer is built (variables
-    can be created in a ``tf.function``'s first trace only), before that the stage runs eagerly.
+    * ``forward(x, training)``: the stage's layers (a tape records the call as one op; its backward
+      is one compiled call too);
+    * ``forward_loss(x, target, weight)``: the last stage's layers and weighted loss, taped the same way;
+    * ``last_step(x, target, weight, sums)``: the last stage's whole micro-batch: forward, weighted
+      loss, the gradients of the loss for the stage's variables, added to ``sums`` (the step's sums
+      so far, None for the first), and its input's gradient. The last stage needs no gradient from a
+      neighbour, so its backward can run in the same compiled call as its forward;
+    * ``accumulate(sums, gradients)``: a taped micro-batch's gradients added to the step's sums in one call.
+
+    Each is compiled with XLA (``jit_compile``, see ``_Compiled``) and traced once per (relaxed) input
+    shape and per first-or-not; they are used only once every layer is built (variables can be
+    created in a ``tf.function``'s first trace only), before that the stage runs eagerly.
 
     Example:
-        >>> functions = StageFunctions(layers, first=False, loss_fn=keras.losses.get("mse"))  # doctest: +SKIP
-        >>> loss, gradients, input_gradient = functions.last_step(x, y, tf.constant(0.25))    # doctest: +SKIP
+        >>> functions = StageFunctions(layers, first=False, loss_fn=keras.losses.get("mse"))          # doctest: +SKIP
+        >>> loss, sums, input_gradient = functions.last_step(x, y, tf.constant(0.25, tf.float64), None)  # doctest: +SKIP
     """
 
-    def __init__(self, layers: Sequence[Any], first: bool, loss_fn: Optional[Callable[[Any, Any], Any]]) -> None:
+    def __init__(self, layers: Sequence[Any], first: bool, loss_fn: Optional[Callable[[Any, Any], Any]],
+                 jit_compile: bool = True) -> None:
         self.layers, self.first, self.loss_fn = list(layers), first, loss_fn
-        self.forward = tf.function(self._forward, reduce_retracing=True)
-        self.last_step = tf.function(self._last_step, reduce_retracing=True)
-        self.accumulate = tf.function(self._accumulate, reduce_retracing=True)
+        self.forward = _Compiled(self._forward, jit_compile)
+        self.forward_loss = _Compiled(self._forward_loss, jit_compile)
+        self.last_step = _Compiled(self._last_step, jit_compile)
+        self.accumulate = _Compiled(_summed, jit_compile)
 
     def ready(self) -> bool:
         """Whether every layer is built (the compiled functions may run)."""
         return all(layer.built for layer in self.layers)
+
+    def tracing_counts(self) -> Dict[str, int]:
+        """Traces per function so far (a test checks that no step after the first traces again)."""
+        return {name: getattr(self, name).tracing_count()
+                for name in ("forward", "forward_loss", "last_step", "accumulate")}
 
     def _forward(self, x: tf.Tensor, training: bool) -> tf.Tensor:
         for layer in self.layers:
             x = layer(x, training=training)
         return x
 
-    def _last_step(self, x: tf.Tensor, target: tf.Tensor, weight: tf.Tensor) -> Tuple[tf.Tensor, Gradients, Optional[tf.Tensor]]:
+    def _forward_loss(self, x: tf.Tensor, target: tf.Tensor, weight: tf.Tensor) -> tf.Tensor:
         assert self.loss_fn is not None
+        loss = tf.reduce_mean(self.loss_fn(target, self._forward(x, True)))
+        return loss * tf.cast(weight, loss.dtype)
+
+    def _last_step(self, x: tf.Tensor, target: tf.Tensor, weight: tf.Tensor,
+                   sums: Optional[Gradients]) -> Tuple[tf.Tensor, Gradients, Optional[tf.Tensor]]:
         with tf.GradientTape() as tape:
             if not self.first:
                 tape.watch(x)
-            loss = tf.reduce_mean(self.loss_fn(target, self._forward(x, True)))
-            loss = loss * tf.cast(weight, loss.dtype)
+            loss = self._forward_loss(x, target, weight)
         variables = _stage_variables(self.layers)
         gradients = _dense(tape.gradient(loss, variables + ([] if self.first else [x])))
-        if self.first:
-            return loss, gradients, None
-        input_gradient = gradients.pop()
-        return loss, gradients, tf.zeros_like(x) if input_gradient is None else input_gradient
-
-    @staticmethod
-    def _accumulate(sums: List[tf.Tensor], gradients: List[tf.Tensor]) -> List[tf.Tensor]:
-        return [a + b for a, b in zip(sums, gradients)]
+        input_gradient = None if self.first else gradients.pop()
+        if not self.first and input_gradient is None:
+            input_gradient = tf.zeros_like(x)
+        return loss, _summed(sums, gradients), input_gradient
 
 
 def fusable(plan: Sequence[Any]) -> List[int]:
@@ -90,10 +143,11 @@ class TFStageWork:
     the next stage. On the last stage, a micro-batch whose backward directly follows its forward in
     the schedule (``fused``: all with 1F1B, the last one with GPipe) runs forward, loss and backward
     in one compiled call at forward time (``StageFunctions.last_step``), keeping only its input's
-    gradient until the backward sends it; the others are taped, so that GPipe's backward messages
-    still flow one by one while the first stages compute. The loss is weighted by the micro-batch's share of rows, so the
-    summed gradients are those of the mini-batch's mean loss. Before the layers are built, every
-    stage runs eagerly under a tape.
+    gradient until the backward sends it; the others are taped (``forward_loss``), so that GPipe's
+    backward messages still flow one by one while the first stages compute. The loss is weighted by
+    the micro-batch's share of rows, so the summed gradients are those of the mini-batch's mean loss;
+    the sums are added inside the compiled calls. Before the layers are built, every stage runs
+    eagerly under a tape.
 
     Example:
         >>> work = TFStageWork(layers, True, True, loss, [y0], [1.0], fused={0})   # doctest: +SKIP
@@ -121,26 +175,31 @@ class TFStageWork:
             x = layer(x, training=training)
         return x
 
+    def _loss(self, i: int, x: tf.Tensor) -> tf.Tensor:
+        weight = tf.constant(self.weights[i], tf.float64)
+        if self.functions is not None:
+            return self.functions.forward_loss(x, self.targets[i], weight)
+        assert self.loss_fn is not None
+        loss = tf.reduce_mean(self.loss_fn(self.targets[i], self._run(x, training=True)))
+        return loss * tf.cast(weight, loss.dtype)
+
     def _keep(self, i: int, saved: Any) -> None:
         self._saved[i] = saved
         self.peak_live = max(self.peak_live, len(self._saved))
 
+    def _sums(self) -> Optional[Gradients]:
+        """The step's gradient sums so far, None before the first micro-batch's (then the variables are read)."""
+        if not self.variables:
+            self.variables = _stage_variables(self.layers)
+        return self.gradients or None
+
     def _add(self, gradients: Sequence[Any]) -> None:
         """Add one micro-batch's variable gradients to the step's sums (None: not connected to the loss)."""
-        if not self.gradients:
-            self.variables = _stage_variables(self.layers)
-            self.gradients = [None] * len(self.variables)
-        new = _dense(gradients)
-        both = [index for index, g in enumerate(new) if g is not None and self.gradients[index] is not None]
-        if both and self.functions is not None:
-            sums = self.functions.accumulate([self.gradients[k] for k in both], [new[k] for k in both])
+        sums, new = self._sums(), _dense(gradients)
+        if sums is not None and self.functions is not None:
+            self.gradients = self.functions.accumulate(sums, new)
         else:
-            sums = [self.gradients[k] + new[k] for k in both]  # type: ignore[operator]
-        for k, g in enumerate(new):
-            if g is not None and self.gradients[k] is None:
-                self.gradients[k] = g
-        for k, total in zip(both, sums):
-            self.gradients[k] = total
+            self.gradients = _summed(sums, new)
 
     def forward(self, i: int, x: tf.Tensor) -> Optional[tf.Tensor]:
         training = self.loss_fn is not None
@@ -156,10 +215,7 @@ class TFStageWork:
             with tf.GradientTape() as tape:
                 if not self.first:
                     tape.watch(x)
-                y = self._run(x, training=True)
-                if self.last:
-                    assert self.loss_fn is not None
-                    y = tf.reduce_mean(self.loss_fn(self.targets[i], y)) * self.weights[i]
+                y = self._loss(i, x) if self.last else self._run(x, training=True)
         self._keep(i, (tape, x, y))
         if self.last:
             self.loss_sum += float(y)
@@ -168,8 +224,8 @@ class TFStageWork:
 
     def _last_step(self, i: int, x: tf.Tensor) -> None:
         assert self.functions is not None
-        loss, gradients, input_gradient = self.functions.last_step(x, self.targets[i], tf.constant(self.weights[i], tf.float64))
-        self._add(gradients)
+        loss, self.gradients, input_gradient = self.functions.last_step(
+            x, self.targets[i], tf.constant(self.weights[i], tf.float64), self._sums())
         self._keep(i, input_gradient)
         self.loss_sum += float(loss)
 
