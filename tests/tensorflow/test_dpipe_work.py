@@ -122,3 +122,63 @@ def test_batch_norm_and_dropout_fused_as_taped():
         loss = keras.losses.MeanSquaredError()(y, kept @ kernel)
     assert work.loss_sum == pytest.approx(float(loss), abs=1e-5)
     np.testing.assert_allclose(work.gradients[0].numpy(), tape.gradient(loss, kernel).numpy(), atol=1e-5, rtol=0)
+
+
+def stage_step(layers, functions, x, y, first, last, schedule):
+    """One step of stage 0 (first) or 1 (last) of 2 over SIZES micro-batches, gradients from the next stage all ones."""
+    plan = rank_schedule(schedule, 2, len(SIZES))[1 if last else 0]
+    xs, ys = tf.split(x, SIZES), tf.split(y, SIZES)
+    work = TFStageWork(layers, first, last, keras.losses.MeanSquaredError(), ys, [s / sum(SIZES) for s in SIZES],
+                       "/CPU:0", functions, fusable(plan))
+    outputs = {}
+    for action in plan:
+        if action.kind == "F":
+            outputs[action.micro] = work.forward(action.micro, xs[action.micro])
+        else:
+            work.backward(action.micro, None if last else tf.ones_like(outputs[action.micro]))
+    return work
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("last", [False, True])
+def test_no_retracing_after_the_first_step(schedule, last):
+    """Every micro-batch and pass is one compiled call whose traces (XLA compilations) are made in the first steps only."""
+    rng = np.random.RandomState(7)
+    x, y = tf.constant(rng.randn(10, 5).astype("float32")), tf.constant(rng.randn(10, 3).astype("float32"))
+    layers = dense_stage(8)
+    keras.Sequential([keras.Input((5,))] + layers)
+    functions = StageFunctions(layers, first=not last, loss_fn=keras.losses.MeanSquaredError())
+    first_step = stage_step(layers, functions, x, y, not last, last, schedule)
+    counts = functions.tracing_counts()
+    assert sum(counts.values()) > 0 and functions.forward.jit_compile
+    for _ in range(3):
+        work = stage_step(layers, functions, x, y, not last, last, schedule)
+        assert functions.tracing_counts() == counts
+    for got, want in zip(work.gradients, first_step.gradients):  # same weights, same batch: same sums
+        np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-6, rtol=0)
+
+
+class HostCall(keras.layers.Layer):
+    """A layer XLA cannot compile (a call into Python), gradient passed straight through."""
+
+    def call(self, x):
+        @tf.custom_gradient
+        def through(v):
+            out = tf.numpy_function(lambda a: a * 2.0, [v], tf.float32, stateful=False)
+            return tf.ensure_shape(out, v.shape), lambda g: 2.0 * g
+        return through(x)
+
+
+def test_stage_xla_cannot_compile_runs_as_plain_tf_function():
+    rng = np.random.RandomState(9)
+    x, y = tf.constant(rng.randn(10, 5).astype("float32")), tf.constant(rng.randn(10, 3).astype("float32"))
+    layers = [HostCall()] + dense_stage(10)
+    keras.Sequential([keras.Input((5,))] + layers)
+    functions = StageFunctions(layers, first=False, loss_fn=keras.losses.MeanSquaredError())
+    work, input_grads = run_step(layers, functions, x, y, first=False, schedule="1f1b")
+    assert not functions.last_step.jit_compile
+    doubled = [keras.layers.Lambda(lambda v: v * 2.0)] + layers[1:]
+    loss, expected = whole_batch(doubled, x, y, first=False)
+    assert work.loss_sum == pytest.approx(loss, abs=1e-6)
+    for got, want in zip(work.gradients + [tf.concat(input_grads, 0)], expected):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-6, rtol=0)
