@@ -26,7 +26,7 @@ from dualframe.tensorflow.pipeline_work import StageFunctions, TFStageWork, fusa
 from dualframe.pipeline.graph import GraphSplit, stage_count
 from dualframe.tensorflow.graph import KerasGraph, capture
 from dualframe.tensorflow.distributed_graph import process_stages
-from dualframe.tensorflow.graph_stage_work import TFGraphStageWork
+from dualframe.tensorflow.graph_stage_work import GraphStageFunction, TFGraphStageWork
 
 
 def _layers_of(layers: Any) -> List[Any]:
@@ -136,10 +136,12 @@ class DistributedPipeline(StageView):
         self.layer_indices = ranges[j]
         self.layers = [all_layers[index] for index in ranges[j]]
         self._all_layers = all_layers
-        # One trace per training flag and (relaxed) input shape, kept across steps (see pipeline_work);
-        # a graph's stage runs eagerly under a tape per micro-batch (graph_stage_work).
+        # One trace per training flag and (relaxed) input shape, kept across steps (see pipeline_work,
+        # graph_stage_work): each micro-batch's pass is one compiled call.
         self._functions = (StageFunctions(self.layers, self.is_first, loss_fn, jit_compile) if self.split is None
                            else None)
+        self._graph_function = (None if self.split is None or self.captured is None else GraphStageFunction(
+            self.layers[0], self.split, j, self.captured, loss_fn, jit_compile))
         self.gradients: List[Optional[tf.Tensor]] = []
         self.peak_live = 0
 
@@ -220,7 +222,7 @@ class DistributedPipeline(StageView):
         micro_targets = tf.split(targets, sizes) if train and targets is not None else []
         work: Any = TFGraphStageWork(self.layers[0], self.split, self.stage_index, self.captured,
                                 self.loss_fn if train else None, micro_targets, [s / sum(sizes) for s in sizes],
-                                self.device)
+                                self.device, self._graph_function)
         return work, self.role.step(actions, micro_inputs, work, train)
 
     def train_step(self, inputs: Any, targets: Any) -> float:

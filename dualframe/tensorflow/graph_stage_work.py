@@ -22,7 +22,7 @@ from dualframe.pipeline.link import MAX_DIMS
 from dualframe.tensorflow.graph import KerasGraph
 from dualframe.tensorflow.distributed_graph import GraphStage
 from dualframe.tensorflow.pipeline_transport import DTYPES, tf_dtype_code
-from dualframe.tensorflow.pipeline_work import Gradients, _dense
+from dualframe.tensorflow.pipeline_work import Gradients, _Compiled, _dense, _summed
 
 _FIELDS = 2 + MAX_DIMS  # per tensor: dtype code, ndim, dims
 
@@ -68,13 +68,51 @@ def unpack(message: Any) -> List[tf.Tensor]:
     return out
 
 
+class GraphStageFunction:
+    """Stage j's nodes (and on the last stage the weighted loss) as one compiled call, made once per pipeline.
+
+    ``call(values, training, target, weight)`` runs the stage on ``values`` (what it reads, by value
+    name) and returns (the values for each later stage, by stage; the weighted loss on the last stage
+    when training, else None; the model's outputs on the last stage when not training, else None).
+    Compiled with XLA where XLA compiles the stage (``pipeline_work._Compiled``); a tape records the
+    call as one op, and its backward is one compiled call too. Traced once per input shape and mode.
+
+    Example:
+        >>> function = GraphStageFunction(stage, split, 1, captured, keras.losses.get("mse"))        # doctest: +SKIP
+        >>> sent, loss, _ = function.call({"h": h}, True, y, tf.constant(0.5, tf.float64))           # doctest: +SKIP
+    """
+
+    def __init__(self, stage: GraphStage, split: GraphSplit, j: int, captured: KerasGraph,
+                 loss_fn: Optional[Callable[[Any, Any], Any]], jit_compile: bool = True) -> None:
+        self.stage, self.split, self.captured, self.loss_fn = stage, split, captured, loss_fn
+        self.last = j == split.stages - 1
+        self.outgoing = {c: edge_values(split, j, c) for c in stage_edges(split, j).targets}
+        self.call = _Compiled(self._call, jit_compile)
+        self.accumulate = _Compiled(_summed, jit_compile)
+
+    def _call(self, values: Dict[str, Any], training: bool, target: Any,
+              weight: Any) -> Tuple[Dict[int, List[Any]], Any, Optional[List[Any]]]:
+        values = dict(values)
+        self.stage.run(values, training)
+        sent = {c: [values[v] for v in names] for c, names in self.outgoing.items()}
+        if not self.last:
+            return sent, None, None
+        flat = [values[v] for v in self.split.graph.outputs]
+        if not training:
+            return sent, None, flat
+        assert self.loss_fn is not None
+        loss = tf.reduce_mean(self.loss_fn(target, self.captured.pack_outputs(flat)))
+        return sent, loss * tf.cast(weight, loss.dtype), None
+
+
 class TFGraphStageWork:
     """Forward and backward of stage j of a graph split on micro-batch i, each micro-batch under its own tape.
 
     The last stage gathers the model's outputs (its own and those sent to it), rebuilds the model's
     output structure and turns it into the loss, weighted by the micro-batch's share of rows. The
     stage's variable gradients are summed over the step's micro-batches in ``gradients`` (aligned with
-    ``stage.trainable_weights``).
+    ``stage.trainable_weights``). With ``function`` (a ``GraphStageFunction`` kept across steps), the
+    stage's forward is that one compiled call under the tape; without, its layers run eagerly.
 
     Example:
         >>> work = TFGraphStageWork(stage, split, 1, captured, loss, [y0], [1.0])   # doctest: +SKIP
@@ -83,8 +121,9 @@ class TFGraphStageWork:
 
     def __init__(self, stage: GraphStage, split: GraphSplit, j: int, captured: KerasGraph,
                  loss_fn: Optional[Callable[[Any, Any], Any]], targets: Sequence[Any], weights: Sequence[float],
-                 device: Optional[str] = None) -> None:
+                 device: Optional[str] = None, function: Optional[GraphStageFunction] = None) -> None:
         self.stage, self.split, self.j, self.captured, self.device = stage, split, j, captured, device
+        self.function = function
         self.loss_fn, self.targets, self.weights = loss_fn, list(targets), list(weights)
         self.last = j == split.stages - 1
         edges = stage_edges(split, j)
@@ -108,22 +147,32 @@ class TFGraphStageWork:
                 if tape is not None:
                     tape.watch([t for t in held[p] if t.dtype.is_floating])
                 values.update(zip(names, held[p]))
-            self.stage.run(values, training)
-            if self.last and training:
-                assert self.loss_fn is not None
-                outputs = self.captured.pack_outputs([values[v] for v in self.split.graph.outputs])
-                loss = tf.reduce_mean(self.loss_fn(self.targets[i], outputs))
-                loss = loss * tf.cast(self.weights[i], loss.dtype)
-        messages = {c: pack([values[v] for v in names], names) for c, names in self.outgoing.items()}
+            sent, loss, outputs = self._stage(i, values, training)
+        messages = {c: pack(sent[c], names) for c, names in self.outgoing.items()}
         if not training:
             if self.last:
-                self.outputs.append([values[v] for v in self.split.graph.outputs])
+                self.outputs.append(outputs)
             return messages
         if loss is not None:
             self.loss_sum += float(loss)
-        self._saved[i] = (tape, held, {c: [values[v] for v in names] for c, names in self.outgoing.items()}, loss)
+        self._saved[i] = (tape, held, sent, loss)
         self.peak_live = max(self.peak_live, len(self._saved))
         return messages
+
+    def _stage(self, i: int, values: Dict[str, Any], training: bool) -> Tuple[Dict[int, List[Any]], Any, Any]:
+        """(values sent to each later stage, the weighted loss or None, the model's outputs or None) of micro-batch i."""
+        target = self.targets[i] if self.last and training else None
+        weight = tf.constant(self.weights[i], tf.float64) if self.last and training else None
+        if self.function is not None:
+            return self.function.call(values, training, target, weight)  # type: ignore[no-any-return]
+        self.stage.run(values, training)
+        sent = {c: [values[v] for v in names] for c, names in self.outgoing.items()}
+        flat = [values[v] for v in self.split.graph.outputs] if self.last else None
+        if flat is None or not training:
+            return sent, None, flat
+        assert self.loss_fn is not None
+        loss = tf.reduce_mean(self.loss_fn(target, self.captured.pack_outputs(flat)))
+        return sent, loss * tf.cast(weight, loss.dtype), None
 
     def backward(self, i: int, grads: Mapping[int, Any]) -> Dict[int, tf.Tensor]:
         tape, held, sent, loss = self._saved.pop(i)
@@ -151,8 +200,8 @@ class TFGraphStageWork:
 
     def _add(self, gradients: Sequence[Any]) -> None:
         """Add one micro-batch's variable gradients to the step's sums (None: not connected to the loss)."""
-        new = _dense(gradients)
-        if not self.gradients:
-            self.gradients = new
-            return
-        self.gradients = [a if b is None else b if a is None else a + b for a, b in zip(self.gradients, new)]
+        sums, new = self.gradients or None, _dense(gradients)
+        if sums is not None and self.function is not None:  # one compiled call, not one eager add per variable
+            self.gradients = self.function.accumulate(sums, new)
+        else:
+            self.gradients = _summed(sums, new)
