@@ -11,7 +11,9 @@ rounds and report lines from ``dualframe.observe.bench_rounds``. Prints, from in
 median of the per-round ratios):
   1. throughput of DistributedPipeline chunks=8 over chunks=1 (naive model parallelism at its fastest:
      ``jit_compile=False``, TensorFlow's own kernels), GPipe and 1F1B compiled with XLA (the default),
-     GPipe without XLA, and chunks=1 with XLA; then the seconds per step, the steady
+     GPipe without XLA, and chunks=1 with XLA; where the messages go point-to-point (MPI under
+     mpirun, ZeroMQ under horovodrun --gloo: the default), also GPipe's chunks=8 / chunks=1 with
+     them as Horovod broadcasts, in the same rounds; then the seconds per step, the steady
      state: each configuration runs one warm-up step (traces, XLA compilation, shape headers) before
      the rounds, and a round's seconds are divided by its steps;
   2. the measured bubble (the pipeline's: 1 - mean stage busy / longest stage step,
@@ -53,10 +55,12 @@ def build_model(width: int, blocks: int) -> keras.Sequential:
     return keras.Sequential([keras.Input((width,))] + layers)
 
 
-def ours(model, chunks, schedule="gpipe", jit_compile=True):
+def ours(model, chunks, schedule="gpipe", transport="auto", jit_compile=True):
     half = len(model.layers) // 2
+    os.environ["DUALFRAME_PIPELINE_TRANSPORT"] = transport  # read when the pipeline is built
     pipe = DistributedPipeline(model, [half, half], chunks=chunks, schedule=schedule, loss_fn="mse",
                                jit_compile=jit_compile)
+    os.environ.pop("DUALFRAME_PIPELINE_TRANSPORT")
     optimizer = keras.optimizers.SGD(1e-4)
 
     def step(x, y):
@@ -101,19 +105,25 @@ def main() -> None:
     y = rng.randn(args.batch, args.width).astype("float32")
     model = build_model(args.width, args.blocks)
     naive, naive_step = ours(model, 1)
-    transport = "MPI point-to-point" if naive.direct is not None else "Horovod broadcasts"
+    transport = naive.transport
     # The baseline is naive model parallelism at its fastest: TensorFlow's own kernels (no XLA), which
     # beat XLA's at 2048 rows here; the pipelines are compiled with XLA (the default), which keeps
     # its speed per row at 256 rows where TensorFlow's kernels slow down.
     configs = {"chunks=1": ours(model, 1, jit_compile=False)[1], "chunks=8": ours(model, 8)[1],
                "chunks=8 1f1b": ours(model, 8, "1f1b")[1], "chunks=8 no XLA": ours(model, 8, jit_compile=False)[1],
                "chunks=1 XLA": naive_step}
+    if transport != "horovod":  # point-to-point: the same pipelines with Horovod broadcasts, side by side
+        configs["chunks=1 Horovod broadcasts"] = ours(model, 1, transport="horovod", jit_compile=False)[1]
+        configs["chunks=8 Horovod broadcasts"] = ours(model, 8, transport="horovod")[1]
     for step in configs.values():  # warm-up, not timed: traces, XLA compilation, shape headers
         step(x, y)
     times = interleaved({name: functools.partial(timed, step, x, y, args.steps) for name, step in configs.items()},
                         args.rounds)
     per_step = {name: [t / args.steps for t in ts] for name, ts in times.items()}
-    report = [ratio_line(f"{name} / chunks=1", times["chunks=1"], times[name]) for name in list(configs)[1:]]
+    report = [ratio_line(f"{name} / chunks=1", times["chunks=1"], times[name]) for name in list(configs)[1:5]]
+    if "chunks=8 Horovod broadcasts" in times:
+        report.append(ratio_line("chunks=8 / chunks=1, Horovod broadcasts", times["chunks=1 Horovod broadcasts"],
+                                 times["chunks=8 Horovod broadcasts"]))
     report.append(seconds_line(per_step).replace("step seconds (median)",
                                                  "seconds per step (median over rounds, after 1 warm-up step each)"))
     for m in (1, 2, 4, 8, 16):
