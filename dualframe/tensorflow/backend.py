@@ -26,4 +26,4 @@ class TFPlacement:
 #: The TensorFlow adapter's one Backend (``dualframe.backend``).
 BACKEND: AdapterBackend[tf.Tensor] = AdapterBackend(
     "tensorflow", collectives, TFCaster(), TFBatchOps(), TFPlacement(), lambda device: TFWire(),
-    point_to_point, process_sets)
+    point_to_point, process_sets, split_backward=True)

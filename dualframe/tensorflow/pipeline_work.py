@@ -6,8 +6,11 @@ from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Tu
 
 import tensorflow as tf
 
+from dualframe.tensorflow.split_backward import SplitFunctions, splittable
+
 Gradients = List[Optional[tf.Tensor]]
 _LOG = logging.getLogger(__name__)
+_WARNED: List[bool] = []  # the no-split warning, once per process
 
 
 def _stage_variables(layers: Sequence[Any]) -> List[tf.Variable]:
@@ -71,7 +74,10 @@ class StageFunctions:
       loss, the gradients of the loss for the stage's variables, added to ``sums`` (the step's sums
       so far, None for the first), and its input's gradient. The last stage needs no gradient from a
       neighbour, so its backward can run in the same compiled call as its forward;
-    * ``accumulate(sums, gradients)``: a taped micro-batch's gradients added to the step's sums in one call.
+    * ``accumulate(sums, gradients)``: a taped micro-batch's gradients added to the step's sums in one call;
+    * ``forward_inputs``, ``input_pass``, ``last_input_pass``, ``weight_pass``: the split backward's
+      F, B, F+B of the last stage, and W (``dualframe.tensorflow.split_backward``), for zero-bubble
+      schedules on a ``splittable`` stage.
 
     Each is compiled with XLA (``jit_compile``, see ``_Compiled``) and traced once per (relaxed) input
     shape and per first-or-not; they are used only once every layer is built (variables can be
@@ -89,15 +95,25 @@ class StageFunctions:
         self.forward_loss = _Compiled(self._forward_loss, jit_compile)
         self.last_step = _Compiled(self._last_step, jit_compile)
         self.accumulate = _Compiled(_summed, jit_compile)
+        self.split = SplitFunctions(self.layers, first, loss_fn)
+        self.forward_inputs = _Compiled(self.split.forward_inputs, jit_compile)
+        self.input_pass = _Compiled(self.split.input_pass, jit_compile)
+        self.last_input_pass = _Compiled(self.split.last_input_pass, jit_compile)
+        self.weight_pass = _Compiled(self.split.weight_pass, jit_compile)
 
     def ready(self) -> bool:
         """Whether every layer is built (the compiled functions may run)."""
         return all(layer.built for layer in self.layers)
 
+    def splittable(self) -> bool:
+        """Whether B and W may run as separate compiled passes (built, and no layer with state)."""
+        return self.ready() and splittable(self.layers)
+
     def tracing_counts(self) -> Dict[str, int]:
         """Traces per function so far (a test checks that no step after the first traces again)."""
         return {name: getattr(self, name).tracing_count()
-                for name in ("forward", "forward_loss", "last_step", "accumulate")}
+                for name in ("forward", "forward_loss", "last_step", "accumulate", "forward_inputs",
+                             "input_pass", "last_input_pass", "weight_pass")}
 
     def _forward(self, x: tf.Tensor, training: bool) -> tf.Tensor:
         for layer in self.layers:
@@ -149,6 +165,12 @@ class TFStageWork:
     the sums are added inside the compiled calls. Before the layers are built, every stage runs
     eagerly under a tape.
 
+    With ``split`` (the schedule has W actions, ``"zb-h1"``), backward computes only the input's
+    gradient and ``weight(i)`` the weights' later (``dualframe.tensorflow.split_backward``): F keeps
+    every layer's input, B keeps the gradient at each weighted layer's output, W adds the weights'
+    gradient to the sums. Where the stage cannot split (not built yet: the first step; or a layer
+    with state), B runs the full backward and W only adds its weights' part: correct, no gain.
+
     Example:
         >>> work = TFStageWork(layers, True, True, loss, [y0], [1.0], fused={0})   # doctest: +SKIP
         >>> work.forward(0, x0); work.backward(0, None); work.gradients            # doctest: +SKIP
@@ -156,9 +178,17 @@ class TFStageWork:
 
     def __init__(self, layers: Sequence[Any], first: bool, last: bool, loss_fn: Optional[Callable[[Any, Any], Any]], targets: List[tf.Tensor], weights: List[float],
                  device: Optional[str] = None, functions: Optional[StageFunctions] = None,
-                 fused: Collection[int] = ()) -> None:
+                 fused: Collection[int] = (), split: bool = False) -> None:
         self.layers, self.first, self.last = list(layers), first, last
         self.functions = functions if functions is not None and functions.ready() else None
+        self.split = split
+        self.split_passes = split and self.functions is not None and self.functions.splittable()
+        if split and self.functions is not None and not self.split_passes and not _WARNED:
+            _WARNED.append(True)
+            _LOG.warning("a layer of this stage has state (non-trainable variables), so its backward cannot be "
+                         "re-run in two passes: B runs the whole backward, W only adds it (no zero-bubble gain)")
+        # i -> what W i needs: ("sums", the weights' gradients) or ("split", owners' inputs, output gradients)
+        self._pending: Dict[int, Tuple[Any, ...]] = {}
         self.fused = set(fused) if last else set()
         self.loss_fn, self.targets, self.weights, self.device = loss_fn, targets, weights, device
         self._saved: Dict[int, Any] = {}  # i -> (tape, input, output), or the last stage's input gradient
@@ -185,7 +215,7 @@ class TFStageWork:
 
     def _keep(self, i: int, saved: Any) -> None:
         self._saved[i] = saved
-        self.peak_live = max(self.peak_live, len(self._saved))
+        self.peak_live = max(self.peak_live, len(set(self._saved) | set(self._pending)))
 
     def _sums(self) -> Optional[Gradients]:
         """The step's gradient sums so far, None before the first micro-batch's (then the variables are read)."""
@@ -209,7 +239,15 @@ class TFStageWork:
                 if self.last:
                     self.outputs.append(y)
                 return None if self.last else y
-            if i in self.fused and self.functions is not None:
+            if self.split_passes:
+                if not self.last:
+                    y, inputs = self.functions.forward_inputs(x)  # type: ignore[union-attr]
+                    self._keep(i, ("split", inputs))
+                    return y
+                if i in self.fused:
+                    self._last_input_pass(i, x)
+                    return None
+            elif i in self.fused and self.functions is not None:
                 self._last_step(i, x)
                 return None
             with tf.GradientTape() as tape:
@@ -229,17 +267,44 @@ class TFStageWork:
         self._keep(i, input_gradient)
         self.loss_sum += float(loss)
 
+    def _last_input_pass(self, i: int, x: tf.Tensor) -> None:
+        assert self.functions is not None
+        loss, input_gradient, inputs, kept = self.functions.last_input_pass(
+            x, self.targets[i], tf.constant(self.weights[i], tf.float64))
+        self._pending[i] = ("split", inputs, kept)
+        self._keep(i, input_gradient)
+        self.loss_sum += float(loss)
+
     def backward(self, i: int, grad: Optional[tf.Tensor]) -> Optional[tf.Tensor]:
         saved = self._saved.pop(i)
         if not isinstance(saved, tuple):  # the last stage's compiled step already ran: its input's gradient
             return saved
+        if saved[0] == "split":  # B i of a split backward: the input's gradient, W's inputs kept
+            assert self.functions is not None
+            with tf.device(self.device):
+                input_grad, kept = self.functions.input_pass(saved[1], grad)
+            self._pending[i] = ("split", self.functions.split.owner_inputs(saved[1]), kept)
+            return input_grad
         tape, x, y = saved
         variables = _stage_variables(self.layers)
         with tf.device(self.device):
             grads = tape.gradient(y, variables + ([] if self.first else [x]),
                                   output_gradients=None if self.last else grad)
-            self._add(grads[:len(variables)])
+            if self.split:
+                self._pending[i] = ("sums", grads[:len(variables)])
+            else:
+                self._add(grads[:len(variables)])
         if self.first:
             return None
         input_grad = grads[-1]
         return tf.zeros_like(x) if input_grad is None else tf.convert_to_tensor(input_grad)
+
+    def weight(self, i: int) -> None:
+        """W i: micro-batch i's weights' gradient added to the step's sums (after its backward)."""
+        pending = self._pending.pop(i)
+        if pending[0] == "sums":
+            self._add(pending[1])
+            return
+        assert self.functions is not None
+        with tf.device(self.device):
+            self.gradients = self.functions.weight_pass(pending[1], pending[2], self._sums())

@@ -182,3 +182,87 @@ def test_stage_xla_cannot_compile_runs_as_plain_tf_function():
     assert work.loss_sum == pytest.approx(loss, abs=1e-6)
     for got, want in zip(work.gradients + [tf.concat(input_grads, 0)], expected):
         np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-6, rtol=0)
+
+
+def any_step(layers, functions, x, y, first, last, schedule, grad_seed=3):
+    """One step of stage 0 or 1 of 2 in ``schedule``'s order, W actions included; the next stage's gradients
+    fixed random. Returns the work and the input gradients per micro-batch."""
+    plan = rank_schedule(schedule, 2, len(SIZES))[1 if last else 0]
+    xs, ys = tf.split(x, SIZES), tf.split(y, SIZES)
+    work = TFStageWork(layers, first, last, keras.losses.MeanSquaredError(), ys, [s / sum(SIZES) for s in SIZES],
+                       "/CPU:0", functions, fusable(plan), split=any(a.kind == "W" for a in plan))
+    outputs, input_grads = {}, {}
+    for action in plan:
+        i = action.micro
+        if action.kind == "F":
+            outputs[i] = work.forward(i, xs[i])
+        elif action.kind == "B":
+            upstream = None if last else tf.random.stateless_normal(tf.shape(outputs[i]), (grad_seed, i))
+            input_grads[i] = work.backward(i, upstream)
+        else:
+            work.weight(i)
+    return work, [input_grads[i] for i in range(len(SIZES))]
+
+
+def split_stage(seed=4):
+    init = keras.initializers.GlorotUniform
+    # Dense(activation=) re-runs its product in B; Dense then ReLU does not (see split_backward).
+    return [keras.layers.Dense(8, "tanh", kernel_initializer=init(seed)), keras.layers.Dense(6, kernel_initializer=init(seed + 1)),
+            keras.layers.ReLU(), keras.layers.Dense(3, kernel_initializer=init(seed + 2))]
+
+
+@pytest.mark.parametrize("first,last", [(True, False), (False, True), (False, False)])
+def test_zb_h1_b_then_w_equals_the_full_backward(first, last):
+    """The split passes (B: input's gradient, W later: weights') give 1F1B's full backward: loss, input and weight gradients."""
+    rng = np.random.RandomState(11)
+    x, y = tf.constant(rng.randn(10, 5).astype("float32")), tf.constant(rng.randn(10, 3).astype("float32"))
+    layers = split_stage()
+    keras.Sequential([keras.Input((5,))] + layers)
+    functions = StageFunctions(layers, first=first, loss_fn=keras.losses.MeanSquaredError())
+    full, full_inputs = any_step(layers, functions, x, y, first, last, "1f1b")
+    for _ in range(2):  # the second step runs the compiled split passes (the first builds nothing here: built)
+        split, split_inputs = any_step(layers, functions, x, y, first, last, "zb-h1")
+        assert split.split_passes and split.functions is functions and not split._pending
+        assert split.loss_sum == pytest.approx(full.loss_sum, abs=1e-6)
+        for got, want in zip(split.gradients, full.gradients):
+            np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-5, rtol=0)
+        for got, want in zip(split_inputs, full_inputs):
+            if first:
+                assert got is None and want is None
+            else:
+                np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-5, rtol=0)
+    assert split.peak_live <= 2 + (0 if last else 1)  # 1F1B's in-flight micro-batches, plus a W not yet run
+
+
+def test_zb_h1_equals_one_tape_over_the_batch():
+    """The last stage's split passes against the whole batch's one tape (not only against 1F1B)."""
+    rng = np.random.RandomState(12)
+    x, y = tf.constant(rng.randn(10, 5).astype("float32")), tf.constant(rng.randn(10, 3).astype("float32"))
+    layers = split_stage(9)
+    keras.Sequential([keras.Input((5,))] + layers)
+    functions = StageFunctions(layers, first=False, loss_fn=keras.losses.MeanSquaredError())
+    loss, want = whole_batch(layers, x, y, first=False)
+    for _ in range(2):  # eager (unbuilt functions: taped, W adds) then compiled split passes
+        work, input_grads = any_step(layers, functions, x, y, False, True, "zb-h1")
+        assert work.loss_sum == pytest.approx(loss, abs=1e-5)
+        for got, expected in zip(work.gradients + [tf.concat(input_grads, 0)], want):
+            np.testing.assert_allclose(got.numpy(), expected.numpy(), atol=1e-5, rtol=0)
+
+
+def test_zb_h1_stage_with_state_runs_the_full_backward_in_b():
+    """BatchNormalization cannot be re-run (its moving statistics): B runs the whole backward, W adds it; equal to 1F1B."""
+    rng = np.random.RandomState(13)
+    x, y = tf.constant(rng.randn(10, 5).astype("float32")), tf.constant(rng.randn(10, 3).astype("float32"))
+    results = []
+    for schedule in ("1f1b", "zb-h1"):
+        keras.utils.set_random_seed(5)
+        layers = [keras.layers.Dense(6), keras.layers.BatchNormalization(), keras.layers.Dense(3)]
+        keras.Sequential([keras.Input((5,))] + layers)
+        functions = StageFunctions(layers, first=False, loss_fn=keras.losses.MeanSquaredError())
+        work, input_grads = any_step(layers, functions, x, y, False, False, schedule)
+        assert not work.split_passes
+        results.append((work.gradients, input_grads, layers[1].moving_mean.numpy()))
+    (g1, i1, m1), (g2, i2, m2) = results
+    np.testing.assert_allclose(m1, m2, atol=1e-6, rtol=0)
+    for got, want in zip(g2 + i2, g1 + i1):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-5, rtol=0)
