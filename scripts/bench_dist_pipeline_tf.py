@@ -24,7 +24,12 @@ median of the per-round ratios):
   3. per rank, the most micro-batches held at once (tapes; on the last stage, a micro-batch run in
      one compiled call holds only its input's gradient), gpipe vs 1f1b (chunks=8), and at most the
      layer outputs they hold (computed: held x rows x width x 4 bytes x layers of the stage; Keras
-     on a CPU has no allocator statistics to read).
+     on a CPU has no allocator statistics to read);
+  4. ZB-H1 against 1F1B at chunks=8 in their own interleaved rounds (both compiled with XLA): throughput
+     zb-h1 / 1f1b, each one's measured bubble beside its theory ((n-1)/(m+n-1) and (n-1)/(3m+n-1)) and
+     the computing seconds per stage (ZB-H1's B re-runs each layer from its kept input, so it may compute
+     more: ``dualframe.tensorflow.split_backward``), and the micro-batches each holds at once.
+  ``--only-zb`` runs part 4 alone.
 """
 import argparse
 import functools
@@ -42,6 +47,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import dualframe.tensorflow as hvd  # noqa: E402
+from dualframe.pipeline.clock import gpipe_bubble, zb_h1_bubble  # noqa: E402
 from dualframe.observe.bench_rounds import bubble_line, interleaved, ratio_line, seconds_line  # noqa: E402
 from dualframe.pipeline.walk import pipeline_bubble  # noqa: E402
 from dualframe.tensorflow.distributed_pipeline import DistributedPipeline  # noqa: E402
@@ -89,6 +95,30 @@ def memory_line(model, schedule, x, y, chunks, width):
             + ", ".join(f"rank {r} {held} (at most {m:.1f} MiB of layer outputs)" for r, (held, m) in enumerate(peaks)))
 
 
+def zero_bubble_report(model, x, y, rounds, steps):
+    """Part 4: zb-h1 against 1f1b at chunks=8, interleaved rounds, measured bubbles."""
+    pipes, configs = {}, {}
+    for schedule in ("1f1b", "zb-h1"):
+        pipes[schedule], configs[f"{schedule} m=8"] = ours(model, 8, schedule)
+    for name, step in configs.items():  # warm-up: the eager first step, then the compiled passes' traces
+        step(x, y)
+        step(x, y)
+        pipes[name.split()[0]].records.records = []  # the bubbles below: timed steps only (the first left out)
+    times = interleaved({name: functools.partial(timed, step, x, y, steps) for name, step in configs.items()}, rounds)
+    per_step = {name: [t / steps for t in ts] for name, ts in times.items()}
+    report = [f"zb-h1 against 1f1b, messages over {pipes['zb-h1'].transport}",
+              ratio_line("zb-h1 m=8 / 1f1b m=8", times["1f1b m=8"], times["zb-h1 m=8"]),
+              seconds_line(per_step).replace("step seconds (median)", "seconds per step (median over rounds)")]
+    theory = {"1f1b": gpipe_bubble(2, 8), "zb-h1": zb_h1_bubble(2, 8)}
+    for schedule, pipe in pipes.items():
+        busy, walls, held = zip(*hvd.allgather_object(
+            (pipe.records.mean_busy(), pipe.records.mean_wall(), pipe.peak_live)))
+        report.append(f"bubble {schedule} m=8: measured {pipeline_bubble(busy, walls):.1%}, theory "
+                      f"{theory[schedule]:.1%}; walk {max(walls):.3f} s, computing per stage s: "
+                      f"{' '.join(f'{b:.3f}' for b in busy)}; micro-batches held per rank: {list(held)}")
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=512)
@@ -96,6 +126,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2048)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--only-zb", action="store_true", help="run part 4 (zb-h1 against 1f1b) alone")
     args = parser.parse_args()
     hvd.init()
     if hvd.size() != 2:
@@ -104,6 +135,13 @@ def main() -> None:
     x = rng.randn(args.batch, args.width).astype("float32")
     y = rng.randn(args.batch, args.width).astype("float32")
     model = build_model(args.width, args.blocks)
+    header = (f"Keras {keras.__version__}: {args.blocks} x (Dense({args.width}), ReLU), batch {args.batch}, 2 stages, "
+              f"1 thread per process, {args.rounds} rounds of {args.steps} steps")
+    if args.only_zb:
+        report = zero_bubble_report(model, x, y, args.rounds, args.steps)
+        if hvd.rank() == 0:
+            print(header + "\n" + "\n".join(report), flush=True)
+        return
     naive, naive_step = ours(model, 1)
     transport = naive.transport
     # The baseline is naive model parallelism at its fastest: TensorFlow's own kernels (no XLA), which
@@ -135,9 +173,9 @@ def main() -> None:
         report.append(bubble_line(m, pipeline_bubble(busy, walls))
                       + f"; walk {max(walls):.3f} s, computing {statistics.mean(busy):.3f} s per stage")
     report += [memory_line(model, schedule, x, y, 8, args.width) for schedule in ("gpipe", "1f1b")]
+    report += zero_bubble_report(model, x, y, args.rounds, args.steps)
     if hvd.rank() == 0:
-        print(f"Keras {keras.__version__}: {args.blocks} x (Dense({args.width}), ReLU), batch {args.batch}, 2 stages, "
-              f"1 thread per process, {args.rounds} rounds of {args.steps} steps, messages over {transport}")
+        print(f"{header}, messages over {transport}")
         print("\n".join(report), flush=True)
 
 

@@ -1,4 +1,4 @@
-"""TensorFlow DistributedPipeline on 2 processes (one stage each), GPipe and 1F1B, against one process training the whole model.
+"""TensorFlow DistributedPipeline on 2 processes (one stage each), GPipe, 1F1B and ZB-H1, against one process training the whole model.
 # timeout: 400
 """
 import os
@@ -64,9 +64,14 @@ def test_bad_input_is_refused_on_every_rank_before_communication():
         DistributedPipeline(model, [3, 2], chunks=2, loss_fn=mse, data_parallel=2)
     with pytest.raises(StrategyError, match=r"unknown Keras loss 'msq'"):
         DistributedPipeline(model, [3, 2], chunks=2, loss_fn="msq")
+    inputs = keras.Input((6,))
+    functional = keras.Model(inputs, keras.layers.Dense(3)(keras.layers.Dense(4)(inputs)))
+    with pytest.raises(ScheduleError, match=r"schedule 'zb-h1' splits the backward \(B, W\), which Keras runs for a "
+                                            r"list of layers only"):
+        DistributedPipeline(functional, stages=2, chunks=2, schedule="zb-h1", loss_fn=mse)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
 def test_training_equals_one_process(schedule):
     data = batches()
     expected_losses, expected_weights = reference(data)
@@ -84,8 +89,10 @@ def test_training_equals_one_process(schedule):
     for got, want in zip(merged, expected_weights):
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
     assert pipe.records.records[-1].wall > 0
-    # Stage 0 holds all 4 micro-batches' tapes with GPipe, at most 2 with 1F1B.
-    assert pipe.peak_live == ({"gpipe": 4, "1f1b": 2}[schedule] if pipe.is_first else 1 if schedule == "1f1b" else 4)
+    # Stage 0 holds all 4 micro-batches' tapes with GPipe, at most 2 with 1F1B and ZB-H1 (whose last stage
+    # holds one micro-batch's kept gradients for W while the next one runs).
+    assert pipe.peak_live == ({"gpipe": 4, "1f1b": 2, "zb-h1": 2}[schedule] if pipe.is_first
+                              else {"gpipe": 4, "1f1b": 1, "zb-h1": 2}[schedule])
 
 
 def test_inference_and_set_weights_take_the_full_model():
