@@ -3,7 +3,8 @@
 The core's ``dualframe.dp.shard.ShardLayout`` cuts each param group's trainable parameters into
 buckets (flat buffers of one dtype) and each bucket into one equal slice per rank of the process set.
 Here, per bucket: as soon as backward has produced every gradient of the bucket, the flat gradient
-is reduce-scattered (asynchronously, overlapping the rest of backward); ``step()`` gives each rank's
+is reduced (asynchronously, overlapping the rest of backward; an in-place allreduce, see
+``GRADIENT_COLLECTIVE``) and the rank keeps its slice of the result; ``step()`` gives each rank's
 reduced slice to a copy of the user's optimizer class whose parameters are the rank's flat slices
 (so it holds state for 1/N of the elements), then allgathers the updated slices back into every
 parameter. ``shard="gradients"`` also drops each parameter's full ``.grad`` once its bucket is sent.
