@@ -2,15 +2,18 @@
 
     flock /tmp/dualframe-bench.lock .venv/bin/python scripts/bench_shard_tf.py               # np=2 and np=4
     .venv/bin/python scripts/bench_shard_tf.py --ranks 2 --rounds 5 --width 2048 --layers 5
+    .venv/bin/python scripts/bench_shard_tf.py --ranks 2 --launcher gloo --time-only --scatter reducescatter allreduce
 
-For each number of ranks (np=4 is oversubscribed on a small box: one thread per process), under mpirun:
+For each number of ranks (np=4 is oversubscribed on a small box: one thread per process), under mpirun
+(or ``horovodrun --gloo`` with ``--launcher gloo``):
 
 memory: one launch per mode (plain DistributedOptimizer, shard="optimizer", shard="gradients") of an
         MLP of ``layers`` Dense(width x width) layers (5 x 2048^2: 21M parameters) with Adam. Each rank
         reports its optimizer-state bytes (the slot variables it holds: Adam's m and v) and its peak
         resident memory (``ru_maxrss``); printed as sharded / plain (goal for the state: 1/np).
-time:   one launch holding all three models; rounds interleave them (order rotated each round) and
-        each times ``steps`` fit steps; the ratio of median step times sharded / plain (goal <= 1.10).
+time:   one launch holding all the models (one per sharded mode and ``--scatter`` path); rounds interleave
+        them (order rotated each round) and each times ``steps`` fit steps; the median of the per-round
+        ratios sharded / plain (goal <= 1.10).
 """
 from __future__ import annotations
 
@@ -27,12 +30,12 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from dualframe.launch.commands import mpirun_command, thread_env  # noqa: E402
+from dualframe.launch.commands import horovodrun_command, mpirun_command, thread_env  # noqa: E402
 
 MODES = ("plain", "optimizer", "gradients")
 
 
-def _model_and_data(width: int, layers: int, batch: int, steps: int, mode: str) -> tuple:
+def _model_and_data(width: int, layers: int, batch: int, steps: int, mode: str, scatter: str = "auto") -> tuple:
     import numpy as np
     import keras
     import dualframe.tensorflow.keras as hvd
@@ -41,7 +44,8 @@ def _model_and_data(width: int, layers: int, batch: int, steps: int, mode: str) 
     model = keras.Sequential([keras.Input((width,))] + [keras.layers.Dense(width, activation="relu")
                                                         for _ in range(layers - 1)] + [keras.layers.Dense(10)])
     shard = None if mode == "plain" else mode
-    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(1e-4), shard=shard),
+    extra = {} if shard is None else {"scatter": scatter}
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(1e-4), shard=shard, **extra),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     rng = np.random.RandomState(hvd.rank())
     x, y = rng.randn(steps * batch, width).astype("float32"), rng.randint(0, 10, steps * batch)
@@ -59,7 +63,13 @@ def state_bytes(optimizer) -> int:
     return sum(int(np.prod(v.shape)) * 4 for v in optimizer.inner_optimizer.variables if len(v.shape))
 
 
-def worker(part: str, mode: str, width: int, layers: int, batch: int, steps: int, rounds: int) -> None:
+def contenders(scatters: list) -> list:
+    """The timed models: plain, then each sharded mode with each scatter path ("optimizer/allreduce" ...)."""
+    return ["plain"] + [m if len(scatters) == 1 else f"{m}/{s}" for m in MODES[1:] for s in scatters]
+
+
+def worker(part: str, mode: str, width: int, layers: int, batch: int, steps: int, rounds: int,
+           scatters: list) -> None:
     """Under a launcher: rank 0 prints one RESULT line of JSON."""
     import tensorflow as tf
     import dualframe.tensorflow.keras as hvd
@@ -73,10 +83,12 @@ def worker(part: str, mode: str, width: int, layers: int, batch: int, steps: int
         result = {"state_bytes": int(values[:, 0].max()), "peak_rss": int(values[:, 1].max()),
                   "parameters": int(model.count_params())}
     else:
-        models = {m: _model_and_data(width, layers, batch, steps, m) for m in MODES}
-        times: dict = {m: [] for m in MODES}
+        names = contenders(scatters)
+        models = {n: _model_and_data(width, layers, batch, steps, n.split("/")[0],
+                                     n.split("/")[1] if "/" in n else scatters[0]) for n in names}
+        times: dict = {n: [] for n in names}
         for k in range(rounds):
-            order = MODES[k % 3:] + MODES[:k % 3]  # whichever runs first in a round pays for waking up
+            order = names[k % len(names):] + names[:k % len(names)]  # the first in a round pays for waking up
             for m in order:
                 model, x, y = models[m]
                 hvd.barrier()
@@ -84,7 +96,7 @@ def worker(part: str, mode: str, width: int, layers: int, batch: int, steps: int
                 model.fit(x, y, batch_size=batch, shuffle=False, verbose=0)
                 elapsed = float(hvd.allreduce(tf.constant((time.perf_counter() - start) / steps), op=hvd.Max))
                 times[m].append(elapsed)
-        result = {m: times[m] for m in MODES}
+        result = times
     if hvd.rank() == 0:
         print("RESULT " + json.dumps(result), flush=True)
 
@@ -94,15 +106,30 @@ def launch(ranks: int, part: str, mode: str, args: argparse.Namespace) -> dict:
     env["PATH"] = f"{pathlib.Path(sys.executable).parent}:{env['PATH']}"
     program = [sys.executable, __file__, "--worker", part, "--mode", mode, "--width", str(args.width),
                "--layers", str(args.layers), "--batch", str(args.batch), "--steps", str(args.steps),
-               "--rounds", str(args.rounds)]
-    command = mpirun_command(ranks, program, oversubscribe=True,
-                             export=("PATH", "PYTHONPATH", "TF_CPP_MIN_LOG_LEVEL", *thread_env(1)))
+               "--rounds", str(args.rounds), "--scatter", *args.scatter]
+    if args.launcher == "gloo":
+        command = horovodrun_command(ranks, program, hosts=f"localhost:{ranks}")
+    else:
+        command = mpirun_command(ranks, program, oversubscribe=True,
+                                 export=("PATH", "PYTHONPATH", "TF_CPP_MIN_LOG_LEVEL", *thread_env(1)))
     output = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800, check=True).stdout
     line = next(line for line in output.splitlines() if line.startswith("RESULT "))
     return json.loads(line[len("RESULT "):])
 
 
 def report(ranks: int, args: argparse.Namespace) -> None:
+    if not args.time_only:
+        report_memory(ranks, args)
+    times = launch(ranks, "time", "all", args)
+    base = statistics.median(times["plain"])
+    for name in contenders(args.scatter)[1:]:
+        ratios = [t / p for t, p in zip(times[name], times["plain"])]
+        print(f"  np={ranks} {args.launcher} step time shard={name!r}: {statistics.median(times[name]) * 1e3:.1f} ms "
+              f"vs plain {base * 1e3:.1f} ms, ratio {statistics.median(ratios):.3f} (median of {args.rounds} "
+              f"interleaved rounds: {' '.join(f'{r:.2f}' for r in ratios)}; goal <= 1.10)", flush=True)
+
+
+def report_memory(ranks: int, args: argparse.Namespace) -> None:
     memory = {m: launch(ranks, "memory", m, args) for m in MODES}
     plain = memory["plain"]
     print(f"np={ranks}: {plain['parameters'] / 1e6:.1f}M parameters, Adam; per rank (max over ranks):")
@@ -112,13 +139,6 @@ def report(ranks: int, args: argparse.Namespace) -> None:
               f"({row['state_bytes'] / plain['state_bytes']:.3f} of plain; goal {1 / ranks:.3f}), "
               f"peak RSS {row['peak_rss'] / 2**20:7.1f} MiB ({row['peak_rss'] / plain['peak_rss']:.3f} of plain, "
               f"{(row['peak_rss'] - plain['peak_rss']) / 2**20:+.1f} MiB)", flush=True)
-    times = launch(ranks, "time", "all", args)
-    base = statistics.median(times["plain"])
-    for m in MODES[1:]:
-        ratios = [t / p for t, p in zip(times[m], times["plain"])]
-        print(f"  step time shard={m!r}: {statistics.median(times[m]) * 1e3:.1f} ms vs plain {base * 1e3:.1f} ms, "
-              f"ratio {statistics.median(ratios):.3f} (median of {args.rounds} interleaved rounds; goal <= 1.10)",
-              flush=True)
 
 
 def main() -> None:
@@ -129,11 +149,15 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=5)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--launcher", choices=["mpirun", "gloo"], default="mpirun")
+    parser.add_argument("--scatter", nargs="+", default=["auto"], choices=["auto", "reducescatter", "allreduce"],
+                        help="the sharded optimizer's reduce-scatter path(s) to time (each a contender)")
+    parser.add_argument("--time-only", action="store_true", help="skip the memory launches")
     parser.add_argument("--worker", choices=["memory", "time"], help=argparse.SUPPRESS)
     parser.add_argument("--mode", default="plain", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker, args.mode, args.width, args.layers, args.batch, args.steps, args.rounds)
+        worker(args.worker, args.mode, args.width, args.layers, args.batch, args.steps, args.rounds, args.scatter)
         return
     print(f"load average {os.getloadavg()[0]:.2f} at start", flush=True)
     for ranks in args.ranks:

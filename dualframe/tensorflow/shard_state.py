@@ -85,6 +85,11 @@ class ShardedState:
                 f"(built on {len(self.variables)}, given {len(grads)}); pass every trainable variable each step")
 
     # --- model <-> slices -------------------------------------------------------------------------------------
+    def dense(self, grads: Sequence[Any]) -> List[tf.Tensor]:
+        """The gradients as dense tensors, a missing one as zeros of its variable's shape."""
+        return [tf.zeros(v.shape, v.dtype) if g is None else tf.convert_to_tensor(g)
+                for g, v in zip(grads, self.variables)]
+
     def flatten(self, grads: Sequence[Any]) -> List[tf.Tensor]:
         """Per bucket: the gradients flattened, concatenated and zero-padded (a missing gradient counts as zeros)."""
         assert self.layout is not None
@@ -98,22 +103,34 @@ class ShardedState:
             flats.append(self._pad(parts, bucket.padded - bucket.length, self.slices[len(flats)].dtype))
         return flats
 
+    def own_slices(self, tensors: Sequence[Any]) -> List[tf.Tensor]:
+        """Per bucket: this rank's slice of full-size ``tensors`` (one per model variable), zero-padded.
+
+        Copies 1/N of the elements: what a reduce-scatter made of an allreduce keeps, and what
+        :meth:`load_slices` reads from the model.
+        """
+        assert self.layout is not None
+        out: List[tf.Tensor] = []
+        for bucket, slice_variable in zip(self.layout.buckets, self.slices):
+            pieces = bucket.pieces(self.rank)
+            parts = [tf.reshape(tensors[p.tensor], [-1])[p.start:p.start + p.length] for p in pieces]
+            owned = sum(p.length for p in pieces)
+            out.append(self._pad(parts, bucket.shard - owned, slice_variable.dtype))
+        return out
+
     def load_slices(self) -> None:
         """Copy this rank's slice of the model's current values into the slice variables."""
-        assert self.layout is not None
-        for bucket, slice_variable in zip(self.layout.buckets, self.slices):
-            parts = [tf.reshape(self.variables[p.tensor], [-1])[p.start:p.start + p.length]
-                     for p in bucket.pieces(self.rank)]
-            owned = sum(p.length for p in bucket.pieces(self.rank))
-            slice_variable.assign(self._pad(parts, bucket.shard - owned, slice_variable.dtype))
+        for slice_variable, value in zip(self.slices, self.own_slices(self.variables)):
+            slice_variable.assign(value)
 
     def write_back(self, gathered: Sequence[Any]) -> None:
-        """Write every bucket's allgathered flat buffer into the model's variables."""
+        """Write every bucket's allgathered flat buffer into the model's variables (one split per bucket)."""
         assert self.layout is not None
         for bucket, flat in zip(self.layout.buckets, gathered):
-            for t, offset, size in zip(bucket.tensors, bucket.offsets, bucket.sizes):
+            sizes = list(bucket.sizes) + ([bucket.padded - bucket.length] if bucket.padded > bucket.length else [])
+            for t, part in zip(bucket.tensors, tf.split(flat, sizes)):
                 variable = self.variables[t]
-                variable.assign(tf.reshape(flat[offset:offset + size], variable.shape))
+                variable.assign(tf.reshape(part, variable.shape))
 
     @staticmethod
     def _pad(parts: List[Any], pad: int, dtype: Any) -> tf.Tensor:

@@ -28,6 +28,18 @@ from dualframe.tensorflow.compression import Compression
 from dualframe.tensorflow.optimizer import KerasTwoNames, _config, register_wrapper, wrap_settings
 from dualframe.tensorflow.shard_state import SLICE_NAME, ShardedState, check_elementwise
 
+#: How the gradients reach their owners: one Horovod reduce-scatter of the flat buckets, or an
+#: allreduce of the gradients of which each rank keeps its slice (1.5x the bytes of reduce-scatter
+#: plus allgather, but Horovod 0.28's Gloo reducescatter costs 2-3x its allreduce); "auto" picks per controller.
+SCATTERS = ("auto", "reducescatter", "allreduce")
+
+
+def scatter_path(scatter: str) -> str:
+    """The path ``scatter`` means under the running controller: "auto" is allreduce under Gloo, reducescatter under MPI."""
+    if scatter != "auto":
+        return scatter
+    return "allreduce" if hvd.gloo_enabled() else "reducescatter"
+
 
 @keras.saving.register_keras_serializable(package="dualframe")
 class ShardedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
@@ -62,7 +74,8 @@ class ShardedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
                  device_dense: str = "", device_sparse: str = "", compression: Any = Compression.none,
                  sparse_as_dense: bool = False, gradient_predivide_factor: float = 1.0, op: Any = hvd.Average,
                  backward_passes_per_step: int = 1, average_aggregated_gradients: bool = False,
-                 process_set: Any = None, shard: str = "optimizer", bucket_elements: Optional[int] = None) -> None:
+                 process_set: Any = None, shard: str = "optimizer", bucket_elements: Optional[int] = None,
+                 scatter: str = "auto") -> None:
         settings, accumulation = wrap_settings(
             optimizer, compression, op, sparse_as_dense, gradient_predivide_factor, backward_passes_per_step,
             average_aggregated_gradients, process_set, device_dense, device_sparse)
@@ -71,10 +84,14 @@ class ShardedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
             raise StrategyError("ShardedOptimizer needs shard='optimizer' or 'gradients'; for shard=None use "
                                 "hvd.DistributedOptimizer")
         check_elementwise(optimizer)
+        if scatter not in SCATTERS:
+            raise StrategyError(f"scatter must be one of {', '.join(SCATTERS)} (scatter: {scatter!r}); 'auto' picks "
+                                f"the faster path for the controller")
         ShardLayout.build([], 1, bucket_elements=bucket_elements)  # checks bucket_elements now, not at build
         super().__init__(learning_rate=0.0, name=name or f"sharded_{optimizer.name}")
         self.shard = mode
         self.bucket_elements = bucket_elements
+        self.scatter = scatter
         self.reduction = settings
         self.accumulation = accumulation
         # A plain holder: the Keras optimizer tracks Variables and optimizers set as attributes, and the
@@ -186,11 +203,17 @@ class ShardedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
         ops.cond(ops.equal(zero.counter, steps), boundary, lambda: None)
 
     def _reduce_scatter(self, grads: List[Any]) -> List[tf.Tensor]:
-        flats = self._zero.flatten(grads)
         settings = self.reduction
         if settings.process_set.size() == 1:
-            return flats
+            return self._zero.own_slices(self._zero.dense(grads))
         prescale, postscale = settings.scale_factors()
+        if scatter_path(self.scatter) == "allreduce":
+            reduced = hvd.grouped_allreduce(
+                self._zero.dense(grads), op=settings.horovod_op, compression=settings.compression,
+                process_set=settings.process_set, prescale_factor=prescale, postscale_factor=postscale,
+                device_dense=settings.device_dense)
+            return self._zero.own_slices(list(reduced))
+        flats = self._zero.flatten(grads)
         return list(hvd.grouped_reducescatter(
             flats, op=settings.horovod_op, compression=settings.compression, process_set=settings.process_set,
             prescale_factor=prescale, postscale_factor=postscale, device_dense=settings.device_dense))
@@ -252,7 +275,7 @@ class ShardedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
 
     def get_config(self) -> Dict[str, Any]:
         return {"name": self.name, "optimizer": keras.saving.serialize_keras_object(self._zero.inner),
-                "shard": self.shard, "bucket_elements": self.bucket_elements,
+                "shard": self.shard, "bucket_elements": self.bucket_elements, "scatter": self.scatter,
                 **_config(self.reduction, self.accumulation)}
 
     @classmethod
