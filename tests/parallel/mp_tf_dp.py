@@ -356,6 +356,18 @@ def test_sharded_fit_equals_plain_data_parallelism(shard, name, run_eagerly, pas
     assert opt.state_bytes() <= full // SIZE + 64  # this rank's slots: half of the plain optimizer's
 
 
+@pytest.mark.parametrize("scatter", ["reducescatter", "allreduce"])
+def test_sharded_scatter_paths_equal_plain_data_parallelism(scatter):
+    """Both reduce-scatter paths ("auto" picks one per controller) under each launcher: plain DP's numbers."""
+    x, y = data(seed=22)
+    opt = hvd.DistributedOptimizer(keras.optimizers.Adam(0.01), shard="gradients", scatter=scatter)
+    model = sharded_fit(opt, x, y)
+    ref = plain_fit(keras.optimizers.Adam(0.01), x, y, PER_RANK * SIZE)
+    assert_equal_on_all_ranks(model)
+    np.testing.assert_allclose(flat(model), flat(ref), atol=1e-5)
+    assert_same_state(opt, ref.optimizer)
+
+
 def test_sharded_fp16_compression_within_fp16_tolerance():
     x, y = data(seed=21)
     model = sharded_fit(hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.5), shard="gradients",
