@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 from dualframe.launch.commands import horovodrun_command, mpirun_command, thread_env  # noqa: E402
 
 MODES = ("plain", "optimizer", "gradients")
+BUCKET_ELEMENTS = [None]  # set from --bucket-elements in the worker
 
 
 def _model_and_data(width: int, layers: int, batch: int, steps: int, mode: str, scatter: str = "auto") -> tuple:
@@ -44,7 +45,7 @@ def _model_and_data(width: int, layers: int, batch: int, steps: int, mode: str, 
     model = keras.Sequential([keras.Input((width,))] + [keras.layers.Dense(width, activation="relu")
                                                         for _ in range(layers - 1)] + [keras.layers.Dense(10)])
     shard = None if mode == "plain" else mode
-    extra = {} if shard is None else {"scatter": scatter}
+    extra = {} if shard is None else {"scatter": scatter, "bucket_elements": BUCKET_ELEMENTS[0]}
     model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(1e-4), shard=shard, **extra),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     rng = np.random.RandomState(hvd.rank())
@@ -106,15 +107,16 @@ def launch(ranks: int, part: str, mode: str, args: argparse.Namespace) -> dict:
     env["PATH"] = f"{pathlib.Path(sys.executable).parent}:{env['PATH']}"
     program = [sys.executable, __file__, "--worker", part, "--mode", mode, "--width", str(args.width),
                "--layers", str(args.layers), "--batch", str(args.batch), "--steps", str(args.steps),
-               "--rounds", str(args.rounds), "--scatter", *args.scatter]
+               "--rounds", str(args.rounds), "--scatter", *args.scatter,
+               *(["--bucket-elements", str(args.bucket_elements)] if args.bucket_elements else [])]
     if args.launcher == "gloo":
         command = horovodrun_command(ranks, program, hosts=f"localhost:{ranks}")
     else:
         command = mpirun_command(ranks, program, oversubscribe=True,
                                  export=("PATH", "PYTHONPATH", "TF_CPP_MIN_LOG_LEVEL", *thread_env(1)))
     output = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800, check=True).stdout
-    line = next(line for line in output.splitlines() if line.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
+    line = next(line for line in output.splitlines() if "RESULT " in line)  # horovodrun prefixes "[0]<stdout>:"
+    return json.loads(line.split("RESULT ", 1)[1])
 
 
 def report(ranks: int, args: argparse.Namespace) -> None:
@@ -152,10 +154,12 @@ def main() -> None:
     parser.add_argument("--launcher", choices=["mpirun", "gloo"], default="mpirun")
     parser.add_argument("--scatter", nargs="+", default=["auto"], choices=["auto", "reducescatter", "allreduce"],
                         help="the sharded optimizer's reduce-scatter path(s) to time (each a contender)")
+    parser.add_argument("--bucket-elements", type=int, default=None, help="the sharded optimizer's bucket cap")
     parser.add_argument("--time-only", action="store_true", help="skip the memory launches")
     parser.add_argument("--worker", choices=["memory", "time"], help=argparse.SUPPRESS)
     parser.add_argument("--mode", default="plain", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    BUCKET_ELEMENTS[0] = args.bucket_elements
     if args.worker:
         worker(args.worker, args.mode, args.width, args.layers, args.batch, args.steps, args.rounds, args.scatter)
         return
