@@ -8,6 +8,7 @@ graph's edges by ``dualframe.pipeline.graph_walk`` as torch's is) and the Horovo
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import keras
@@ -28,6 +29,8 @@ from dualframe.pipeline.graph import GraphSplit, stage_count
 from dualframe.tensorflow.graph import KerasGraph, capture
 from dualframe.tensorflow.distributed_graph import process_stages
 from dualframe.tensorflow.graph_stage_work import GraphStageFunction, TFGraphStageWork
+
+_LOG = logging.getLogger(__name__)
 
 
 def _layers_of(layers: Any) -> List[Any]:
@@ -54,6 +57,24 @@ def _loss_of(loss_fn: Any) -> Any:
         return keras.losses.get(loss_fn)
     except ValueError:
         raise StrategyError(f"unknown Keras loss {loss_fn!r}; use a name such as 'mse' or a callable") from None
+
+
+def _draws_random_numbers(layers: Sequence[Any]) -> bool:
+    """Whether a stage holds a layer with a Keras seed generator (Dropout, GaussianNoise, random augmentation ...).
+
+    Under XLA, TensorFlow's stateless random ops pick another algorithm than on the CPU, so a Dropout
+    mask would differ from the one process's and the pipeline would no longer equal it: such a stage
+    runs as a plain ``tf.function``.
+    """
+    for stage_layer in layers:
+        # A graph stage (distributed_graph.GraphStage) is a plain holder of its Keras layers.
+        held = stage_layer.layers if not isinstance(stage_layer, keras.layers.Layer) else [stage_layer]
+        for inner in (sub for layer in held for sub in layer._flatten_layers(include_self=True, recursive=True)):
+            if isinstance(getattr(inner, "seed_generator", None), keras.random.SeedGenerator):
+                _LOG.info("stage layer %s draws random numbers: compiled without XLA so its random stream is "
+                          "TensorFlow's CPU one, as in one process", inner.name)
+                return True
+    return False
 
 
 class DistributedPipeline(StageView):
@@ -145,6 +166,7 @@ class DistributedPipeline(StageView):
         self._all_layers = all_layers
         # One trace per training flag and (relaxed) input shape, kept across steps (see pipeline_work,
         # graph_stage_work): each micro-batch's pass is one compiled call.
+        jit_compile = jit_compile and not _draws_random_numbers(self.layers)
         self._functions = (StageFunctions(self.layers, self.is_first, loss_fn, jit_compile) if self.split is None
                            else None)
         self._graph_function = (None if self.split is None or self.captured is None else GraphStageFunction(
