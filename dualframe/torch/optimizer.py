@@ -38,8 +38,8 @@ def _check_optimizer(optimizer: object) -> torch.optim.Optimizer:
     return optimizer
 
 
-def _weak_hook(wrapper: "DistributedOptimizer") -> Callable[[torch.Tensor], None]:
-    # A discarded wrapper must not keep reducing: the parameter's hook holds it weakly.
+def _weak_hook(wrapper: Any) -> Callable[[torch.Tensor], None]:
+    # A discarded wrapper (plain or sharded) must not keep reducing: the parameter's hook holds it weakly.
     ref = weakref.ref(wrapper)
 
     def hook(p: torch.Tensor) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import inspect
 import os
 import warnings
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
@@ -26,7 +25,7 @@ from dualframe.errors import StrategyError
 from dualframe.torch import dp_checks
 from dualframe.torch.collectives import OPS, check_initialized, hvd
 from dualframe.torch.compression import Compression
-from dualframe.torch.optimizer import DistributedOptimizer, _check_optimizer, _WRAPPED
+from dualframe.torch.optimizer import DistributedOptimizer, _check_optimizer, _weak_hook, _WRAPPED
 from dualframe.torch import shard_state
 
 #: Buckets whose updated slices are being allgathered at once.
@@ -109,16 +108,6 @@ def _adopt(params: List[torch.Tensor], bucket: Bucket) -> torch.Tensor:
             buffer[offset:offset + size].copy_(p.detach().reshape(-1))
             p.data = buffer[offset:offset + size].view_as(p)
     return buffer
-
-
-def _weak_hook(wrapper: "ShardedOptimizer") -> Callable[[torch.Tensor], None]:
-    ref = weakref.ref(wrapper)
-
-    def hook(p: torch.Tensor) -> None:
-        alive = ref()
-        if alive is not None:
-            alive._on_gradient(p)
-    return hook
 
 
 def _make_inner(cls: type, groups: List[Dict[str, Any]], defaults: Dict[str, Any]) -> torch.optim.Optimizer:
