@@ -11,22 +11,21 @@ parameter. ``shard="gradients"`` also drops each parameter's full ``.grad`` once
 """
 from __future__ import annotations
 
-import inspect
 import os
 import warnings
-from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
 from dualframe.dp.settings import ReduceSettings
-from dualframe.dp.shard import BUCKET_ELEMENTS, Bucket, ShardLayout, check_same_parameters, check_shard, parameter_signature
+from dualframe.dp.shard import BUCKET_ELEMENTS, ShardLayout, check_same_parameters, check_shard, parameter_signature
 from dualframe.errors import StrategyError
 from dualframe.torch import dp_checks
 from dualframe.torch.collectives import OPS, check_initialized, hvd
 from dualframe.torch.compression import Compression
 from dualframe.torch.optimizer import DistributedOptimizer, _check_optimizer, _weak_hook, _WRAPPED
 from dualframe.torch import shard_state
+from dualframe.torch.shard_buckets import Slot, adopt, check_elementwise, make_inner
 
 #: Buckets whose updated slices are being allgathered at once.
 GATHER_WINDOW = 2
@@ -36,86 +35,6 @@ REDUCE_WINDOW = 4
 #: "reducescatter". Under mpirun on a 2-core box Horovod's allreduce of 50 M floats took 0.85x the time of
 #: its reducescatter (and moves the result in place, with no output tensor): the sums are the same.
 GRADIENT_COLLECTIVE = "allreduce"
-
-#: Optimizers whose update of an element reads only that element's parameter, gradient and state
-#: (plus scalars such as the step count): a slice of the flat parameters steps exactly as the whole.
-ELEMENTWISE = tuple(getattr(torch.optim, name) for name in (
-    "SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "RMSprop", "Rprop", "NAdam", "RAdam", "ASGD")
-    if hasattr(torch.optim, name))
-
-
-def check_elementwise(optimizer: torch.optim.Optimizer) -> None:
-    """Refuse optimizers whose update of an element depends on other elements (the rule of sharding).
-
-    Allowed: the built-in element-wise classes (``ELEMENTWISE``), or a class that declares
-    ``dualframe_elementwise = True``. Refused: LBFGS (a line search over all parameters, closures),
-    Adafactor (row and column statistics of each matrix), Muon (orthogonalizes each matrix),
-    SparseAdam (sparse gradients), and any other class, including subclasses of allowed ones, whose
-    ``step`` could read whole tensors (norms, trust ratios as in LAMB/LARS).
-    """
-    cls = type(optimizer)
-    if cls in ELEMENTWISE or getattr(cls, "dualframe_elementwise", False) is True:
-        return
-    raise StrategyError(
-        f"shard= needs an element-wise optimizer, whose update of an element reads only that element's "
-        f"parameter, gradient and state ({cls.__name__} is not known to be one; allowed: "
-        f"{', '.join(c.__name__ for c in ELEMENTWISE)}). LBFGS, Adafactor, Muon, LAMB/LARS read whole "
-        f"tensors; use shard=None, or set {cls.__name__}.dualframe_elementwise = True if its update is element-wise"
-    )
-
-
-@dataclass(eq=False)
-class Slot:
-    """One bucket at run time: its parameters, stored as views of one flat buffer, and the rank's slice of it.
-
-    ``flat`` (the inner optimizer's parameter) is a view of ``buffer``: stepping it updates this
-    rank's part of the model's parameters in place, with no copy of the slice to keep in sync.
-    """
-
-    name: str
-    bucket: Bucket
-    params: List[torch.Tensor]  # the param group's trainable parameters (the layout's tensor list)
-    buffer: torch.Tensor  # the bucket's padded flat buffer; its parameters are views of it
-    flat: torch.nn.Parameter
-    start: int  # this rank's first element in the padded flat buffer
-    ready: int = 0
-    pending: Optional[Tuple[Any, Any, torch.Tensor]] = None  # (handle, compression context, send buffer)
-    done: bool = False
-    order: int = 0  # when its reduce-scatter was started
-    members: List[torch.Tensor] = field(default_factory=list)
-
-    def gather_into(self, values: torch.Tensor, out: Dict[torch.Tensor, torch.Tensor]) -> None:
-        """Cut a padded flat buffer back into one tensor per parameter of the bucket."""
-        for t, offset, size in zip(self.bucket.tensors, self.bucket.offsets, self.bucket.sizes):
-            p = self.params[t]
-            out[p] = values[offset:offset + size].view_as(p)
-
-    def check_views(self) -> None:
-        """Refuse parameters that no longer live in the buffer (moved or re-assigned after wrapping)."""
-        for p, offset in zip(self.members, self.bucket.offsets):
-            if p.data_ptr() != self.buffer[offset:].data_ptr():
-                raise StrategyError(
-                    f"a parameter of a sharded optimizer was moved or re-assigned after wrapping (shape "
-                    f"{tuple(p.shape)}, e.g. by model.to(...) or p.data = ...); move the model first, then wrap")
-
-
-def _adopt(params: List[torch.Tensor], bucket: Bucket) -> torch.Tensor:
-    """Copy a bucket's parameters into one padded flat buffer and make each parameter a view of it."""
-    first = params[0]
-    buffer = torch.zeros(bucket.padded, dtype=first.dtype, device=first.device)
-    with torch.no_grad():
-        for p, offset, size in zip(params, bucket.offsets, bucket.sizes):
-            buffer[offset:offset + size].copy_(p.detach().reshape(-1))
-            p.data = buffer[offset:offset + size].view_as(p)
-    return buffer
-
-
-def _make_inner(cls: type, groups: List[Dict[str, Any]], defaults: Dict[str, Any]) -> torch.optim.Optimizer:
-    # Same class, same hyperparameters: the defaults the constructor accepts, the groups' own values.
-    accepted = inspect.signature(cls).parameters
-    kwargs = {k: v for k, v in defaults.items() if k in accepted and k != "params"}
-    return cls(groups, **kwargs)  # type: ignore[no-any-return]
-
 
 class ShardedOptimizer(DistributedOptimizer):
     """``DistributedOptimizer(..., shard="optimizer"|"gradients")``: optimizer state (and gradients) kept 1/N per rank.
@@ -212,7 +131,7 @@ class ShardedOptimizer(DistributedOptimizer):
             flats = []
             for b, bucket in enumerate(layout.buckets):
                 members = [params[t] for t in bucket.tensors]
-                buffer = _adopt(members, bucket)
+                buffer = adopt(members, bucket)
                 start = self.rank * bucket.shard
                 flat = torch.nn.Parameter(buffer[start:start + bucket.shard])  # a view: shares the buffer
                 slot = Slot(f"{g}.{b}", bucket, params, buffer, flat, start, members=members)
@@ -222,7 +141,7 @@ class ShardedOptimizer(DistributedOptimizer):
                 flats.append(flat)
             self._group_of.append((g, len(inner_groups)))
             inner_groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": flats})
-        self._inner = _make_inner(type(self._optimizer), inner_groups, self._optimizer.defaults)
+        self._inner = make_inner(type(self._optimizer), inner_groups, self._optimizer.defaults)
 
     @property
     def inner(self) -> torch.optim.Optimizer:

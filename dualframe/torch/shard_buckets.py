@@ -1,0 +1,94 @@
+"""A torch sharded optimizer's buckets: flat buffers whose views are the parameters, this rank's slice, and the element-wise rule.
+
+``dualframe.torch.sharded_optimizer`` reduces and gathers these buckets; the layout itself (which slice
+each rank owns) is the core's ``dualframe.dp.shard.ShardLayout``.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from dualframe.dp.shard import Bucket
+from dualframe.errors import StrategyError
+
+#: Optimizers whose update of an element reads only that element's parameter, gradient and state
+#: (plus scalars such as the step count): a slice of the flat parameters steps exactly as the whole.
+ELEMENTWISE = tuple(getattr(torch.optim, name) for name in (
+    "SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "RMSprop", "Rprop", "NAdam", "RAdam", "ASGD")
+    if hasattr(torch.optim, name))
+
+
+def check_elementwise(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse optimizers whose update of an element depends on other elements (the rule of sharding).
+
+    Allowed: the built-in element-wise classes (``ELEMENTWISE``), or a class that declares
+    ``dualframe_elementwise = True``. Refused: LBFGS (a line search over all parameters, closures),
+    Adafactor (row and column statistics of each matrix), Muon (orthogonalizes each matrix),
+    SparseAdam (sparse gradients), and any other class, including subclasses of allowed ones, whose
+    ``step`` could read whole tensors (norms, trust ratios as in LAMB/LARS).
+    """
+    cls = type(optimizer)
+    if cls in ELEMENTWISE or getattr(cls, "dualframe_elementwise", False) is True:
+        return
+    raise StrategyError(
+        f"shard= needs an element-wise optimizer, whose update of an element reads only that element's "
+        f"parameter, gradient and state ({cls.__name__} is not known to be one; allowed: "
+        f"{', '.join(c.__name__ for c in ELEMENTWISE)}). LBFGS, Adafactor, Muon, LAMB/LARS read whole "
+        f"tensors; use shard=None, or set {cls.__name__}.dualframe_elementwise = True if its update is element-wise"
+    )
+
+
+@dataclass(eq=False)
+class Slot:
+    """One bucket at run time: its parameters, stored as views of one flat buffer, and the rank's slice of it.
+
+    ``flat`` (the inner optimizer's parameter) is a view of ``buffer``: stepping it updates this
+    rank's part of the model's parameters in place, with no copy of the slice to keep in sync.
+    """
+
+    name: str
+    bucket: Bucket
+    params: List[torch.Tensor]  # the param group's trainable parameters (the layout's tensor list)
+    buffer: torch.Tensor  # the bucket's padded flat buffer; its parameters are views of it
+    flat: torch.nn.Parameter
+    start: int  # this rank's first element in the padded flat buffer
+    ready: int = 0
+    pending: Optional[Tuple[Any, Any, torch.Tensor]] = None  # (handle, compression context, send buffer)
+    done: bool = False
+    order: int = 0  # when its reduce-scatter was started
+    members: List[torch.Tensor] = field(default_factory=list)
+
+    def gather_into(self, values: torch.Tensor, out: Dict[torch.Tensor, torch.Tensor]) -> None:
+        """Cut a padded flat buffer back into one tensor per parameter of the bucket."""
+        for t, offset, size in zip(self.bucket.tensors, self.bucket.offsets, self.bucket.sizes):
+            p = self.params[t]
+            out[p] = values[offset:offset + size].view_as(p)
+
+    def check_views(self) -> None:
+        """Refuse parameters that no longer live in the buffer (moved or re-assigned after wrapping)."""
+        for p, offset in zip(self.members, self.bucket.offsets):
+            if p.data_ptr() != self.buffer[offset:].data_ptr():
+                raise StrategyError(
+                    f"a parameter of a sharded optimizer was moved or re-assigned after wrapping (shape "
+                    f"{tuple(p.shape)}, e.g. by model.to(...) or p.data = ...); move the model first, then wrap")
+
+
+def adopt(params: List[torch.Tensor], bucket: Bucket) -> torch.Tensor:
+    """Copy a bucket's parameters into one padded flat buffer and make each parameter a view of it."""
+    first = params[0]
+    buffer = torch.zeros(bucket.padded, dtype=first.dtype, device=first.device)
+    with torch.no_grad():
+        for p, offset, size in zip(params, bucket.offsets, bucket.sizes):
+            buffer[offset:offset + size].copy_(p.detach().reshape(-1))
+            p.data = buffer[offset:offset + size].view_as(p)
+    return buffer
+
+
+def make_inner(cls: type, groups: List[Dict[str, Any]], defaults: Dict[str, Any]) -> torch.optim.Optimizer:
+    # Same class, same hyperparameters: the defaults the constructor accepts, the groups' own values.
+    accepted = inspect.signature(cls).parameters
+    kwargs = {k: v for k, v in defaults.items() if k in accepted and k != "params"}
+    return cls(groups, **kwargs)  # type: ignore[no-any-return]
