@@ -10,8 +10,8 @@ stages. A message is two frames, ``(sender rank, tag)`` then the bytes; a receiv
 oldest message of its (rank, tag), as MPI's matching does.
 
 A wait polls the PULL socket (the caller's thread sleeps in ZeroMQ's poll, not in a busy loop), and
-a socket monitor on each peer's PUSH socket tells when that peer's connection dropped (its process
-died), which ends a wait on that peer with ``PeerLostError`` after ``GRACE_S`` (its last messages may
+a socket monitor on each peer's PUSH socket tells when that peer's connection dropped or is refused
+(its process died, before or after we first connected), which ends a wait on that peer with ``PeerLostError`` after ``GRACE_S`` (its last messages may
 still be on their way); a silent peer ends it at the link's timeout. pyzmq
 is imported only when a pipeline opens this transport, so importing this module loads no ZeroMQ.
 """
@@ -153,7 +153,8 @@ class ZMQDirect(Generic[T]):
             push.setsockopt(zmq.LINGER, LINGER_MS)
             # An address of our own: pyzmq's default names it after the socket's file descriptor, which
             # a closed pipeline's socket may still hold, and its last events would reach this one.
-            monitor = push.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED,
+            events = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+            monitor = push.get_monitor_socket(events,
                                               addr=f"inproc://dualframe-monitor-{os.getpid()}-{next(_MONITORS)}")
             push.connect(self.peers[rank])
             self._poller.register(monitor, zmq.POLLIN)
@@ -197,7 +198,9 @@ class ZMQDirect(Generic[T]):
         for rank, (_, monitor) in self._outboxes.items():
             while monitor in ready and monitor.poll(0):
                 event = recv_monitor_message(monitor)["event"]
-                if event == self.zmq.EVENT_DISCONNECTED:
+                # Refused (CONNECT_RETRIED): every rank bound its socket before the addresses were
+                # exchanged, so a refusal means the peer's socket closed before we ever connected.
+                if event in (self.zmq.EVENT_DISCONNECTED, self.zmq.EVENT_CONNECT_RETRIED):
                     self._lost.setdefault(rank, time.monotonic())
                 elif event == self.zmq.EVENT_CONNECTED:  # ZeroMQ reconnected: the peer is alive
                     self._lost.pop(rank, None)

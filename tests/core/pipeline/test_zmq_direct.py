@@ -63,11 +63,16 @@ def test_a_message_of_another_size_is_refused():
         second.done(second.receive(array.array("d", [0.0] * 2), source=0, tag=0), timeout=5.0)
 
 
-def test_a_peer_whose_process_ended_stops_the_wait():
+@pytest.mark.parametrize("connected_first", [True, False], ids=["after-connecting", "before-connecting"])
+def test_a_peer_whose_process_ended_stops_the_wait(connected_first):
     first, second = pair()
+    if connected_first:  # rank 0 talked to rank 1 before it went: the connection drops
+        first.send(array.array("d", [1.0]), dest=1, tag=9)
+        assert second.done(second.receive(array.array("d", [0.0]), source=0, tag=9), timeout=5.0)
+    else:  # rank 1 went before rank 0 ever connected: the connection is refused
+        second.inbox.close(linger=0)
     waiting = first.receive(array.array("d", [0.0]), source=1, tag=0)
-    for sock in [second.inbox]:  # rank 1's process ends: its listening socket closes
-        sock.close(linger=0)
+    second.inbox.close(linger=0)  # rank 1's process ends: its listening socket closes
     begin = time.monotonic()
     with pytest.raises(PeerLostError, match=r"^waiting for F0: rank 1 closed its connection \(its process ended\)"):
         wait_for(first, waiting, "waiting for F0", timeout=30.0)
