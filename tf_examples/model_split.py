@@ -17,19 +17,6 @@ import dualframe.tensorflow as hvd  # noqa: E402
 from dualframe.observe.timeline import report  # noqa: E402
 
 
-def devices_from(args: argparse.Namespace) -> list:
-    """The --devices list; without GPUs, logical CPU devices stand in (made before TF starts)."""
-    if args.devices:
-        devices = args.devices.split(",")
-        cpus = [int(d.rsplit(":", 1)[1]) for d in devices if "CPU" in d.upper() and ":" in d]
-        if cpus:
-            hvd.logical_cpus(max(cpus) + 1)  # dualframe: /CPU:1 ... exist only if made first
-        return devices
-    if tf.config.list_physical_devices("GPU"):
-        return None  # dualframe: the visible GPUs (the local rank's share under a launcher)
-    return hvd.logical_cpus(args.groups)
-
-
 def layers(width: int, depth: int) -> list:
     keras.utils.set_random_seed(0)
     return ([keras.layers.Dense(width, activation="relu") for _ in range(depth + 1)] + [keras.layers.Dense(1)])
@@ -47,7 +34,7 @@ def main() -> None:
     parser.add_argument("--trace", help="write an eager step's Chrome trace here")
     args = parser.parse_args()
 
-    devices = devices_from(args)
+    devices = hvd.stage_devices(args.devices, args.groups)  # dualframe: GPUs, else logical CPUs
     parts = layers(args.width, args.depth)
     groups = len(devices) if devices else args.groups
     balance = [len(parts) // groups + (1 if j < len(parts) % groups else 0) for j in range(groups)]

@@ -22,19 +22,6 @@ from dualframe.observe.timeline import report  # noqa: E402
 CLASSES = 4
 
 
-def devices_from(args: argparse.Namespace) -> list:
-    """The --devices list; without GPUs, logical CPU devices stand in (made before TF starts)."""
-    if args.devices:
-        devices = args.devices.split(",")
-        cpus = [int(d.rsplit(":", 1)[1]) for d in devices if "CPU" in d.upper() and ":" in d]
-        if cpus:
-            hvd.logical_cpus(max(cpus) + 1)  # dualframe: /CPU:1 ... exist only if made first
-        return devices
-    if tf.config.list_physical_devices("GPU"):
-        return None  # dualframe: the visible GPUs (the local rank's share under a launcher)
-    return hvd.logical_cpus(2)
-
-
 def resnet(width: int, blocks: int, size: int) -> keras.Model:
     """A small ResNet: a stem, residual blocks (every other one halving the resolution), pooled logits."""
     keras.utils.set_random_seed(0)
@@ -103,7 +90,7 @@ def main() -> None:
     processes = detect().distributed  # dualframe: launched with -np 2: one stage per process
     if processes:
         hvd.init()  # dualframe:
-    devices = None if processes else devices_from(args)
+    devices = None if processes else hvd.stage_devices(args.devices, 2)  # dualframe: GPUs, else logical CPUs
     if args.resnet50:
         args.size = 32
         model = keras.applications.ResNet50(weights=None, input_shape=(32, 32, 3), classes=CLASSES)

@@ -17,19 +17,6 @@ import dualframe.tensorflow as hvd  # noqa: E402
 from dualframe.observe.timeline import report  # noqa: E402
 
 
-def devices_from(args: argparse.Namespace) -> list:
-    """The --devices list; without GPUs, logical CPU devices stand in (made before TF starts)."""
-    if args.devices:
-        devices = args.devices.split(",")
-        cpus = [int(d.rsplit(":", 1)[1]) for d in devices if "CPU" in d.upper() and ":" in d]
-        if cpus:
-            hvd.logical_cpus(max(cpus) + 1)  # dualframe: /CPU:1 ... exist only if made first
-        return devices
-    if tf.config.list_physical_devices("GPU"):
-        return None  # dualframe: the visible GPUs (the local rank's share under a launcher)
-    return hvd.logical_cpus(args.stages)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--devices", help="comma-separated, one per stage (e.g. /CPU:0,/CPU:1 or /GPU:0,/GPU:1)")
@@ -44,7 +31,7 @@ def main() -> None:
     parser.add_argument("--trace", help="write an eager step's Chrome trace here")
     args = parser.parse_args()
 
-    devices = devices_from(args)
+    devices = hvd.stage_devices(args.devices, args.stages)  # dualframe: GPUs, else logical CPUs
     keras.utils.set_random_seed(0)
     parts = [keras.layers.Dense(args.width, activation="relu") for _ in range(args.depth + 1)] + [keras.layers.Dense(1)]
     sample = tf.random.normal((args.batch // args.chunks, 16))

@@ -94,10 +94,10 @@ __all__ += ["DistributedGradientTape", "PartialDistributedGradientTape", "SyncBa
 
 # --- Model split and pipelines in one process ------------------------------------------------------------------
 from dualframe.tensorflow.balance import balance_by_size, balance_by_time  # noqa: E402
-from dualframe.tensorflow.model_parallel import ModelParallel, logical_cpus  # noqa: E402
+from dualframe.tensorflow.model_parallel import ModelParallel, logical_cpus, stage_devices  # noqa: E402
 from dualframe.tensorflow.pipeline import Pipeline  # noqa: E402
 
-__all__ += ["ModelParallel", "Pipeline", "logical_cpus", "balance_by_size", "balance_by_time"]
+__all__ += ["ModelParallel", "Pipeline", "logical_cpus", "stage_devices", "balance_by_size", "balance_by_time"]
 
 # --- Process pipelines: each stage a process, and data x pipeline ---------------------------------------------
 from dualframe.pipeline.layout import PeerLostError  # noqa: E402

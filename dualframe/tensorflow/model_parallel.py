@@ -63,6 +63,37 @@ def logical_cpus(count: int) -> List[str]:
     return [f"/CPU:{k}" for k in range(count)]
 
 
+def stage_devices(devices: Optional[Any] = None, count: int = 2) -> Optional[List[str]]:
+    """The devices for a split, the same script on a GPU node and on a laptop.
+
+    ``devices`` (a list or a comma-separated string such as a ``--devices`` option) is kept, with the
+    logical CPU devices it names made first (``/CPU:1`` exists only then). Without it: None when
+    GPUs are visible (``ModelParallel`` then takes them, the local rank's share under a launcher),
+    else ``count`` logical CPUs. Like ``logical_cpus``, call it before TensorFlow runs any op.
+
+    Args:
+        devices: the devices asked for, or None.
+        count: how many stages, when no devices are given and no GPU is visible.
+
+    Raises:
+        DeviceError: a name that is not a device, or TensorFlow initialized with fewer CPU devices.
+
+    Example:
+        >>> import dualframe.tensorflow as hvd                                    # doctest: +SKIP
+        >>> hvd.stage_devices("/CPU:0,/CPU:1")                                     # doctest: +SKIP
+        ['/CPU:0', '/CPU:1']
+    """
+    if devices:
+        names = [canonical_device(d) for d in (devices.split(",") if isinstance(devices, str) else devices)]
+        cpus = [int(name.rsplit(":", 1)[1]) for name in names if name.startswith("/CPU")]
+        if cpus:
+            logical_cpus(max(cpus) + 1)
+        return names
+    if tf.config.list_physical_devices("GPU"):
+        return None
+    return logical_cpus(count)
+
+
 class ModelParallel(Recording, keras.Model):
     """The Keras model running the strategy ``dualframe.ModelParallel``: a model in stages, stage j's on ``devices[j]``.
 

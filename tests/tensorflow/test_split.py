@@ -67,6 +67,16 @@ def test_fit_equals_the_unsplit_model():
     assert split.get_weights()[0].shape == (6, 12)  # layer order
 
 
+def test_stage_devices_keeps_what_was_asked_and_stands_logical_cpus_in_for_missing_gpus():
+    assert hvd.stage_devices("/CPU:0, cpu:1") == ["/CPU:0", "/CPU:1"]
+    assert hvd.stage_devices(["/CPU:2", "/CPU:3"]) == ["/CPU:2", "/CPU:3"]
+    assert hvd.stage_devices(None, 3) == ["/CPU:0", "/CPU:1", "/CPU:2"]  # no GPU here; 4 logical CPUs exist
+    with pytest.raises(DeviceError, match="unknown device 'gpu-one'"):
+        hvd.stage_devices("/CPU:0,gpu-one")
+    with pytest.raises(DeviceError, match="TensorFlow is already initialized"):
+        hvd.stage_devices("/CPU:7")  # more CPU devices than exist, once TensorFlow runs
+
+
 def test_devices_omitted_fall_back_to_cpu():
     assert hvd.ModelParallel(layers(), [2, 2]).devices == ("/CPU:0", "/CPU:0")
 
