@@ -196,18 +196,6 @@ class GraphStepRun(StepRun):
             if g is not None:
                 old[k] = g if held is None else held + g.to(held.device)
 
-    def _accumulate(self, j: int, found: Sequence[Optional[torch.Tensor]]) -> None:
-        trainable = iter(found)
-        for index, p in enumerate(self.params[j]):
-            if p.requires_grad:
-                g = next(trainable)
-                if g is not None:
-                    old = self.param_grads[j][index]
-                    if old is None:
-                        self.param_grads[j][index] = g
-                    else:
-                        old.add_(g)
-
     def _input_gradient(self) -> Dict[str, Grads]:
         """Per model input, its tensor leaves' gradients joined over micro-batches (None: no gradient)."""
         joined: Dict[str, Grads] = {}

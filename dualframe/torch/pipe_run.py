@@ -106,7 +106,11 @@ class StepRun:
             targets = ([x] if x.requires_grad else []) + [p for p in self.params[j] if p.requires_grad]
             grads = torch.autograd.grad(out, targets, upstream.to(device, non_blocking=True), allow_unused=True)
         self.grad_inputs[(i, j)] = grads[0] if x.requires_grad else None
-        trainable = iter(grads[1:] if x.requires_grad else grads)
+        self._accumulate(j, grads[1:] if x.requires_grad else grads)
+
+    def _accumulate(self, j: int, found: Sequence[Optional[torch.Tensor]]) -> None:
+        """Add stage j's parameter gradients of one micro-batch (``found``: one per trainable parameter) into the step's."""
+        trainable = iter(found)
         for index, p in enumerate(self.params[j]):
             if p.requires_grad:
                 g = next(trainable)
