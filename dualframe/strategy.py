@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple, Union
 
+from dualframe.dp.shard import check_shard
 from dualframe.errors import DeviceError, StrategyError
 from dualframe.pipeline.microbatch import validate_chunks
 from dualframe.pipeline.partition import validate_balance
@@ -51,22 +52,32 @@ def validate_devices(devices: Optional[Sequence[str]], groups: int) -> Optional[
 class DataParallel:
     """Every rank holds the whole model; gradients are reduced across ranks after backward.
 
+    ``shard`` keeps 1/N of the optimizer state per rank (``"optimizer"``, ZeRO-1) or also 1/N of
+    the gradients (``"gradients"``, ZeRO-2): the adapters' ``distribute`` passes it to
+    ``DistributedOptimizer(shard=...)`` (see ``dualframe.dp.shard``); the weights stay those of
+    ``"none"``.
+
     Example:
         >>> import dualframe
         >>> strategy = dualframe.DataParallel(backward_passes_per_step=2, compression="fp16")
-        >>> strategy.op
-        'average'
+        >>> strategy.op, strategy.shard
+        ('average', 'none')
+        >>> dualframe.DataParallel(shard="Gradients").shard
+        'gradients'
     """
 
     backward_passes_per_step: int = 1
     op: str = "average"
     compression: str = "none"
     gradient_predivide_factor: float = 1.0
+    shard: str = "none"
 
     def __post_init__(self) -> None:
         positive_int("backward_passes_per_step", self.backward_passes_per_step)
         object.__setattr__(self, "op", _choice("op", self.op, REDUCE_OPS))
         object.__setattr__(self, "compression", _choice("compression", self.compression, COMPRESSIONS))
+        # None and "none" alike mean unsharded; the op check is the wrapper's (a reduce-scatter sums or averages).
+        object.__setattr__(self, "shard", check_shard(self.shard, self.op) or "none")
         factor = self.gradient_predivide_factor
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
             raise StrategyError(f"gradient_predivide_factor must be a number > 0 (gradient_predivide_factor: {factor!r})")

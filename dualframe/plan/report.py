@@ -29,6 +29,8 @@ def strategy_call(option: Option, framework: str, hardware: Hardware) -> str:
         kwargs: Dict[str, Any] = {}
         if option.backward_passes_per_step > 1:
             kwargs["backward_passes_per_step"] = option.backward_passes_per_step
+        if option.shard:
+            kwargs["shard"] = option.shard
         DataParallel(**kwargs)
         return _call("DataParallel", kwargs)
     devices = list(hardware.device_names(option.stages, framework))

@@ -16,7 +16,8 @@ def distribute(model: keras.Model, strategy: Optional[Strategy] = None, root_ran
     """Apply ``strategy`` to a compiled, built Keras model and return it.
 
     ``DataParallel``: the compiled optimizer is wrapped in a DistributedOptimizer with the
-    strategy's op, compression and backward passes, and the model and optimizer state are
+    strategy's op, compression, backward passes and shard (``"optimizer"``/``"gradients"``: the
+    sharded optimizer, ZeRO-1/2), and the model and optimizer state are
     broadcast from ``root_rank`` now, so ``fit`` needs no broadcast callback. Compile again and
     the wrapping is gone: call ``distribute`` after ``compile``.
 
@@ -46,7 +47,7 @@ def _data_parallel(model: Any, strategy: DataParallel, root_rank: int) -> keras.
     model.optimizer = DistributedOptimizer(
         model.optimizer, compression=strategy.compression, op=strategy.op,
         backward_passes_per_step=strategy.backward_passes_per_step,
-        gradient_predivide_factor=strategy.gradient_predivide_factor)
+        gradient_predivide_factor=strategy.gradient_predivide_factor, shard=strategy.shard)
     model.train_function = None  # traced with the old optimizer, if ever
     broadcast_model(model, root_rank)
     return model

@@ -20,7 +20,8 @@ def distribute(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     """Wrap ``optimizer`` for ``strategy`` and start every rank from root_rank's weights and state.
 
     Calls ``init()`` when Horovod is not running yet. The same as ``hvd.DistributedOptimizer(...)``
-    followed by ``broadcast_parameters`` and ``broadcast_optimizer_state``.
+    followed by ``broadcast_parameters`` and ``broadcast_optimizer_state``; ``strategy.shard`` other
+    than ``"none"`` gives the sharded optimizer (``DistributedOptimizer(shard=...)``, ZeRO-1/2).
 
     Args:
         model: the model every rank holds in full.
@@ -37,7 +38,7 @@ def distribute(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     Example:
         >>> import dualframe, dualframe.torch as hvd                                            # doctest: +SKIP
         >>> model, opt = hvd.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1),
-        ...                             strategy=dualframe.DataParallel(compression="fp16"))      # doctest: +SKIP
+        ...                             strategy=dualframe.DataParallel(shard="optimizer"))       # doctest: +SKIP
     """
     if not isinstance(strategy, DataParallel):
         raise StrategyError(
@@ -52,7 +53,7 @@ def distribute(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         optimizer, named_parameters=model.named_parameters(),
         compression=Compression.by_name(strategy.compression),
         backward_passes_per_step=strategy.backward_passes_per_step, op=OPS[strategy.op],
-        gradient_predivide_factor=strategy.gradient_predivide_factor)
+        gradient_predivide_factor=strategy.gradient_predivide_factor, shard=strategy.shard)
     broadcast_parameters(model.state_dict(), root_rank=root_rank)
     broadcast_optimizer_state(wrapped, root_rank=root_rank)
     return model, wrapped

@@ -10,7 +10,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Set,
 import torch
 
 from dualframe.dp.settings import ReduceSettings
-from dualframe.dp.shard import check_shard
+from dualframe.dp.shard import check_scatter, check_shard
 from dualframe.errors import StrategyError
 from dualframe.torch import dp_checks
 from dualframe.torch.collectives import OPS, check_initialized, hvd
@@ -24,17 +24,13 @@ _WRAPPED: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
 
 def _check_optimizer(optimizer: object) -> torch.optim.Optimizer:
     if isinstance(optimizer, DistributedOptimizer) or hasattr(optimizer, "_allreduce_delay"):
-        raise StrategyError(
-            f"the optimizer is already a DistributedOptimizer ({type(optimizer).__name__}); wrap the plain "
-            f"torch optimizer once"
-        )
+        raise StrategyError(f"the optimizer is already a DistributedOptimizer ({type(optimizer).__name__}); "
+                            f"wrap the plain torch optimizer once")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise StrategyError(f"optimizer must be a torch.optim.Optimizer (optimizer: {type(optimizer).__name__})")
     if optimizer in _WRAPPED:
-        raise StrategyError(
-            f"this {type(optimizer).__name__} is already wrapped by a DistributedOptimizer; wrapping it twice "
-            f"would reduce every gradient twice"
-        )
+        raise StrategyError(f"this {type(optimizer).__name__} is already wrapped by a DistributedOptimizer; "
+                            f"wrapping it twice would reduce every gradient twice")
     return optimizer
 
 
@@ -69,7 +65,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         sparse_as_dense: reduce sparse gradients as dense tensors.
         process_set: the ranks to reduce over (a registered ``ProcessSet``).
         shard: None, ``"optimizer"`` (ZeRO-1: a rank keeps 1/N of the optimizer state) or ``"gradients"``
-            (ZeRO-2: and 1/N of the gradients), which builds a ``dualframe.torch.sharded_optimizer.ShardedOptimizer``.
+            (ZeRO-2: and 1/N of the gradients), which builds a ``dualframe.torch.sharded_optimizer.ShardedOptimizer``
+            (``scatter=`` and ``clip_grad_norm_`` are its).
 
     Raises:
         NotInitializedError: before ``hvd.init()``.
@@ -87,6 +84,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if cls is DistributedOptimizer and not (shard is None or str(shard).lower() == "none"):  # shard: that class
             from dualframe.torch.sharded_optimizer import ShardedOptimizer
             return super().__new__(ShardedOptimizer)
+        check_scatter(kwargs.get("scatter"), None)  # scatter= without shard=: refused here, before anything
         return super().__new__(cls)
 
     def __init__(self, optimizer: torch.optim.Optimizer,
@@ -94,7 +92,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  compression: Any = Compression.none, backward_passes_per_step: int = 1,
                  op: Any = hvd.Average, gradient_predivide_factor: float = 1.0, num_groups: int = 0,
                  groups: dp_checks.GroupsArg = None, sparse_as_dense: bool = False,
-                 process_set: Any = hvd.global_process_set, *, shard: Optional[str] = None) -> None:
+                 process_set: Any = hvd.global_process_set, *, shard: Optional[str] = None,
+                 scatter: Optional[str] = None) -> None:
         check_initialized("DistributedOptimizer")
         self._optimizer = _check_optimizer(optimizer)
         self._compression = dp_checks.check_compression(compression, Compression)

@@ -1,4 +1,4 @@
-"""A torch sharded optimizer's buckets: flat buffers whose views are the parameters, this rank's slice, and the element-wise rule.
+"""A torch sharded optimizer's buckets: flat buffers whose views are the parameters, this rank's slice, the element-wise rule, clipping slices.
 
 ``dualframe.torch.sharded_optimizer`` reduces and gathers these buckets; the layout itself (which slice
 each rank owns) is the core's ``dualframe.dp.shard.ShardLayout``.
@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+import math
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -92,3 +93,31 @@ def make_inner(cls: type, groups: List[Dict[str, Any]], defaults: Dict[str, Any]
     accepted = inspect.signature(cls).parameters
     kwargs = {k: v for k, v in defaults.items() if k in accepted and k != "params"}
     return cls(groups, **kwargs)  # type: ignore[no-any-return]
+
+
+def check_norm_arguments(max_norm: object, norm_type: object) -> None:
+    """``clip_grad_norm_``'s arguments must be numbers > 0 (``norm_type`` may be ``inf``)."""
+    for name, value in (("max_norm", max_norm), ("norm_type", norm_type)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise StrategyError(f"{name} must be a number > 0 ({name}: {value!r})")
+
+
+def clip_slices_(grads: Sequence[torch.Tensor], max_norm: float, norm_type: float,
+                 reduce: Callable[[torch.Tensor, str], torch.Tensor]) -> torch.Tensor:
+    """Scale the slices' gradients as ``torch.nn.utils.clip_grad_norm_`` scales whole ones; the global norm.
+
+    Each rank's slices are disjoint parts of the reduced gradients (the padding's gradient is zero),
+    so the global p-norm is the p-th root of the ranks' summed ``sum |g|^p`` (``reduce(local, "sum")``),
+    the inf-norm the ranks' max (``reduce(local, "max")``); summed in float64, returned in float32.
+    """
+    infinite = math.isinf(norm_type)
+    local = torch.zeros((), dtype=torch.float64)
+    for g in grads:
+        g64 = g.detach().to(torch.float64).abs()
+        local = torch.maximum(local, g64.max().cpu()) if infinite else local + g64.pow(norm_type).sum().cpu()
+    total = reduce(local, "max" if infinite else "sum")
+    total = (total if infinite else total.pow(1.0 / float(norm_type))).to(torch.float32)
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch's own rule, 1e-6 included
+    for g in grads:
+        g.mul_(coefficient.to(device=g.device, dtype=g.dtype))
+    return total

@@ -3,11 +3,12 @@
 The core's ``dualframe.dp.shard.ShardLayout`` cuts each param group's trainable parameters into
 buckets (flat buffers of one dtype) and each bucket into one equal slice per rank of the process set.
 Here, per bucket: as soon as backward has produced every gradient of the bucket, the flat gradient
-is reduced (asynchronously, overlapping the rest of backward; an in-place allreduce, see
-``GRADIENT_COLLECTIVE``) and the rank keeps its slice of the result; ``step()`` gives each rank's
+is reduced (asynchronously, overlapping the rest of backward; by ``scatter``: an in-place allreduce
+or a reduce-scatter) and the rank keeps its slice of the result; ``step()`` gives each rank's
 reduced slice to a copy of the user's optimizer class whose parameters are the rank's flat slices
 (so it holds state for 1/N of the elements), then allgathers the updated slices back into every
 parameter. ``shard="gradients"`` also drops each parameter's full ``.grad`` once its bucket is sent.
+``clip_grad_norm_`` clips by the global norm, computed from each rank's reduced slice.
 """
 from __future__ import annotations
 
@@ -18,23 +19,25 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 
 from dualframe.dp.settings import ReduceSettings
-from dualframe.dp.shard import BUCKET_ELEMENTS, ShardLayout, check_same_parameters, check_shard, parameter_signature
+from dualframe.dp.shard import (BUCKET_ELEMENTS, ShardLayout, check_same_parameters, check_scatter, check_shard,
+                                parameter_signature)
 from dualframe.errors import StrategyError
 from dualframe.torch import dp_checks
 from dualframe.torch.collectives import OPS, check_initialized, hvd
 from dualframe.torch.compression import Compression
 from dualframe.torch.optimizer import DistributedOptimizer, _check_optimizer, _weak_hook, _WRAPPED
 from dualframe.torch import shard_state
-from dualframe.torch.shard_buckets import Slot, adopt, check_elementwise, make_inner
+from dualframe.torch.shard_buckets import Slot, adopt, check_elementwise, check_norm_arguments, clip_slices_, make_inner
 
 #: Buckets whose updated slices are being allgathered at once.
 GATHER_WINDOW = 2
 #: Buckets whose flat gradients are being reduced at once (beyond: wait for the oldest).
 REDUCE_WINDOW = 4
-#: How a bucket's flat gradient is reduced: "allreduce" (in place, then this rank keeps its slice) or
-#: "reducescatter". Under mpirun on a 2-core box Horovod's allreduce of 50 M floats took 0.85x the time of
-#: its reducescatter (and moves the result in place, with no output tensor): the sums are the same.
-GRADIENT_COLLECTIVE = "allreduce"
+#: The path ``scatter="auto"`` takes: "allreduce" (in place, then this rank keeps its slice). Under mpirun
+#: on a 2-core box Horovod 0.28's allreduce of 50 M floats took 0.85x the time of its reducescatter (and
+#: moves the result in place, with no output tensor); on a real network "reducescatter" moves half the
+#: bytes. The sums are the same either way (docs/torch_data_parallel.md).
+AUTO_SCATTER = "allreduce"
 
 class ShardedOptimizer(DistributedOptimizer):
     """``DistributedOptimizer(..., shard="optimizer"|"gradients")``: optimizer state (and gradients) kept 1/N per rank.
@@ -43,7 +46,10 @@ class ShardedOptimizer(DistributedOptimizer):
     ``param_groups`` are the wrapped optimizer's (an LR scheduler's changes reach the slices at the
     next step); ``state_dict()`` is a collective that returns the full state in the unsharded
     optimizer's format on every rank, and ``load_state_dict`` takes such a dict (from a plain or a
-    sharded optimizer, at any number of ranks) and keeps this rank's slice.
+    sharded optimizer, at any number of ranks) and keeps this rank's slice. ``scatter`` picks the
+    collective of the gradients: ``"reducescatter"``, ``"allreduce"`` (in place, the rank keeps its
+    slice) or ``"auto"`` (``AUTO_SCATTER``). Clip with ``optimizer.clip_grad_norm_(max_norm)``, not
+    ``torch.nn.utils.clip_grad_norm_`` (the reduced gradients live in the slices, not in ``.grad``).
 
     Example:
         >>> opt = torch.optim.Adam(model.parameters(), lr=1e-3)                            # doctest: +SKIP
@@ -52,7 +58,7 @@ class ShardedOptimizer(DistributedOptimizer):
         >>> full = opt.state_dict()   # every rank calls it (it gathers the slices)         # doctest: +SKIP
 
     Raises:
-        StrategyError: unknown ``shard``, op Adasum/Min/Max/Product, ``groups``, a non element-wise
+        StrategyError: unknown ``shard`` or ``scatter``, op Adasum/Min/Max/Product, ``groups``, a non element-wise
             optimizer, a rank outside ``process_set`` (all before any communication); parameters that
             differ between ranks (after one allgather of their signature, on every rank).
     """
@@ -62,13 +68,17 @@ class ShardedOptimizer(DistributedOptimizer):
                  compression: Any = Compression.none, backward_passes_per_step: int = 1,
                  op: Any = hvd.Average, gradient_predivide_factor: float = 1.0, num_groups: int = 0,
                  groups: dp_checks.GroupsArg = None, sparse_as_dense: bool = False,
-                 process_set: Any = hvd.global_process_set, *, shard: Optional[str] = "optimizer") -> None:
+                 process_set: Any = hvd.global_process_set, *, shard: Optional[str] = "optimizer",
+                 scatter: Optional[str] = "auto") -> None:
         check_initialized("DistributedOptimizer")
         self._optimizer = _check_optimizer(optimizer)
         self._compression = dp_checks.check_compression(compression, Compression)
         self.op_name = dp_checks.check_numbers(backward_passes_per_step, op, gradient_predivide_factor)
         self.op = OPS[self.op_name]
         self.shard = check_shard(shard, self.op_name)
+        self.scatter = check_scatter(scatter, self.shard)
+        #: The collective each bucket's gradient goes through: "allreduce" or "reducescatter".
+        self.gradient_path = AUTO_SCATTER if self.scatter == "auto" else self.scatter
         if groups is not None or num_groups:
             raise StrategyError(f"groups= fuses allreduces; with shard={self.shard!r} the buckets are the fusion "
                                 f"(groups: {groups if groups is not None else num_groups}); drop groups=")
@@ -93,6 +103,8 @@ class ShardedOptimizer(DistributedOptimizer):
         self._handles: Dict[Any, Any] = {}  # unused by sharding; DistributedOptimizer's methods read it
         self._synchronized = False
         self._should_synchronize = True
+        self._clipped = False  # clip_grad_norm_ synchronized: the next step() does not reduce again
+        self._versions: Dict[torch.Tensor, Tuple[torch.Tensor, int]] = {}  # .grad at synchronize (ZeRO-1)
         self._adasum = False
         self._active = True
         self._sent = 0
@@ -101,7 +113,8 @@ class ShardedOptimizer(DistributedOptimizer):
         self._hook_handles = [p.register_post_accumulate_grad_hook(_weak_hook(self)) for p in trainable]
 
     def __repr__(self) -> str:
-        return f"DistributedOptimizer(shard={self.shard!r}, op={self.op_name}, {self._optimizer!r})"
+        return (f"DistributedOptimizer(shard={self.shard!r}, scatter={self.scatter!r}, op={self.op_name}, "
+                f"{self._optimizer!r})")
 
     # -- layout ---------------------------------------------------------------------------------
     def check_same_parameters(self) -> None:
@@ -194,7 +207,7 @@ class ShardedOptimizer(DistributedOptimizer):
         compressed, ctx = self._compression.compress(flat)
         prescale, postscale = self.settings.scale_factors()
         name = f"dualframe.shard.grad.{slot.name}"
-        if GRADIENT_COLLECTIVE == "allreduce":
+        if self.gradient_path == "allreduce":
             handle = hvd.allreduce_async_(compressed, name=name, op=self.op, process_set=self.process_set,
                                           prescale_factor=prescale, postscale_factor=postscale)
         else:
@@ -214,7 +227,7 @@ class ShardedOptimizer(DistributedOptimizer):
         assert slot.pending is not None
         handle, ctx, flat = slot.pending
         reduced = hvd.synchronize(handle)
-        if GRADIENT_COLLECTIVE == "allreduce":
+        if self.gradient_path == "allreduce":
             reduced = reduced[slot.start:slot.start + slot.bucket.shard]
         reduced = self._compression.decompress(reduced, ctx)
         grad = reduced if reduced.dtype == slot.flat.dtype else reduced.to(slot.flat.dtype)
@@ -235,6 +248,8 @@ class ShardedOptimizer(DistributedOptimizer):
             slot.pending, slot.ready, slot.done = None, 0, False
             for p in slot.members:
                 self._delay[p] = self.backward_passes_per_step
+        # ZeRO-1 keeps each rank's own, unreduced .grad: step() refuses it changed after this (see _check_untouched).
+        self._versions = {p: (p.grad, p.grad._version) for p in self._slot_of if p.grad is not None}
         self._synchronized = True
 
     def _pending(self) -> bool:
@@ -257,12 +272,15 @@ class ShardedOptimizer(DistributedOptimizer):
         if closure is not None:
             raise StrategyError("step(closure) is not available with shard= (a closure recomputes gradients that "
                                 "would not be reduce-scattered); call loss.backward() before step()")
-        if self._should_synchronize:
+        if not self._should_synchronize:
+            self._check_untouched()
+        elif not self._clipped:
             if self._synchronized:
                 warnings.warn("optimizer.step() called after optimizer.synchronize() without "
                               "optimizer.skip_synchronize(); the gradients were reduced again", stacklevel=2)
             self.synchronize()
-        self._synchronized = False
+        self._synchronized = self._clipped = False
+        self._versions = {}
         self._sync_hyperparameters()
         for slot in self._slots:
             slot.check_views()
@@ -278,6 +296,49 @@ class ShardedOptimizer(DistributedOptimizer):
             self._write_back(slot, handle)
         return None
 
+    def _check_untouched(self) -> None:
+        # Horovod's recipe (synchronize(); clip .grad; skip_synchronize() step) changes .grad, which a
+        # sharded step never reads: it reads the reduced slices. Refused rather than silently unclipped.
+        changed = [self._names.get(p, "?") for p, (grad, version) in self._versions.items()
+                   if p.grad is not grad or (grad is not None and grad._version != version)]
+        if changed:
+            raise StrategyError(
+                f"the parameters' .grad changed between synchronize() and step() ({', '.join(changed[:3])}"
+                f"{' ...' if len(changed) > 3 else ''}); with shard={self.shard!r} step() uses the reduced gradient "
+                f"slices, not .grad, so that change would be lost. To clip, call optimizer.clip_grad_norm_(max_norm) "
+                f"after backward instead of synchronize() + torch.nn.utils.clip_grad_norm_")
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the reduced gradients by their global norm, as ``torch.nn.utils.clip_grad_norm_`` on plain DP.
+
+        Call it after backward and before ``step()`` (on every rank: it synchronizes the gradients,
+        then allreduces one number, each rank's sum of |g|^p over its slices); ``step()`` then uses
+        the clipped slices without reducing again.
+
+        Args:
+            max_norm: the largest global norm of the gradients.
+            norm_type: p of the p-norm (``float("inf")``: the largest absolute value).
+
+        Returns:
+            The global norm of the reduced gradients before clipping (a float32 scalar tensor).
+
+        Raises:
+            StrategyError: ``max_norm`` or ``norm_type`` not a number > 0 (before any communication).
+
+        Example:
+            >>> loss.backward()                                                   # doctest: +SKIP
+            >>> total = optimizer.clip_grad_norm_(1.0)   # not torch.nn.utils's   # doctest: +SKIP
+            >>> optimizer.step()                                                  # doctest: +SKIP
+        """
+        check_norm_arguments(max_norm, norm_type)
+        if not self._synchronized:
+            self.synchronize()
+        total = clip_slices_([slot.flat.grad for slot in self._slots if slot.flat.grad is not None], max_norm,
+                             norm_type, lambda local, op: hvd.allreduce(local, name="dualframe.shard.clip_norm",
+                                                                        op=OPS[op], process_set=self.process_set))
+        self._clipped = True
+        return total
+
     @staticmethod
     def _write_back(slot: Slot, handle: Any) -> None:
         with torch.no_grad():
@@ -291,6 +352,7 @@ class ShardedOptimizer(DistributedOptimizer):
                 "optimizer.synchronize(); that would race with the pending gradient reductions")
         self._optimizer.zero_grad(set_to_none=set_to_none)
         self._inner.zero_grad(set_to_none=set_to_none)
+        self._clipped, self._versions = False, {}
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """Refused: every rank would have to re-cut its slices; add groups to the optimizer before wrapping it."""
@@ -315,7 +377,7 @@ class ShardedOptimizer(DistributedOptimizer):
         """Load a full state dict (plain or sharded, any size): re-cut for the current size, keep this rank's slice."""
         for slot in getattr(self, "_slots", []):
             slot.pending, slot.ready, slot.done = None, 0, False
-        self._synchronized = False
+        self._synchronized = self._clipped = False
         self._should_synchronize = True
         for p in self._delay:
             self._delay[p] = self.backward_passes_per_step

@@ -10,12 +10,21 @@ def test_data_parallel_defaults_and_normalisation():
     assert (strategy.op, strategy.compression, strategy.backward_passes_per_step) == ("sum", "fp16", 1)
 
 
+@pytest.mark.parametrize("shard, expected", [(None, "none"), ("None", "none"), ("Optimizer", "optimizer"),
+                                             ("gradients", "gradients")])
+def test_data_parallel_shard_normalised(shard, expected):
+    assert dualframe.DataParallel(shard=shard, op="sum").shard == expected
+
+
 @pytest.mark.parametrize("kwargs, error, message", [
     ({"backward_passes_per_step": 0}, StrategyError, r"backward_passes_per_step must be an int >= 1 \(backward_passes_per_step: 0\)"),
     ({"op": "median"}, StrategyError, r"unknown op 'median'; choose one of average, sum"),
     ({"compression": "int8"}, StrategyError, r"unknown compression 'int8'; choose one of none, fp16"),
     ({"gradient_predivide_factor": 0}, StrategyError, r"gradient_predivide_factor must be a number > 0"),
     ({"op": "sum", "gradient_predivide_factor": 2.0}, StrategyError, r"only applies to op='average'"),
+    ({"shard": "weights"}, StrategyError, r"unknown shard 'weights'; use None, 'optimizer' \(ZeRO-1\) or 'gradients'"),
+    ({"shard": 2}, StrategyError, r"unknown shard 2"),
+    ({"shard": "optimizer", "op": "adasum"}, StrategyError, r"needs op Average or Sum \(op: adasum\)"),
 ])
 def test_data_parallel_refuses_bad_input(kwargs, error, message):
     with pytest.raises(error, match=message):

@@ -115,3 +115,90 @@ def test_zero_grad_is_refused_while_gradients_accumulate_or_are_sent():
     optimizer.step()
     optimizer.zero_grad()
     assert all(p.grad is None for p in net.parameters())
+
+
+@pytest.mark.parametrize("shard", ["optimizer", "gradients"])
+def test_distribute_passes_the_strategy_shard_and_equals_unsharded(shard):
+    import dualframe
+    from dualframe.torch.sharded_optimizer import ShardedOptimizer
+    # SGD with momentum: for a plain optimizer without state, Horovod's broadcast_optimizer_state takes
+    # a zero-gradient step, which advances Adam's step count (a sharded optimizer's broadcast does not).
+    plain_net, sharded_net = model(), model()
+    _, plain = hvd.distribute(plain_net, torch.optim.SGD(plain_net.parameters(), lr=0.1, momentum=0.9))
+    _, sharded = hvd.distribute(sharded_net, torch.optim.SGD(sharded_net.parameters(), lr=0.1, momentum=0.9),
+                                strategy=dualframe.DataParallel(shard=shard))
+    assert isinstance(sharded, ShardedOptimizer) and sharded.shard == shard and sharded.scatter == "auto"
+    assert not isinstance(plain, ShardedOptimizer) and plain.shard is None
+    train(plain_net, plain)
+    train(sharded_net, sharded)
+    for p, q in zip(plain_net.parameters(), sharded_net.parameters()):
+        assert torch.allclose(p, q, atol=1e-6)
+
+
+@pytest.mark.parametrize("scatter", ["auto", "allreduce", "reducescatter"])
+def test_each_scatter_path_equals_plain(scatter):
+    hvd.init()
+    plain_net, sharded_net = model(), model()
+    plain = torch.optim.SGD(plain_net.parameters(), lr=0.1, momentum=0.9)
+    sharded = hvd.DistributedOptimizer(torch.optim.SGD(sharded_net.parameters(), lr=0.1, momentum=0.9),
+                                       sharded_net.named_parameters(), shard="gradients", scatter=scatter)
+    assert sharded.gradient_path == ("allreduce" if scatter == "auto" else scatter)
+    train(plain_net, plain)
+    train(sharded_net, sharded)
+    for p, q in zip(plain_net.parameters(), sharded_net.parameters()):
+        assert torch.allclose(p, q, atol=1e-6)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"scatter": "allreduce"}, r"scatter='allreduce' .* needs shard='optimizer' or 'gradients' \(shard: None\)"),
+    ({"scatter": "reducescatter", "shard": "none"}, r"needs shard="),
+    ({"scatter": "ring", "shard": "optimizer"}, r"unknown scatter 'ring'; choose one of auto, reducescatter, allreduce"),
+])
+def test_scatter_refused_without_shard_or_unknown(kwargs, message):
+    hvd.init()
+    with pytest.raises(StrategyError, match=message):
+        hvd.DistributedOptimizer(torch.optim.SGD(model().parameters(), lr=0.1), **kwargs)
+
+
+@pytest.mark.parametrize("shard", ["optimizer", "gradients"])
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
+def test_clip_grad_norm_equals_torch_on_the_whole_gradients(shard, norm_type):
+    hvd.init()
+    plain_net, sharded_net = model(), model()
+    plain = torch.optim.Adam(plain_net.parameters(), lr=0.01)
+    sharded = hvd.DistributedOptimizer(torch.optim.Adam(sharded_net.parameters(), lr=0.01),
+                                       sharded_net.named_parameters(), shard=shard)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        x = torch.randn(8, 6, generator=g)
+        for net, optimizer in ((plain_net, plain), (sharded_net, sharded)):
+            optimizer.zero_grad()
+            (net(x) * 10).pow(2).mean().backward()
+        expected = torch.nn.utils.clip_grad_norm_(plain_net.parameters(), 0.5, norm_type)
+        total = sharded.clip_grad_norm_(0.5, norm_type)
+        assert total > 0.5 and torch.allclose(total, expected, rtol=1e-5)
+        plain.step()
+        sharded.step()
+    for p, q in zip(plain_net.parameters(), sharded_net.parameters()):
+        assert torch.allclose(p, q, atol=1e-6)
+
+
+def test_horovod_clip_recipe_refused_with_a_sharded_optimizer():
+    hvd.init()
+    net = model()
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), net.named_parameters(),
+                                         shard="optimizer")
+    with pytest.raises(StrategyError, match=r"max_norm must be a number > 0 \(max_norm: 0\)"):
+        optimizer.clip_grad_norm_(0)
+    net(torch.ones(2, 6)).sum().backward()
+    optimizer.synchronize()
+    with optimizer.skip_synchronize():
+        optimizer.step()  # untouched .grad: Horovod's pattern without a change is fine
+    optimizer.zero_grad()
+    net(torch.ones(2, 6)).sum().backward()
+    optimizer.synchronize()
+    torch.nn.utils.clip_grad_norm_(net.parameters(), 1e-3)
+    with pytest.raises(StrategyError, match=r"\.grad changed between synchronize\(\) and step\(\).*"
+                                            r"optimizer\.clip_grad_norm_\(max_norm\)"):
+        with optimizer.skip_synchronize():
+            optimizer.step()

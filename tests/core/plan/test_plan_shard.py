@@ -80,7 +80,7 @@ def test_sharding_is_recommended_before_checkpointing_and_pipelines(usable_mb, k
     assert "sharding the optimizer state" in plan.reason
     recommended = to_json(plan)["recommended"]
     assert recommended["adapter"].endswith(f"shard={shard!r})") and recommended["shard"] == shard
-    assert recommended["strategy"] == "dualframe.DataParallel()"
+    assert recommended["strategy"] == f"dualframe.DataParallel(shard={shard!r})"
 
 
 def test_a_pipeline_when_even_sharded_gradients_do_not_fit():
