@@ -1,93 +1,155 @@
-"""The sharded optimizer on 4 ranks (oversubscribed): slices of a quarter, and two process sets of 2 ranks each.
+"""The sharded optimizer on 2 ranks: distribute(DataParallel(shard=)), both scatter paths, and clip_grad_norm_.
 
-Every rank runs every test; each compares with a one-process reference computed inside the rank.
+Every rank runs every test. Each compares with plain data parallelism or with a one-process
+reference computed inside the rank (the same initial model trained on the whole global batch).
 """
-# np: 4
-# launchers: mpirun
 import pytest
 import torch
 import torch.nn as nn
 
+import dualframe
 import dualframe.torch as hvd
 import dualframe.torch.sharded_optimizer as shard_module
 
 TOL = 1e-5
-PAIRS = [hvd.ProcessSet([0, 1]), hvd.ProcessSet([2, 3])]
 
 
 @pytest.fixture(scope="module", autouse=True)
 def started():
-    hvd.init(process_sets=PAIRS)
-    assert hvd.size() == 4
+    hvd.init()
+    assert hvd.size() == 2
 
 
-class Residual(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.inp, self.block, self.norm, self.out = nn.Linear(6, 8), nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 3)
-
-    def forward(self, x):
-        h = torch.tanh(self.inp(x))
-        return self.out(self.norm(h + torch.tanh(self.block(h))))
+@pytest.fixture(autouse=True)
+def several_buckets(monkeypatch):
+    monkeypatch.setattr(shard_module, "BUCKET_ELEMENTS", 30)  # several buckets, uneven halves
 
 
-def make(seed):
+def make(seed=0):
     torch.manual_seed(seed)
-    return Residual()
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 3))
 
 
-def adamw(model):
-    return torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
-
-
-def batches(seed, steps=4, rows=8):
+def batches(seed=1, steps=4, rows=8):
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(rows, 6, generator=g), torch.randn(rows, 3, generator=g)) for _ in range(steps)]
+    return [(torch.randn(rows, 6, generator=g), 5 * torch.randn(rows, 3, generator=g)) for _ in range(steps)]
 
 
-def reference(data):
+def loss(model, x, y):
+    return ((model(x) - y) ** 2).mean()
+
+
+def assert_close(a, b, tol=TOL):
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.allclose(p, q, atol=tol), (p - q).abs().max()
+
+
+def reference(data, make_optimizer, max_norm=None):
+    """One process, the whole global batch; returns the model and the norms clip_grad_norm_ saw."""
     model = make(0)
-    optimizer = adamw(model)
+    optimizer, norms = make_optimizer(model), []
     for x, y in data:
         optimizer.zero_grad()
-        ((model(x) - y) ** 2).mean().backward()
+        loss(model, x, y).backward()
+        if max_norm is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
         optimizer.step()
-    return model, optimizer
+    return model, norms
 
 
-def train(data, process_set, shard):
-    model = make(hvd.rank())
-    optimizer = hvd.DistributedOptimizer(adamw(model), model.named_parameters(), shard=shard, process_set=process_set)
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)  # the same start on all 4 ranks
-    n, r = process_set.size(), process_set.rank()
-    for x, y in data:
-        optimizer.zero_grad()
-        rows = slice(r * len(x) // n, (r + 1) * len(x) // n)
-        ((model(x[rows]) - y[rows]) ** 2).mean().backward()
-        optimizer.step()
-    return model, optimizer
+def sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def adam(model):
+    return torch.optim.Adam(model.parameters(), lr=0.05)
 
 
 @pytest.mark.parametrize("shard", ["optimizer", "gradients"])
-def test_quarter_slices_equal_one_process(shard, monkeypatch):
-    monkeypatch.setattr(shard_module, "BUCKET_ELEMENTS", 25)  # several buckets, uneven quarters
-    data = batches(1)
-    model, optimizer = train(data, hvd.global_process_set, shard)
-    expected, ref_optimizer = reference(data)
-    assert optimizer.ranks == 4 and len(optimizer._slots) > 3
-    for p, q in zip(model.parameters(), expected.parameters()):
-        assert torch.allclose(p, q, atol=TOL)
-    full = optimizer.state_dict()
-    for i, entry in ref_optimizer.state_dict()["state"].items():
-        assert torch.allclose(full["state"][i]["exp_avg_sq"], entry["exp_avg_sq"], atol=TOL)
+def test_distribute_with_shard_equals_distribute_without(shard):
+    data = batches()
+    results = {}
+    for mode in ("none", shard):
+        model = make(hvd.rank())  # distribute broadcasts rank 0's weights
+        model, optimizer = hvd.distribute(model, sgd(model), dualframe.DataParallel(shard=mode))
+        assert optimizer.shard == (None if mode == "none" else mode)
+        for x, y in data:
+            optimizer.zero_grad()
+            loss(model, hvd.shard_batch(x), hvd.shard_batch(y)).backward()
+            optimizer.step()
+        results[mode] = model
+    assert_close(results[shard], results["none"])
+    assert_close(results[shard], reference(data, sgd)[0])
 
 
-def test_two_process_sets_each_shard_among_their_pair():
-    pair = PAIRS[hvd.rank() // 2]
-    data = batches(10 + hvd.rank() // 2)  # each pair its own data
-    model, optimizer = train(data, pair, "gradients")
-    expected, _ = reference(data)
-    assert optimizer.ranks == 2
-    for p, q in zip(model.parameters(), expected.parameters()):
-        assert torch.allclose(p, q, atol=TOL)
+@pytest.mark.parametrize("scatter", ["reducescatter", "allreduce"])
+@pytest.mark.parametrize("shard", ["optimizer", "gradients"])
+def test_each_scatter_path_equals_one_process(shard, scatter):
+    data = batches(2)
+    model = make(0)
+    optimizer = hvd.DistributedOptimizer(adam(model), model.named_parameters(), shard=shard, scatter=scatter)
+    assert optimizer.gradient_path == scatter and len(optimizer._slots) > 2
+    for x, y in data:
+        optimizer.zero_grad()
+        loss(model, hvd.shard_batch(x), hvd.shard_batch(y)).backward()
+        optimizer.step()
+    assert_close(model, reference(data, adam)[0])
+
+
+def plain_clipped(data, max_norm):
+    """Plain data parallelism with Horovod's clipping recipe (synchronize, clip, skip_synchronize step)."""
+    model = make(0)
+    optimizer, norms = hvd.DistributedOptimizer(adam(model), model.named_parameters()), []
+    for x, y in data:
+        optimizer.zero_grad()
+        loss(model, hvd.shard_batch(x), hvd.shard_batch(y)).backward()
+        optimizer.synchronize()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+        with optimizer.skip_synchronize():
+            optimizer.step()
+    return model, norms
+
+
+@pytest.mark.parametrize("scatter", ["reducescatter", "allreduce"])
+@pytest.mark.parametrize("shard", ["optimizer", "gradients"])
+def test_clip_grad_norm_equals_plain_data_parallel_clipping(shard, scatter):
+    data, max_norm = batches(3), 1.0
+    model = make(0)
+    optimizer = hvd.DistributedOptimizer(adam(model), model.named_parameters(), shard=shard, scatter=scatter)
+    norms = []
+    for x, y in data:
+        optimizer.zero_grad()
+        loss(model, hvd.shard_batch(x), hvd.shard_batch(y)).backward()
+        norms.append(optimizer.clip_grad_norm_(max_norm))
+        optimizer.step()
+    plain, plain_norms = plain_clipped(data, max_norm)
+    expected, reference_norms = reference(data, adam, max_norm)
+    assert all(n > max_norm for n in norms)  # the clipping acted at every step
+    for mine, theirs, one in zip(norms, plain_norms, reference_norms):
+        assert torch.allclose(mine, theirs, rtol=TOL) and torch.allclose(mine, one, rtol=TOL)
+    assert_close(model, plain)
+    assert_close(model, expected)
+
+
+def test_clip_grad_norm_with_backward_passes_per_step_and_the_recipe_refused():
+    data = batches(4)
+    model = make(0)
+    optimizer = hvd.DistributedOptimizer(adam(model), model.named_parameters(), shard="optimizer",
+                                         backward_passes_per_step=2)
+    for x, y in data[:2]:
+        optimizer.zero_grad()
+        for half in (slice(0, 4), slice(4, 8)):  # each rank: two passes of a quarter of the batch
+            (loss(model, hvd.shard_batch(x[half]), hvd.shard_batch(y[half])) / 2).backward()
+        optimizer.clip_grad_norm_(1.0)
+        optimizer.step()
+    assert_close(model, reference(data[:2], adam, 1.0)[0])
+    x, y = data[2]
+    optimizer.zero_grad()
+    for _ in range(2):
+        loss(model, hvd.shard_batch(x), hvd.shard_batch(y)).backward()
+    optimizer.synchronize()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    with pytest.raises(dualframe.StrategyError, match=r"optimizer\.clip_grad_norm_\(max_norm\)"):
+        with optimizer.skip_synchronize():
+            optimizer.step()
     hvd.barrier()
