@@ -14,7 +14,11 @@ one thread per process) and prints, for each np,
    rounds, which take turns (A B C A B C ...); with ``MALLOC_MMAP_THRESHOLD_=131072`` unless
    ``--malloc default`` (glibc otherwise keeps freed large blocks, which the high-water mark counts);
 4. step time of each sharded configuration / plain DP, interleaved in one process (median of
-   per-round ratios; goal <= 1.10).
+   per-round ratios; goal <= 1.10), for each gradient path of ``--scatter`` (default both:
+   ``allreduce`` and ``reducescatter``, side by side, with their ratio per shard mode).
+
+    .venv/bin/python scripts/bench_shard.py --np 2 --rounds 3                   # both scatter paths
+    .venv/bin/python scripts/bench_shard.py --np 2 --memory-rounds 0 --scatter reducescatter
 
 Model: an MLP of ``--depth`` Linear(width, width) layers (default 12 x 2048: 50.3 M parameters), Adam.
 """
@@ -37,6 +41,8 @@ sys.path.insert(0, str(ROOT))
 from dualframe.launch.commands import mpirun_command, thread_env  # noqa: E402
 
 MODES = ("none", "optimizer", "gradients")
+#: The sharded optimizer's gradient paths (``DistributedOptimizer(shard=..., scatter=...)``).
+PATHS = ("allreduce", "reducescatter")
 
 
 def _rss_bytes() -> int:
@@ -45,7 +51,7 @@ def _rss_bytes() -> int:
 
 
 # ---------------------------------------------------------------------------------------- worker
-def build(args: argparse.Namespace, mode: str) -> Any:
+def build(args: argparse.Namespace, mode: str, scatter: str = "auto") -> Any:
     import torch
     from torch import nn
 
@@ -57,7 +63,7 @@ def build(args: argparse.Namespace, mode: str) -> Any:
         layers += [nn.Linear(args.width, args.width), nn.ReLU()]
     model = nn.Sequential(*layers)
     optimizer = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-4), model.named_parameters(),
-                                         shard=None if mode == "none" else mode)
+                                         **({} if mode == "none" else {"shard": mode, "scatter": scatter}))
     x = torch.randn(args.batch_size, args.width)
     grads: Dict[str, int] = {}
 
@@ -89,7 +95,7 @@ def worker(args: argparse.Namespace) -> None:
     result: Dict[str, Any] = {"np": hvd.size()}
     if args.worker == "memory":
         before = _rss_bytes()
-        _, optimizer, step, grads = build(args, args.mode)
+        _, optimizer, step, grads = build(args, args.mode, args.scatter.split(",")[0])
         for _ in range(3):
             step()
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
@@ -97,10 +103,12 @@ def worker(args: argparse.Namespace) -> None:
         every = hvd.allgather_object(result)
         result = max(every, key=lambda r: r["peak"])  # the rank with the highest peak
     else:
-        contenders = {mode: build(args, mode) for mode in MODES}
+        # "none", then "<mode>/<path>" for each shard mode and gradient path, interleaved in one process.
+        names = ["none"] + [f"{mode}/{path}" for mode in MODES[1:] for path in args.scatter.split(",")]
+        contenders = {name: build(args, *name.split("/")) for name in names}
         for _, _, step, _ in contenders.values():
             step()  # warm-up: the first step allocates state and Horovod's buffers
-        times: Dict[str, List[float]] = {mode: [] for mode in MODES}
+        times: Dict[str, List[float]] = {name: [] for name in names}
         for _ in range(args.rounds):
             for mode, (_, _, step, _) in contenders.items():
                 start = time.perf_counter()
@@ -116,7 +124,7 @@ def worker(args: argparse.Namespace) -> None:
 def launch(np: int, args: argparse.Namespace, *extra: str) -> Dict[str, Any]:
     program = [sys.executable, str(pathlib.Path(__file__).resolve()), "--rounds", str(args.rounds), "--steps",
                str(args.steps), "--batch-size", str(args.batch_size), "--width", str(args.width), "--depth",
-               str(args.depth), *extra]
+               str(args.depth), "--scatter", args.scatter, *extra]
     bindir = pathlib.Path(sys.executable).parent
     env = dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}", PYTHONPATH=str(ROOT), **thread_env(1))
     exported = ("PATH", "PYTHONPATH", *thread_env(1))
@@ -141,10 +149,28 @@ def planned_state(args: argparse.Namespace, np: int, shard: str) -> float:
 
 
 def report(np: int, memory: Dict[str, List[Dict[str, Any]]], timing: Dict[str, Any], args: argparse.Namespace) -> None:
+    print(f"\n== np={np} (mpirun, oversubscribed, one thread per process), {len(memory['none'])} memory rounds")
+    if memory["none"]:
+        report_memory(np, memory, args)
+    times = timing["times"]
+    for name in times:
+        if name != "none":
+            ratios = [s / p for s, p in zip(times[name], times["none"])]
+            print(f"step time shard={name} / plain DP: median {statistics.median(ratios):.3f} "
+                  f"(rounds: {' '.join(f'{r:.2f}' for r in ratios)})  (goal <= 1.10)")
+    for mode in MODES[1:]:
+        if f"{mode}/reducescatter" in times and f"{mode}/allreduce" in times:
+            ratios = [r / a for r, a in zip(times[f"{mode}/reducescatter"], times[f"{mode}/allreduce"])]
+            print(f"step time shard={mode}: reducescatter / allreduce median {statistics.median(ratios):.3f} "
+                  f"(rounds: {' '.join(f'{r:.2f}' for r in ratios)})")
+    print("step seconds (median): " + ", ".join(f"{m} {statistics.median(t):.3f}" for m, t in times.items()))
+
+
+def report_memory(np: int, memory: Dict[str, List[Dict[str, Any]]], args: argparse.Namespace) -> None:
     mib = 2.0 ** 20
     median = {mode: {key: statistics.median(r[key] for r in runs) for key in ("state", "grads", "peak")}
               for mode, runs in memory.items()}
-    print(f"\n== np={np} (mpirun, oversubscribed, one thread per process), {len(memory['none'])} memory rounds")
+    print(f"memory: the gradient path of {args.scatter.split(',')[0]}")
     for mode in MODES:
         m, plain = median[mode], median["none"]
         plan = planned_state(args, np, None if mode == "none" else mode)  # type: ignore[arg-type]
@@ -152,12 +178,6 @@ def report(np: int, memory: Dict[str, List[Dict[str, Any]]], timing: Dict[str, A
               f"plan {plan / mib:8.1f} MiB, measured/plan {m['state'] / plan:.4f})  "
               f"grads at step {m['grads'] / mib:7.1f} MiB ({m['grads'] / plain['grads']:.3f})  "
               f"peak RSS {m['peak'] / mib:7.1f} MiB ({m['peak'] / plain['peak']:.3f})")
-    times = timing["times"]
-    for mode in MODES[1:]:
-        ratios = [s / p for s, p in zip(times[mode], times["none"])]
-        print(f"step time shard={mode} / plain DP: median {statistics.median(ratios):.3f} "
-              f"(rounds: {' '.join(f'{r:.2f}' for r in ratios)})  (goal <= 1.10)")
-    print("step seconds (median): " + ", ".join(f"{m} {statistics.median(t):.3f}" for m, t in times.items()))
 
 
 def main() -> None:
@@ -166,7 +186,11 @@ def main() -> None:
     parser.add_argument("--mode", choices=MODES, default="none", help=argparse.SUPPRESS)
     parser.add_argument("--np", default="2,4", help="process counts, comma-separated")
     parser.add_argument("--rounds", type=int, default=5, help="timing rounds (each configuration takes turns)")
-    parser.add_argument("--memory-rounds", type=int, default=2, help="memory runs per configuration, interleaved")
+    parser.add_argument("--memory-rounds", type=int, default=2,
+                        help="memory runs per configuration, interleaved (0: step time only)")
+    parser.add_argument("--scatter", default=",".join(PATHS),
+                        help="gradient paths of the sharded optimizer, comma-separated (allreduce, reducescatter, "
+                             "auto): each is timed beside plain DP; memory uses the first")
     parser.add_argument("--steps", type=int, default=2, help="steps per configuration per timing round")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--width", type=int, default=2048)
@@ -175,6 +199,9 @@ def main() -> None:
                         help="mmap: MALLOC_MMAP_THRESHOLD_=131072 (large tensors returned to the system when "
                              "freed); default: glibc's dynamic threshold")
     args = parser.parse_args()
+    unknown = [path for path in args.scatter.split(",") if path not in ("auto", *PATHS)]
+    if unknown:
+        parser.error(f"--scatter takes {', '.join(('auto', *PATHS))}, comma-separated (unknown: {', '.join(unknown)})")
     if args.worker:
         worker(args)
         return
