@@ -47,7 +47,9 @@ def _data_parallel(model: Any, strategy: DataParallel, root_rank: int) -> keras.
     model.optimizer = DistributedOptimizer(
         model.optimizer, compression=strategy.compression, op=strategy.op,
         backward_passes_per_step=strategy.backward_passes_per_step,
-        gradient_predivide_factor=strategy.gradient_predivide_factor, shard=strategy.shard)
+        gradient_predivide_factor=strategy.gradient_predivide_factor,
+        # Only when sharded: the loss-scaling wrapper (mixed_float16) takes no shard argument.
+        **({} if strategy.shard == "none" else {"shard": strategy.shard}))
     model.train_function = None  # traced with the old optimizer, if ever
     broadcast_model(model, root_rank)
     return model

@@ -29,3 +29,14 @@ def test_distribute_with_shard_equals_distribute_without(shard):
     assert not isinstance(plain.optimizer, ShardedOptimizer)
     for a, b in zip(sharded.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_distribute_unsharded_keeps_the_loss_scaling_wrapper():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        m = keras.Sequential([keras.Input((5,)), keras.layers.Dense(1)])
+        m.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        m = hvd.distribute(m, dualframe.DataParallel())
+        assert isinstance(m.optimizer, keras.optimizers.LossScaleOptimizer)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
