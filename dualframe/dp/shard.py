@@ -52,7 +52,7 @@ def check_shard(shard: object, op: str = "average") -> Optional[str]:
     if not isinstance(shard, str) or shard.lower() not in SHARD_MODES:
         raise StrategyError(f"unknown shard {shard!r}; use None, 'optimizer' (ZeRO-1) or 'gradients' (ZeRO-2)")
     if op not in SHARD_OPS:
-        why = (" Adasum combines whole gradients pairwise, so it cannot be split by rank"
+        why = (" Adasum combines whole gradients pairwise, so it cannot be split by rank."
                if op == "adasum" else "")
         raise StrategyError(
             f"shard={shard.lower()!r} reduce-scatters the gradients, which needs op Average or Sum (op: {op}).{why} "
