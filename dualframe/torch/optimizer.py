@@ -4,7 +4,6 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-import weakref
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple, Union
 
 import torch
@@ -15,37 +14,12 @@ from dualframe.errors import StrategyError
 from dualframe.torch import dp_checks
 from dualframe.torch.collectives import OPS, check_initialized, hvd
 from dualframe.torch.compression import Compression
+from dualframe.torch.wrapped_optimizer import WRAPPED, WrappedOptimizer, check_optimizer, weak_hook
 
 Key = Union[torch.Tensor, Tuple[torch.Tensor, ...]]
 Pending = Tuple[Any, Any]  # (Horovod handle or None while gradients still accumulate, compression ctx)
 
-_WRAPPED: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
-
-
-def _check_optimizer(optimizer: object) -> torch.optim.Optimizer:
-    if isinstance(optimizer, DistributedOptimizer) or hasattr(optimizer, "_allreduce_delay"):
-        raise StrategyError(f"the optimizer is already a DistributedOptimizer ({type(optimizer).__name__}); "
-                            f"wrap the plain torch optimizer once")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise StrategyError(f"optimizer must be a torch.optim.Optimizer (optimizer: {type(optimizer).__name__})")
-    if optimizer in _WRAPPED:
-        raise StrategyError(f"this {type(optimizer).__name__} is already wrapped by a DistributedOptimizer; "
-                            f"wrapping it twice would reduce every gradient twice")
-    return optimizer
-
-
-def _weak_hook(wrapper: Any) -> Callable[[torch.Tensor], None]:
-    # A discarded wrapper (plain or sharded) must not keep reducing: the parameter's hook holds it weakly.
-    ref = weakref.ref(wrapper)
-
-    def hook(p: torch.Tensor) -> None:
-        alive = ref()
-        if alive is not None:
-            alive._on_gradient(p)
-    return hook
-
-
-class DistributedOptimizer(torch.optim.Optimizer):
+class DistributedOptimizer(WrappedOptimizer):
     """A torch optimizer whose gradients are reduced across ranks before each ``step()``.
 
     Every gradient starts an asynchronous Horovod allreduce as soon as backward has accumulated
@@ -95,7 +69,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  process_set: Any = hvd.global_process_set, *, shard: Optional[str] = None,
                  scatter: Optional[str] = None) -> None:
         check_initialized("DistributedOptimizer")
-        self._optimizer = _check_optimizer(optimizer)
+        self._optimizer = check_optimizer(optimizer)
         self._compression = dp_checks.check_compression(compression, Compression)
         self.op_name = dp_checks.check_numbers(backward_passes_per_step, op, gradient_predivide_factor)
         self.op = OPS[self.op_name]
@@ -125,7 +99,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._elastic = os.environ.get("HOROVOD_ELASTIC") == "1"
         self._adasum = self._active = False
         self._decide()
-        _WRAPPED.add(optimizer)
+        WRAPPED.add(optimizer)
         self._track(dp_checks.optimizer_params(optimizer))
         if (self._active or self._elastic) and self._groups is not None:
             self._form_groups()
@@ -152,39 +126,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Whether sparse gradients are reduced as dense tensors."""
         return self.settings.sparse_as_dense
 
-    # -- the wrapped optimizer's data, shared rather than copied ------------------------------
-    @property  # type: ignore[override]
-    def param_groups(self) -> List[Dict[str, Any]]:  # type: ignore[override]
-        """The wrapped optimizer's param groups (changing ``lr`` here changes it there)."""
-        return self._optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: List[Dict[str, Any]]) -> None:
-        self._optimizer.param_groups = value
-
-    @property  # type: ignore[override]
-    def state(self) -> Any:  # type: ignore[override]
-        """The wrapped optimizer's per-parameter state."""
-        return self._optimizer.state
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        self._optimizer.state = value
-
-    @property  # type: ignore[override]
-    def defaults(self) -> Dict[str, Any]:  # type: ignore[override]
-        """The wrapped optimizer's defaults."""
-        return self._optimizer.defaults
-
-    @defaults.setter
-    def defaults(self, value: Dict[str, Any]) -> None:
-        self._optimizer.defaults = value
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        """The wrapped torch optimizer."""
-        return self._optimizer
-
     def __repr__(self) -> str:
         return f"DistributedOptimizer(op={self.op_name}, {self._optimizer!r})"
 
@@ -194,7 +135,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._delay[p] = self.backward_passes_per_step
             if (self._active or self._elastic) and p.requires_grad:
                 self._requires_update.add(p)
-                self._hook_handles.append(p.register_post_accumulate_grad_hook(_weak_hook(self)))
+                self._hook_handles.append(p.register_post_accumulate_grad_hook(weak_hook(self)))
 
     def _form_groups(self) -> None:
         params = [p for p in dp_checks.optimizer_params(self._optimizer) if p.requires_grad]
@@ -369,10 +310,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._delay[p] = passes
 
     # -- state and param groups ----------------------------------------------------------------
-    def state_dict(self) -> Dict[str, Any]:
-        """The wrapped optimizer's state dict (interchangeable with an unwrapped optimizer's)."""
-        return self._optimizer.state_dict()
-
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load into the wrapped optimizer and drop pending reductions."""
         self._handles = {}
@@ -390,11 +327,3 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for j, p in enumerate(params):
             self._names.setdefault(p, f"allreduce.noname.{index}.{j}")
         self._track([p for p in params if p not in self._delay])
-
-    def register_step_pre_hook(self, hook: Callable[..., Any]) -> Any:
-        """Register on the wrapped optimizer (the hook receives it)."""
-        return self._optimizer.register_step_pre_hook(hook)
-
-    def register_step_post_hook(self, hook: Callable[..., Any]) -> Any:
-        """Register on the wrapped optimizer (the hook receives it)."""
-        return self._optimizer.register_step_post_hook(hook)

@@ -25,7 +25,8 @@ from dualframe.errors import StrategyError
 from dualframe.torch import dp_checks
 from dualframe.torch.collectives import OPS, check_initialized, hvd
 from dualframe.torch.compression import Compression
-from dualframe.torch.optimizer import DistributedOptimizer, _check_optimizer, _weak_hook, _WRAPPED
+from dualframe.torch.optimizer import DistributedOptimizer
+from dualframe.torch.wrapped_optimizer import WRAPPED, check_optimizer, weak_hook
 from dualframe.torch import shard_state
 from dualframe.torch.shard_buckets import Slot, adopt, check_elementwise, check_norm_arguments, clip_slices_, make_inner
 
@@ -71,7 +72,7 @@ class ShardedOptimizer(DistributedOptimizer):
                  process_set: Any = hvd.global_process_set, *, shard: Optional[str] = "optimizer",
                  scatter: Optional[str] = "auto") -> None:
         check_initialized("DistributedOptimizer")
-        self._optimizer = _check_optimizer(optimizer)
+        self._optimizer = check_optimizer(optimizer)
         self._compression = dp_checks.check_compression(compression, Compression)
         self.op_name = dp_checks.check_numbers(backward_passes_per_step, op, gradient_predivide_factor)
         self.op = OPS[self.op_name]
@@ -109,8 +110,8 @@ class ShardedOptimizer(DistributedOptimizer):
         self._active = True
         self._sent = 0
         self._build()
-        _WRAPPED.add(optimizer)
-        self._hook_handles = [p.register_post_accumulate_grad_hook(_weak_hook(self)) for p in trainable]
+        WRAPPED.add(optimizer)
+        self._hook_handles = [p.register_post_accumulate_grad_hook(weak_hook(self)) for p in trainable]
 
     def __repr__(self) -> str:
         return (f"DistributedOptimizer(shard={self.shard!r}, scatter={self.scatter!r}, op={self.op_name}, "
