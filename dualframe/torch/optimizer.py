@@ -14,6 +14,7 @@ from dualframe.errors import StrategyError
 from dualframe.torch import dp_checks
 from dualframe.torch.collectives import OPS, check_initialized, hvd
 from dualframe.torch.compression import Compression
+from dualframe.torch.shard_buckets import check_norm_arguments
 from dualframe.torch.wrapped_optimizer import WRAPPED, WrappedOptimizer, check_optimizer, weak_hook
 
 Key = Union[torch.Tensor, Tuple[torch.Tensor, ...]]
@@ -92,7 +93,7 @@ class DistributedOptimizer(WrappedOptimizer):
         self._p_to_group: Dict[torch.Tensor, Tuple[torch.Tensor, ...]] = {}
         self._group_counts: Dict[Tuple[torch.Tensor, ...], int] = {}
         self._hook_handles: List[Any] = []
-        self._synchronized = False
+        self._synchronized = self._clipped = False
         self._should_synchronize = True
         # Under elastic Horovod the world size changes at a reset: hooks stay registered and whether
         # to reduce is re-decided at each step (a job started on 1 worker must reduce once it grows).
@@ -273,13 +274,38 @@ class DistributedOptimizer(WrappedOptimizer):
             self._decide()
         if self._adasum:
             return self._adasum_step(closure)
-        if self._should_synchronize:
+        if self._should_synchronize and not self._clipped:
             if self._synchronized:
                 warnings.warn("optimizer.step() called after optimizer.synchronize() without "
                               "optimizer.skip_synchronize(); the gradients were reduced again", stacklevel=2)
             self.synchronize()
-        self._synchronized = False
+        self._synchronized = self._clipped = False
         return self._optimizer.step(closure)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Synchronize, then ``torch.nn.utils.clip_grad_norm_`` on the reduced gradients; ``step()`` reduces no more.
+
+        Horovod's recipe (``synchronize()``, clip, ``step()`` inside ``skip_synchronize()``) in one call,
+        the same call as with ``shard=`` (where the recipe cannot work), so a script switches freely.
+
+        Returns:
+            The global norm of the reduced gradients before clipping.
+
+        Raises:
+            StrategyError: ``max_norm`` or ``norm_type`` not a number > 0, or op=Adasum (it reduces in step()).
+
+        Example:
+            >>> loss.backward(); optimizer.clip_grad_norm_(1.0); optimizer.step()   # doctest: +SKIP
+        """
+        check_norm_arguments(max_norm, norm_type)
+        if self._adasum:
+            raise StrategyError("clip_grad_norm_ is not available with op=Adasum (it reduces weight changes in step())")
+        if not self._synchronized:
+            self.synchronize()
+        params = [p for p in dp_checks.optimizer_params(self._optimizer) if p.grad is not None]
+        total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+        self._clipped = True
+        return total
 
     def _adasum_step(self, closure: Optional[Callable[[], Any]]) -> Any:
         # Horovod's delta rule: step locally, reduce the weight change with Adasum, apply it to the start.
@@ -313,7 +339,7 @@ class DistributedOptimizer(WrappedOptimizer):
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load into the wrapped optimizer and drop pending reductions."""
         self._handles = {}
-        self._synchronized = False
+        self._synchronized = self._clipped = False
         self._should_synchronize = True
         for p in self._delay:
             self._delay[p] = self.backward_passes_per_step

@@ -3,6 +3,8 @@
 Every rank runs every test. Each compares with plain data parallelism or with a one-process
 reference computed inside the rank (the same initial model trained on the whole global batch).
 """
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
@@ -129,6 +131,31 @@ def test_clip_grad_norm_equals_plain_data_parallel_clipping(shard, scatter):
         assert torch.allclose(mine, theirs, rtol=TOL) and torch.allclose(mine, one, rtol=TOL)
     assert_close(model, plain)
     assert_close(model, expected)
+
+
+def test_plain_clip_grad_norm_equals_horovods_recipe_and_one_process():
+    data, max_norm = batches(3), 1.0
+    model = make(0)
+    optimizer, norms = hvd.DistributedOptimizer(adam(model), model.named_parameters()), []
+    for x, y in data:
+        optimizer.zero_grad()
+        loss(model, hvd.shard_batch(x), hvd.shard_batch(y)).backward()
+        norms.append(optimizer.clip_grad_norm_(max_norm))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a second reduction in step() would warn "reduced again"
+            optimizer.step()
+    plain, plain_norms = plain_clipped(data, max_norm)
+    expected, reference_norms = reference(data, adam, max_norm)
+    assert all(n > max_norm for n in norms)
+    for mine, theirs, one in zip(norms, plain_norms, reference_norms):
+        assert torch.allclose(mine, theirs, rtol=TOL) and torch.allclose(mine, one, rtol=TOL)
+    assert_close(model, plain)
+    assert_close(model, expected)
+    if hvd.mpi_enabled():  # Adasum needs Horovod's MPI controller
+        adasum = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                          op=hvd.Adasum)
+        with pytest.raises(dualframe.StrategyError, match="not available with op=Adasum"):
+            adasum.clip_grad_norm_(max_norm)
 
 
 def test_clip_grad_norm_with_backward_passes_per_step_and_the_recipe_refused():

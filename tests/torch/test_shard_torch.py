@@ -160,7 +160,7 @@ def test_scatter_refused_without_shard_or_unknown(kwargs, message):
         hvd.DistributedOptimizer(torch.optim.SGD(model().parameters(), lr=0.1), **kwargs)
 
 
-@pytest.mark.parametrize("shard", ["optimizer", "gradients"])
+@pytest.mark.parametrize("shard", ["optimizer", "gradients", None])  # None: the plain wrapper's clip_grad_norm_
 @pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
 def test_clip_grad_norm_equals_torch_on_the_whole_gradients(shard, norm_type):
     hvd.init()
@@ -181,6 +181,14 @@ def test_clip_grad_norm_equals_torch_on_the_whole_gradients(shard, norm_type):
         sharded.step()
     for p, q in zip(plain_net.parameters(), sharded_net.parameters()):
         assert torch.allclose(p, q, atol=1e-6)
+
+
+def test_plain_clip_grad_norm_refuses_bad_numbers():
+    hvd.init()
+    net = model()
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), net.named_parameters())
+    with pytest.raises(StrategyError, match=r"norm_type must be a number > 0 \(norm_type: -1\)"):
+        optimizer.clip_grad_norm_(1.0, -1)
 
 
 def test_horovod_clip_recipe_refused_with_a_sharded_optimizer():
