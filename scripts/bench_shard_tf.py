@@ -45,7 +45,9 @@ def _model_and_data(width: int, layers: int, batch: int, steps: int, mode: str, 
     model = keras.Sequential([keras.Input((width,))] + [keras.layers.Dense(width, activation="relu")
                                                         for _ in range(layers - 1)] + [keras.layers.Dense(10)])
     shard = None if mode == "plain" else mode
-    extra = {} if shard is None else {"scatter": scatter, "bucket_elements": BUCKET_ELEMENTS[0]}
+    extra = {} if shard is None else {"scatter": scatter}
+    if shard is not None and BUCKET_ELEMENTS[0]:
+        extra["bucket_elements"] = BUCKET_ELEMENTS[0]
     model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(1e-4), shard=shard, **extra),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     rng = np.random.RandomState(hvd.rank())
@@ -154,7 +156,7 @@ def main() -> None:
     parser.add_argument("--launcher", choices=["mpirun", "gloo"], default="mpirun")
     parser.add_argument("--scatter", nargs="+", default=["auto"], choices=["auto", "reducescatter", "allreduce"],
                         help="the sharded optimizer's reduce-scatter path(s) to time (each a contender)")
-    parser.add_argument("--bucket-elements", type=int, default=None, help="the sharded optimizer's bucket cap")
+    parser.add_argument("--bucket-elements", type=int, default=None, help="the sharded optimizer's bucket cap (default: its own, 4M elements)")
     parser.add_argument("--time-only", action="store_true", help="skip the memory launches")
     parser.add_argument("--worker", choices=["memory", "time"], help=argparse.SUPPRESS)
     parser.add_argument("--mode", default="plain", help=argparse.SUPPRESS)

@@ -14,6 +14,7 @@ exists in both modes; ZeRO-2 saves the accumulators and lets each bucket's flat 
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Dict, List, Optional, Sequence
 
 import keras
@@ -21,7 +22,7 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 
-from dualframe.dp.shard import ShardLayout, check_same_parameters, check_shard, parameter_signature
+from dualframe.dp.shard import BUCKET_ELEMENTS, ShardLayout, check_same_parameters, check_shard, parameter_signature
 from dualframe.errors import StrategyError
 from dualframe.tensorflow.collectives import hvd
 from dualframe.tensorflow.compression import Compression
@@ -39,6 +40,25 @@ SCATTERS = ("auto", "reducescatter", "allreduce")
 def scatter_path(scatter: str) -> str:
     """The path ``scatter`` means under the running controller ("auto": reducescatter)."""
     return "reducescatter" if scatter == "auto" else scatter
+
+
+#: Absolute name scope of the traced collectives. Horovod pairs ranks' tensors by name, and by default
+#: derives a traced op's name from its scope and its first input's name: for gradients, the layers'
+#: names, which Keras numbers per process (a rank that built one more layer, even a discarded one,
+#: names them differently), so the ranks' requests never matched (the Gloo abort of issue 17).
+COLLECTIVE_SCOPE = "dualframe_shard/"
+
+
+def collective_scope() -> Any:
+    """The fixed name scope for the traced collectives (eager ops are named by Horovod alike on every rank)."""
+    return contextlib.nullcontext() if tf.executing_eagerly() else tf.name_scope(COLLECTIVE_SCOPE)
+
+
+def named(tensors: Sequence[Any], role: str) -> List[tf.Tensor]:
+    """``tensors`` renamed ``<role><i>`` (free identities), so Horovod's names are the same on every rank."""
+    if tf.executing_eagerly():
+        return list(tensors)
+    return [tf.identity(t, name=f"{role}{i}") for i, t in enumerate(tensors)]
 
 
 @keras.saving.register_keras_serializable(package="dualframe")
@@ -60,7 +80,10 @@ class ShardedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
     Args:
         optimizer: the Keras optimizer to shard (only its class and config are used).
         shard: ``"optimizer"`` (ZeRO-1) or ``"gradients"`` (ZeRO-2).
-        bucket_elements: largest flat bucket in elements (None: one bucket per dtype).
+        bucket_elements: largest flat bucket in elements (default 4M: 16 MiB of float32; None: one bucket
+            per dtype). Keep buckets well under 32 MiB on CPU: glibc serves larger blocks with a fresh
+            mmap each time, and every temporary of the update then pays page faults (a 67 MiB bucket made
+            Adam's update 4x slower than on the separate variables).
         Other arguments: as ``DistributedOptimizer``; ``op`` must be Average or Sum.
 
     Example:
@@ -74,7 +97,8 @@ class ShardedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
                  device_dense: str = "", device_sparse: str = "", compression: Any = Compression.none,
                  sparse_as_dense: bool = False, gradient_predivide_factor: float = 1.0, op: Any = hvd.Average,
                  backward_passes_per_step: int = 1, average_aggregated_gradients: bool = False,
-                 process_set: Any = None, shard: str = "optimizer", bucket_elements: Optional[int] = None,
+                 process_set: Any = None, shard: str = "optimizer",
+                 bucket_elements: Optional[int] = BUCKET_ELEMENTS,
                  scatter: str = "auto") -> None:
         settings, accumulation = wrap_settings(
             optimizer, compression, op, sparse_as_dense, gradient_predivide_factor, backward_passes_per_step,
@@ -207,16 +231,17 @@ class ShardedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
         if settings.process_set.size() == 1:
             return self._zero.own_slices(self._zero.dense(grads))
         prescale, postscale = settings.scale_factors()
-        if scatter_path(self.scatter) == "allreduce":
-            reduced = hvd.grouped_allreduce(
-                self._zero.dense(grads), op=settings.horovod_op, compression=settings.compression,
+        with collective_scope():
+            if scatter_path(self.scatter) == "allreduce":
+                reduced = hvd.grouped_allreduce(
+                    named(self._zero.dense(grads), "grad"), op=settings.horovod_op, compression=settings.compression,
+                    process_set=settings.process_set, prescale_factor=prescale, postscale_factor=postscale,
+                    device_dense=settings.device_dense)
+                return self._zero.own_slices(list(reduced))
+            return list(hvd.grouped_reducescatter(
+                named(self._zero.flatten(grads), "bucket"), op=settings.horovod_op, compression=settings.compression,
                 process_set=settings.process_set, prescale_factor=prescale, postscale_factor=postscale,
-                device_dense=settings.device_dense)
-            return self._zero.own_slices(list(reduced))
-        flats = self._zero.flatten(grads)
-        return list(hvd.grouped_reducescatter(
-            flats, op=settings.horovod_op, compression=settings.compression, process_set=settings.process_set,
-            prescale_factor=prescale, postscale_factor=postscale, device_dense=settings.device_dense))
+                device_dense=settings.device_dense))
 
     def _update(self, slice_grads: List[tf.Tensor]) -> None:
         zero = self._zero
@@ -224,7 +249,8 @@ class ShardedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
         zero.inner.apply(slice_grads, zero.slices)
         values = [tf.convert_to_tensor(s) for s in zero.slices]
         if self.reduction.process_set.size() > 1:
-            values = list(hvd.grouped_allgather(values, process_set=self.reduction.process_set))
+            with collective_scope():
+                values = list(hvd.grouped_allgather(named(values, "slice"), process_set=self.reduction.process_set))
         zero.write_back(values)
 
     # --- what the rest of Keras sees -------------------------------------------------------------------------------
