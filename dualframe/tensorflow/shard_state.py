@@ -30,7 +30,8 @@ def check_elementwise(optimizer: keras.optimizers.Optimizer) -> None:
     only that element's gradient and state and scalars (learning rate, step). Lamb (trust ratio of
     each tensor's norm), Adafactor (factored moments by shape), Muon (orthogonalises matrices),
     ``clipnorm``/``global_clipnorm`` (norms of tensors), ``use_ema`` (averages of whole model
-    variables) and ``exclude_from_weight_decay`` (chosen per variable) break it.
+    variables) and ``exclude_from_weight_decay`` (chosen per variable) break it. ``global_clipnorm`` is
+    allowed: the sharded optimizer takes the norm over every rank's slice itself (see :func:`inner_copy`).
     """
     kind = type(optimizer).__name__
     base = next((c.__name__ for c in type(optimizer).__mro__ if c.__module__.startswith("keras")
@@ -40,16 +41,27 @@ def check_elementwise(optimizer: keras.optimizers.Optimizer) -> None:
             f"shard= needs an optimizer that updates each element from its own gradient and state "
             f"({', '.join(ELEMENTWISE)}); {kind} is not one of them (Lamb, Adafactor and Muon read norms or "
             f"shapes of whole tensors). Use shard=None for it")
-    for option in ("clipnorm", "global_clipnorm"):
-        if getattr(optimizer, option, None) is not None:
-            raise StrategyError(f"shard= cannot use {option}={getattr(optimizer, option)} (a norm of whole "
-                                f"tensors, which no rank holds); use clipvalue, or shard=None")
+    if getattr(optimizer, "clipnorm", None) is not None:
+        raise StrategyError(f"shard= cannot use clipnorm={optimizer.clipnorm} (a norm of each whole tensor, which "
+                            f"no rank holds); use global_clipnorm or clipvalue, or shard=None")
     if getattr(optimizer, "use_ema", False):
         raise StrategyError("shard= cannot use use_ema=True (it averages whole model variables); use shard=None")
     if getattr(optimizer, "_exclude_from_weight_decay", None) or \
             getattr(optimizer, "_exclude_from_weight_decay_pattern", None) is not None:
         raise StrategyError("shard= cannot use exclude_from_weight_decay (a slice mixes variables); decay all "
                             "variables, or use shard=None")
+
+
+def inner_copy(optimizer: keras.optimizers.Optimizer) -> Tuple[keras.optimizers.Optimizer, Optional[float]]:
+    """A copy of ``optimizer`` (same class and config) without ``global_clipnorm``, and that clip norm.
+
+    The copy sees one rank's slices only, so it must not take the norm itself: the sharded optimizer
+    clips with the norm over all ranks' slices before handing it the gradients.
+    """
+    config = optimizer.get_config()
+    clip = config.get("global_clipnorm")
+    config["global_clipnorm"] = None
+    return type(optimizer).from_config(config), (None if clip is None else float(clip))
 
 
 class ShardedState:

@@ -27,19 +27,21 @@ from dualframe.errors import StrategyError
 from dualframe.tensorflow.collectives import hvd
 from dualframe.tensorflow.compression import Compression
 from dualframe.tensorflow.optimizer import KerasTwoNames, _config, register_wrapper, wrap_settings
-from dualframe.tensorflow.shard_state import SLICE_NAME, ShardedState, check_elementwise
+from dualframe.tensorflow.shard_state import SLICE_NAME, ShardedState, check_elementwise, inner_copy
 
 #: How the gradients reach their owners: one Horovod reduce-scatter of the flat buckets, or an
 #: allreduce of the gradients of which each rank keeps its slice (1.5x the bytes of reduce-scatter
-#: plus allgather, but Horovod 0.28's Gloo reducescatter costs ~2x its allreduce). "auto" is
-#: reducescatter under both controllers for now: the allreduce path aborted under Gloo in a long
-#: test sequence (undiagnosed; see docs/keras_data_parallel.md), so it is opt-in.
+#: plus allgather). "auto": the allreduce under Gloo, whose reducescatter in Horovod 0.28 costs about
+#: twice its allreduce (16.8M floats, np=2: 205 vs 115 ms); the reduce-scatter under MPI (116 ms,
+#: allreduce 107-190), where reduce-scatter plus allgather undercut allreduce plus allgather.
 SCATTERS = ("auto", "reducescatter", "allreduce")
 
 
 def scatter_path(scatter: str) -> str:
-    """The path ``scatter`` means under the running controller ("auto": reducescatter)."""
-    return "reducescatter" if scatter == "auto" else scatter
+    """The path ``scatter`` means under the running controller ("auto": allreduce under Gloo, else reducescatter)."""
+    if scatter != "auto":
+        return scatter
+    return "allreduce" if hvd.gloo_enabled() else "reducescatter"
 
 
 #: Absolute name scope of the traced collectives. Horovod pairs ranks' tensors by name, and by default
@@ -71,8 +73,9 @@ class ShardedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
 
     The optimizer must update every element from that element's gradient and state alone (SGD, Adam,
     AdamW, Adamax, Nadam, RMSprop, Adagrad, Adadelta, Ftrl, Lion); per-tensor norms or shapes (Lamb,
-    Adafactor, Muon), ``clipnorm``/``global_clipnorm``, ``use_ema`` and ``exclude_from_weight_decay``
-    are refused. ``variables`` lists only what every rank holds alike (iterations, learning rate, the
+    Adafactor, Muon), ``clipnorm``, ``use_ema`` and ``exclude_from_weight_decay`` are refused.
+    ``global_clipnorm`` works: the norm is the square root of the allreduced sum of every rank's slice
+    norm squared, applied before the update as Keras applies it. ``variables`` lists only what every rank holds alike (iterations, learning rate, the
     ZeRO-1 accumulators), so ``BroadcastGlobalVariablesCallback`` leaves each rank's slice alone; the
     slices are :meth:`shard_variables`. Saving (``model.save``, ``save_own_variables``) gathers the
     state in the plain optimizer's layout, so EVERY rank must call ``model.save`` (rank 0 keeps the file).
@@ -120,7 +123,8 @@ class ShardedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
         self.accumulation = accumulation
         # A plain holder: the Keras optimizer tracks Variables and optimizers set as attributes, and the
         # saver walks them; the slices and the inner optimizer differ per rank, so neither may be tracked.
-        self._zero = ShardedState(type(optimizer).from_config(optimizer.get_config()))
+        inner, self.global_clipnorm_value = inner_copy(optimizer)
+        self._zero = ShardedState(inner)
 
     # --- building: the cross-rank check, the layout, the slices and the inner optimizer's slots -----------------
     def build(self, var_list: Sequence[Any]) -> None:
@@ -151,8 +155,7 @@ class ShardedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
         elastic state's ``reset`` does).
         """
         zero = self._zero
-        inner = type(zero.inner).from_config(zero.inner.get_config())
-        self._zero = ShardedState(inner)
+        self._zero = ShardedState(type(zero.inner).from_config(zero.inner.get_config()))
         with tf.init_scope():
             layout = ShardLayout.build(list(zero.layout.sizes) if zero.layout else [],
                                        self.reduction.process_set.size(),
@@ -246,12 +249,26 @@ class ShardedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
     def _update(self, slice_grads: List[tf.Tensor]) -> None:
         zero = self._zero
         zero.load_slices()  # the model may have been set, loaded or broadcast since the last step
-        zero.inner.apply(slice_grads, zero.slices)
+        zero.inner.apply(self._clip(slice_grads), zero.slices)
         values = [tf.convert_to_tensor(s) for s in zero.slices]
         if self.reduction.process_set.size() > 1:
             with collective_scope():
                 values = list(hvd.grouped_allgather(named(values, "slice"), process_set=self.reduction.process_set))
         zero.write_back(values)
+
+    def _clip(self, slice_grads: List[tf.Tensor]) -> List[tf.Tensor]:
+        """Keras's ``clip_by_global_norm`` with the norm over every rank's slice (padding adds zeros)."""
+        clip = self.global_clipnorm_value
+        if not clip or clip <= 0:
+            return slice_grads
+        squared = ops.sum(ops.stack([ops.sum(ops.square(g)) for g in slice_grads]))
+        if self.reduction.process_set.size() > 1:
+            with collective_scope():
+                squared = hvd.allreduce(named([squared], "squared_norm")[0], op=hvd.Sum,
+                                        process_set=self.reduction.process_set)
+        norm = ops.sqrt(squared)
+        scale = clip * ops.minimum(1.0 / norm, 1.0 / clip) + (norm - norm)  # NaN for a non-finite norm, as Keras
+        return [g * ops.cast(scale, g.dtype) for g in slice_grads]
 
     # --- what the rest of Keras sees -------------------------------------------------------------------------------
     @property
@@ -300,7 +317,9 @@ class ShardedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
         return self._zero.inner.iterations
 
     def get_config(self) -> Dict[str, Any]:
-        return {"name": self.name, "optimizer": keras.saving.serialize_keras_object(self._zero.inner),
+        inner = keras.saving.serialize_keras_object(self._zero.inner)
+        inner["config"]["global_clipnorm"] = self.global_clipnorm_value  # the user's optimizer, as given
+        return {"name": self.name, "optimizer": inner,
                 "shard": self.shard, "bucket_elements": self.bucket_elements, "scatter": self.scatter,
                 **_config(self.reduction, self.accumulation)}
 

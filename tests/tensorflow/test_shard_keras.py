@@ -90,3 +90,19 @@ def test_state_of_another_optimizer_refused_and_reshard_keeps_the_layout():
     m.train_function = None  # the traced step held the old slices
     m.fit(np.ones((6, 5), "float32"), np.ones((6, 1), "float32"), verbose=0)
     assert int(opt.iterations) == 5
+
+
+@pytest.mark.parametrize("shard", ["optimizer", "gradients"])
+def test_global_clipnorm_equals_plain_and_survives_the_config(shard):
+    # A clip norm small enough that every step is clipped: the norm must cover every bucket, not one.
+    opt = hvd.DistributedOptimizer(keras.optimizers.Adam(0.05, global_clipnorm=0.05), shard=shard, bucket_elements=20)
+    sharded, plain = trained(opt), trained(keras.optimizers.Adam(0.05, global_clipnorm=0.05))
+    unclipped = trained(keras.optimizers.Adam(0.05))
+    assert opt._zero.inner.global_clipnorm is None  # the copy sees one rank's slices: it must not clip them
+    for a, b, c in zip(sharded.get_weights(), plain.get_weights(), unclipped.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+    assert max(np.abs(b - c).max() for b, c in zip(plain.get_weights(), unclipped.get_weights())) > 1e-4
+    again = keras.optimizers.deserialize(keras.optimizers.serialize(opt))
+    assert again.global_clipnorm_value == pytest.approx(0.05) and again._zero.inner.global_clipnorm is None
+    with pytest.raises(dualframe.StrategyError, match="clipnorm=1.0"):
+        hvd.DistributedOptimizer(keras.optimizers.SGD(clipnorm=1.0), shard="optimizer")
