@@ -29,7 +29,7 @@ def check_elementwise(optimizer: keras.optimizers.Optimizer) -> None:
     Rule: a slice of a flat buffer mixes tensors and splits them, so each element's update may read
     only that element's gradient and state and scalars (learning rate, step). Lamb (trust ratio of
     each tensor's norm), Adafactor (factored moments by shape), Muon (orthogonalises matrices),
-    ``clipnorm``/``global_clipnorm`` (norms of tensors), ``use_ema`` (averages of whole model
+    ``clipnorm`` (the norm of each tensor), ``use_ema`` (averages of whole model
     variables) and ``exclude_from_weight_decay`` (chosen per variable) break it. ``global_clipnorm`` is
     allowed: the sharded optimizer takes the norm over every rank's slice itself (see :func:`inner_copy`).
     """
