@@ -29,7 +29,10 @@ median of the per-round ratios):
      zb-h1 / 1f1b, each one's measured bubble beside its theory ((n-1)/(m+n-1) and (n-1)/(3m+n-1)) and
      the computing seconds per stage (ZB-H1's B re-runs each layer from its kept input, so it may compute
      more: ``dualframe.tensorflow.split_backward``), and the micro-batches each holds at once.
-  ``--only-zb`` runs part 4 alone.
+  Part 1 also times GPipe with each micro-batch's weight gradient in its own backward (``W per
+  micro-batch``, as before GPipe batched its W passes: ``pipeline_work.deferred_weights``), and prints
+  chunks=8 / that in the same rounds.
+  ``--only-zb`` runs part 4 alone, ``--only-ratios`` part 1 alone.
 """
 import argparse
 import functools
@@ -61,12 +64,13 @@ def build_model(width: int, blocks: int) -> keras.Sequential:
     return keras.Sequential([keras.Input((width,))] + layers)
 
 
-def ours(model, chunks, schedule="gpipe", transport="auto", jit_compile=True):
+def ours(model, chunks, schedule="gpipe", transport="auto", jit_compile=True, batch_weights=True):
     half = len(model.layers) // 2
     os.environ["DUALFRAME_PIPELINE_TRANSPORT"] = transport  # read when the pipeline is built
     pipe = DistributedPipeline(model, [half, half], chunks=chunks, schedule=schedule, loss_fn="mse",
                                jit_compile=jit_compile)
     os.environ.pop("DUALFRAME_PIPELINE_TRANSPORT")
+    pipe.batch_weights = batch_weights
     optimizer = keras.optimizers.SGD(1e-4)
 
     def step(x, y):
@@ -127,6 +131,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--only-zb", action="store_true", help="run part 4 (zb-h1 against 1f1b) alone")
+    parser.add_argument("--only-ratios", action="store_true", help="run part 1 (throughput ratios) alone")
     args = parser.parse_args()
     hvd.init()
     if hvd.size() != 2:
@@ -149,7 +154,7 @@ def main() -> None:
     # its speed per row at 256 rows where TensorFlow's kernels slow down.
     configs = {"chunks=1": ours(model, 1, jit_compile=False)[1], "chunks=8": ours(model, 8)[1],
                "chunks=8 1f1b": ours(model, 8, "1f1b")[1], "chunks=8 no XLA": ours(model, 8, jit_compile=False)[1],
-               "chunks=1 XLA": naive_step}
+               "chunks=1 XLA": naive_step, "chunks=8 W per micro-batch": ours(model, 8, batch_weights=False)[1]}
     if transport != "horovod":  # point-to-point: the same pipelines with Horovod broadcasts, side by side
         configs["chunks=1 Horovod broadcasts"] = ours(model, 1, transport="horovod", jit_compile=False)[1]
         configs["chunks=8 Horovod broadcasts"] = ours(model, 8, transport="horovod")[1]
@@ -158,12 +163,18 @@ def main() -> None:
     times = interleaved({name: functools.partial(timed, step, x, y, args.steps) for name, step in configs.items()},
                         args.rounds)
     per_step = {name: [t / args.steps for t in ts] for name, ts in times.items()}
-    report = [ratio_line(f"{name} / chunks=1", times["chunks=1"], times[name]) for name in list(configs)[1:5]]
+    report = [ratio_line(f"{name} / chunks=1", times["chunks=1"], times[name]) for name in list(configs)[1:6]]
+    report.append(ratio_line("chunks=8 / chunks=8 W per micro-batch", times["chunks=8 W per micro-batch"],
+                             times["chunks=8"]))
     if "chunks=8 Horovod broadcasts" in times:
         report.append(ratio_line("chunks=8 / chunks=1, Horovod broadcasts", times["chunks=1 Horovod broadcasts"],
                                  times["chunks=8 Horovod broadcasts"]))
     report.append(seconds_line(per_step).replace("step seconds (median)",
                                                  "seconds per step (median over rounds, after 1 warm-up step each)"))
+    if args.only_ratios:
+        if hvd.rank() == 0:
+            print(f"{header}, messages over {transport}\n" + "\n".join(report), flush=True)
+        return
     for m in (1, 2, 4, 8, 16):
         pipe, step = ours(model, m)
         for _ in range(args.steps + 1):

@@ -24,7 +24,7 @@ from dualframe.pipeline.layout import layout_pipeline
 from dualframe.tensorflow.backend import BACKEND
 from dualframe.tensorflow.collectives import hvd
 from dualframe.tensorflow.optimizer import DistributedOptimizer
-from dualframe.tensorflow.pipeline_work import StageFunctions, TFStageWork, fusable
+from dualframe.tensorflow.pipeline_work import StageFunctions, TFStageWork, deferred_weights, fusable
 from dualframe.pipeline.graph import GraphSplit, stage_count
 from dualframe.tensorflow.graph import KerasGraph, capture
 from dualframe.tensorflow.distributed_graph import process_stages
@@ -173,6 +173,9 @@ class DistributedPipeline(StageView):
             self.layers[0], self.split, j, self.captured, loss_fn, jit_compile))
         self.gradients: List[Optional[tf.Tensor]] = []
         self.peak_live = 0
+        #: GPipe: a stage whose split passes run computes its micro-batches' weight gradients in one pass
+        #: after its last backward (``pipeline_work.deferred_weights``); False: each in its backward.
+        self.batch_weights = True
 
     @property
     def all_layers(self) -> List[Any]:
@@ -233,10 +236,22 @@ class DistributedPipeline(StageView):
         inputs = None if inputs is None or not self.is_first else tf.convert_to_tensor(inputs)
         sizes = self.role.agree(inputs, targets, train)
         micro_inputs, micro_targets = self.role.micro_batches(inputs, targets, sizes, train)
+        batch_weights = self._batches_weights(actions, train)
+        if batch_weights:  # W actions send nothing: each stage decides alone
+            actions = deferred_weights(actions)
         work = TFStageWork(self.layers, self.is_first, self.is_last, self.loss_fn if train else None,
                            micro_targets, [s / sum(sizes) for s in sizes], self.device, self._functions, fusable(actions),
-                           split=splits_backward(actions))
+                           split=splits_backward(actions), batch_weights=batch_weights)
         return work, self.role.step(actions, micro_inputs, work, train)
+
+    def _batches_weights(self, actions: Sequence[Action], train: bool) -> bool:
+        """Whether this step runs GPipe's W passes as one after its last B (``pipeline_work.deferred_weights``).
+
+        Only on a stage whose split passes run (built, no layer with state) and only under GPipe: 1F1B
+        would have to keep every micro-batch's layer inputs until the end, GPipe's memory.
+        """
+        return (train and self.schedule == "gpipe" and self.batch_weights and self._functions is not None
+                and not splits_backward(actions) and self._functions.splittable())
 
     def _run_graph(self, actions: Sequence[Action], inputs: Any, targets: Any,
                    train: bool) -> Tuple[TFGraphStageWork, StepRecord]:

@@ -6,6 +6,7 @@ from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Tu
 
 import tensorflow as tf
 
+from dualframe.pipeline.action import BACKWARD, WEIGHT, Action
 from dualframe.tensorflow.split_backward import SplitFunctions, splittable
 
 Gradients = List[Optional[tf.Tensor]]
@@ -77,7 +78,8 @@ class StageFunctions:
     * ``accumulate(sums, gradients)``: a taped micro-batch's gradients added to the step's sums in one call;
     * ``forward_inputs``, ``input_pass``, ``last_input_pass``, ``weight_pass``: the split backward's
       F, B, F+B of the last stage, and W (``dualframe.tensorflow.split_backward``), for zero-bubble
-      schedules on a ``splittable`` stage.
+      schedules on a ``splittable`` stage; ``batched_weight_pass``: the W of every micro-batch of a
+      step in one pass over their rows (GPipe, ``deferred_weights``).
 
     Each is compiled with XLA (``jit_compile``, see ``_Compiled``) and traced once per (relaxed) input
     shape and per first-or-not; they are used only once every layer is built (variables can be
@@ -100,6 +102,7 @@ class StageFunctions:
         self.input_pass = _Compiled(self.split.input_pass, jit_compile)
         self.last_input_pass = _Compiled(self.split.last_input_pass, jit_compile)
         self.weight_pass = _Compiled(self.split.weight_pass, jit_compile)
+        self.batched_weight_pass = _Compiled(self.split.batched_weight_pass, jit_compile)
 
     def ready(self) -> bool:
         """Whether every layer is built (the compiled functions may run)."""
@@ -113,7 +116,7 @@ class StageFunctions:
         """Traces per function so far (a test checks that no step after the first traces again)."""
         return {name: getattr(self, name).tracing_count()
                 for name in ("forward", "forward_loss", "last_step", "accumulate", "forward_inputs",
-                             "input_pass", "last_input_pass", "weight_pass")}
+                             "input_pass", "last_input_pass", "weight_pass", "batched_weight_pass")}
 
     def _forward(self, x: tf.Tensor, training: bool) -> tf.Tensor:
         for layer in self.layers:
@@ -150,6 +153,23 @@ def fusable(plan: Sequence[Any]) -> List[int]:
     return [int(a[1:]) for a, b in zip(tags, tags[1:]) if a[0] == "F" and b == "B" + a[1:]]
 
 
+def deferred_weights(plan: Sequence[Action]) -> List[Action]:
+    """``plan`` (a schedule without W actions) with a ``W i`` for each ``B i`` at its end, in the order of the B's.
+
+    Run by a ``TFStageWork`` with ``batch_weights``: the B passes compute the inputs' gradients only
+    (what the previous stage waits for), and the W actions, all after the last B, run as one
+    ``batched_weight_pass`` over the step's rows. Used for GPipe, whose last stage computes its W
+    while the stages before it still run their B's; on the first stage it follows the last B, and
+    runs faster than the micro-batches' W's one by one (TensorFlow's CPU matmul is faster per row at
+    the mini-batch's rows than at a micro-batch's, docs/benchmarks.md).
+
+    Example:
+        >>> [str(a) for a in deferred_weights([Action.parse(t) for t in "F0 F1 B1 B0".split()])]
+        ['F0', 'F1', 'B1', 'B0', 'W1', 'W0']
+    """
+    return list(plan) + [Action(WEIGHT, action.micro) for action in plan if action.kind == BACKWARD]
+
+
 class TFStageWork:
     """Forward and backward of one stage's layers on micro-batch i.
 
@@ -170,6 +190,9 @@ class TFStageWork:
     every layer's input, B keeps the gradient at each weighted layer's output, W adds the weights'
     gradient to the sums. Where the stage cannot split (not built yet: the first step; or a layer
     with state), B runs the full backward and W only adds its weights' part: correct, no gain.
+    With ``batch_weights`` too (GPipe with ``deferred_weights``), the W actions wait until every
+    micro-batch's has come and run as one ``batched_weight_pass``; the last stage then runs F and B
+    of every micro-batch in one call at forward time (``last_input_pass``), so its B's send at once.
 
     Example:
         >>> work = TFStageWork(layers, True, True, loss, [y0], [1.0], fused={0})   # doctest: +SKIP
@@ -178,7 +201,7 @@ class TFStageWork:
 
     def __init__(self, layers: Sequence[Any], first: bool, last: bool, loss_fn: Optional[Callable[[Any, Any], Any]], targets: List[tf.Tensor], weights: List[float],
                  device: Optional[str] = None, functions: Optional[StageFunctions] = None,
-                 fused: Collection[int] = (), split: bool = False) -> None:
+                 fused: Collection[int] = (), split: bool = False, batch_weights: bool = False) -> None:
         self.layers, self.first, self.last = list(layers), first, last
         self.functions = functions if functions is not None and functions.ready() else None
         self.split = split
@@ -189,6 +212,10 @@ class TFStageWork:
                          "re-run in two passes: B runs the whole backward, W only adds it (no zero-bubble gain)")
         # i -> what W i needs: ("sums", the weights' gradients) or ("split", owners' inputs, output gradients)
         self._pending: Dict[int, Tuple[Any, ...]] = {}
+        self.batch_weights = batch_weights and self.split_passes
+        self._weights_due: List[int] = []  # W actions come, waiting for the batched pass
+        if self.batch_weights:
+            fused = range(len(weights))
         self.fused = set(fused) if last else set()
         self.loss_fn, self.targets, self.weights, self.device = loss_fn, targets, weights, device
         self._saved: Dict[int, Any] = {}  # i -> (tape, input, output), or the last stage's input gradient
@@ -301,6 +328,11 @@ class TFStageWork:
 
     def weight(self, i: int) -> None:
         """W i: micro-batch i's weights' gradient added to the step's sums (after its backward)."""
+        if self.batch_weights:
+            self._weights_due.append(i)
+            if len(self._weights_due) == len(self.weights):
+                self._batched_weights()
+            return
         pending = self._pending.pop(i)
         if pending[0] == "sums":
             self._add(pending[1])
@@ -308,3 +340,12 @@ class TFStageWork:
         assert self.functions is not None
         with tf.device(self.device):
             self.gradients = self.functions.weight_pass(pending[1], pending[2], self._sums())
+
+    def _batched_weights(self) -> None:
+        """Every micro-batch's W in one pass over their rows, added to the step's sums."""
+        assert self.functions is not None
+        parts = [self._pending.pop(i) for i in sorted(self._weights_due)]
+        self._weights_due = []
+        with tf.device(self.device):
+            self.gradients = self.functions.batched_weight_pass(
+                [part[1] for part in parts], [part[2] for part in parts], self._sums())

@@ -20,9 +20,11 @@ gradient alone costs as much as all of them), so a persistent tape gives no spli
 
 On the last stage ``F i`` and ``B i`` are one call (``last_input_pass``: forward, loss, the input's
 gradient and the kept output gradients, no weight product), since zero-bubble schedules run them back
-to back there. Re-running a layer is exact only for a layer without state: a stage with a layer that
-has non-trainable variables (``BatchNormalization``'s moving statistics, ``Dropout``'s seed) is not
-``splittable`` and runs B as a full backward (W then only adds that gradient: no gain, logged once).
+to back there. GPipe runs its W passes together after its last B (``batched_weight_pass``, see
+``pipeline_work.deferred_weights``). Re-running a layer is exact only for a layer without state: a
+stage with a layer that has non-trainable variables (``BatchNormalization``'s moving statistics,
+``Dropout``'s seed) is not ``splittable`` and runs B as a full backward (W then only adds that
+gradient: no gain, logged once).
 """
 from __future__ import annotations
 
@@ -119,6 +121,21 @@ class SplitFunctions:
         if sums is None:
             return gradients
         return [a if b is None else b if a is None else a + b for a, b in zip(sums, gradients)]
+
+    def batched_weight_pass(self, inputs: Sequence[List[tf.Tensor]], kept: Sequence[List[tf.Tensor]],
+                            sums: Optional[Gradients]) -> Gradients:
+        """W of several micro-batches at once: their owners' inputs and output gradients concatenated by rows.
+
+        A weight's gradient is a sum over rows (``x.T @ dy`` for a ``Dense``), so one pass over the rows
+        of every micro-batch gives the sum of their W passes, as one product of the mini-batch's rows:
+        TensorFlow's CPU matmul is faster per row there than at micro-batch sizes.
+        ``inputs[i]``, ``kept[i]``: micro-batch i's ``owner_inputs`` and B's output gradients.
+        """
+        if len(inputs) == 1:
+            return self.weight_pass(inputs[0], kept[0], sums)
+        joined_inputs = [tf.concat(list(parts), 0) for parts in zip(*inputs)]
+        joined_kept = [tf.concat(list(parts), 0) for parts in zip(*kept)]
+        return self.weight_pass(joined_inputs, joined_kept, sums)
 
     def owner_inputs(self, inputs: Sequence[tf.Tensor]) -> List[tf.Tensor]:
         """The inputs of the layers that own weights, from F's list of every layer's input."""

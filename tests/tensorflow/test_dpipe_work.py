@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 from dualframe.pipeline.schedule import rank_schedule
-from dualframe.tensorflow.pipeline_work import StageFunctions, TFStageWork, fusable
+from dualframe.tensorflow.pipeline_work import StageFunctions, TFStageWork, deferred_weights, fusable
 
 SIZES = [3, 3, 2, 2]  # 10 rows in 4 micro-batches
 
@@ -266,3 +266,67 @@ def test_zb_h1_stage_with_state_runs_the_full_backward_in_b():
     np.testing.assert_allclose(m1, m2, atol=1e-6, rtol=0)
     for got, want in zip(g2 + i2, g1 + i1):
         np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-5, rtol=0)
+
+
+def gpipe_batched_step(layers, functions, x, y, first, last, grad_seed=3):
+    """One GPipe step of stage 0 or 1 of 2 with the W passes batched after the last B (``deferred_weights``)."""
+    plan = deferred_weights(rank_schedule("gpipe", 2, len(SIZES))[1 if last else 0])
+    xs, ys = tf.split(x, SIZES), tf.split(y, SIZES)
+    work = TFStageWork(layers, first, last, keras.losses.MeanSquaredError(), ys, [s / sum(SIZES) for s in SIZES],
+                       "/CPU:0", functions, fusable(plan), split=True, batch_weights=True)
+    outputs, input_grads = {}, {}
+    for action in plan:
+        i = action.micro
+        if action.kind == "F":
+            outputs[i] = work.forward(i, xs[i])
+        elif action.kind == "B":
+            upstream = None if last else tf.random.stateless_normal(tf.shape(outputs[i]), (grad_seed, i))
+            input_grads[i] = work.backward(i, upstream)
+        else:
+            work.weight(i)
+    return work, [input_grads[i] for i in range(len(SIZES))]
+
+
+def test_deferred_weights_appends_a_w_per_b():
+    plan = rank_schedule("gpipe", 2, 3)[0]
+    assert [str(a) for a in deferred_weights(plan)] == "F0 F1 F2 B2 B1 B0 W2 W1 W0".split()
+
+
+@pytest.mark.parametrize("first,last", [(True, False), (False, True), (False, False)])
+def test_gpipe_batched_weights_equal_the_full_backward(first, last):
+    """GPipe's W passes run as one over the step's rows: the same loss, weight and input gradients as GPipe's full backward."""
+    rng = np.random.RandomState(14)
+    x, y = tf.constant(rng.randn(10, 5).astype("float32")), tf.constant(rng.randn(10, 3).astype("float32"))
+    layers = split_stage(15)
+    keras.Sequential([keras.Input((5,))] + layers)
+    functions = StageFunctions(layers, first=first, loss_fn=keras.losses.MeanSquaredError())
+    full, full_inputs = any_step(layers, functions, x, y, first, last, "gpipe")
+    for step in range(3):
+        batched, batched_inputs = gpipe_batched_step(layers, functions, x, y, first, last)
+        assert batched.batch_weights and not batched._pending and not batched._weights_due
+        assert batched.peak_live == len(SIZES)
+        assert batched.loss_sum == pytest.approx(full.loss_sum, abs=1e-6)
+        for got, want in zip(batched.gradients, full.gradients):
+            np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-5, rtol=0)
+        for got, want in zip(batched_inputs, full_inputs):
+            if first:
+                assert got is None and want is None
+            else:
+                np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-5, rtol=0)
+        if step == 0:
+            counts = functions.tracing_counts()
+        assert functions.tracing_counts() == counts and counts["batched_weight_pass"] == 1
+    if last:
+        loss, want = whole_batch(layers, x, y, first=False)
+        for got, expected in zip(batched.gradients + [tf.concat(batched_inputs, 0)], want):
+            np.testing.assert_allclose(got.numpy(), expected.numpy(), atol=1e-5, rtol=0)
+
+
+def test_gpipe_batched_weights_keep_the_taped_path_for_a_stage_with_state():
+    keras.utils.set_random_seed(5)
+    layers = [keras.layers.Dense(6), keras.layers.BatchNormalization(), keras.layers.Dense(3)]
+    keras.Sequential([keras.Input((5,))] + layers)
+    functions = StageFunctions(layers, first=False, loss_fn=keras.losses.MeanSquaredError())
+    work = TFStageWork(layers, False, False, keras.losses.MeanSquaredError(), [], [0.5, 0.5], "/CPU:0", functions,
+                       split=False, batch_weights=True)
+    assert not functions.splittable() and not work.batch_weights
