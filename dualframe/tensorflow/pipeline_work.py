@@ -78,8 +78,9 @@ class StageFunctions:
     * ``accumulate(sums, gradients)``: a taped micro-batch's gradients added to the step's sums in one call;
     * ``forward_inputs``, ``input_pass``, ``last_input_pass``, ``weight_pass``: the split backward's
       F, B, F+B of the last stage, and W (``dualframe.tensorflow.split_backward``), for zero-bubble
-      schedules on a ``splittable`` stage; ``batched_weight_pass``: the W of every micro-batch of a
-      step in one pass over their rows (GPipe, ``deferred_weights``).
+      schedules on a ``splittable`` stage; ``last_forward_inputs`` (the last stage's F alone) and
+      ``batched_weight_pass`` (the W of every micro-batch of a step in one pass over their rows,
+      compiled without XLA) for GPipe's ``deferred_weights``.
 
     Each is compiled with XLA (``jit_compile``, see ``_Compiled``) and traced once per (relaxed) input
     shape and per first-or-not; they are used only once every layer is built (variables can be
@@ -102,7 +103,10 @@ class StageFunctions:
         self.input_pass = _Compiled(self.split.input_pass, jit_compile)
         self.last_input_pass = _Compiled(self.split.last_input_pass, jit_compile)
         self.weight_pass = _Compiled(self.split.weight_pass, jit_compile)
-        self.batched_weight_pass = _Compiled(self.split.batched_weight_pass, jit_compile)
+        self.last_forward_inputs = _Compiled(self.split.last_forward_inputs, jit_compile)
+        # Without XLA: at the mini-batch's rows TensorFlow's own matmul is faster than XLA's on the CPU
+        # (W of the benchmark's stage, 2048 rows: 0.15 s against 0.19 s; docs/benchmarks.md).
+        self.batched_weight_pass = _Compiled(self.split.batched_weight_pass, False)
 
     def ready(self) -> bool:
         """Whether every layer is built (the compiled functions may run)."""
@@ -116,7 +120,8 @@ class StageFunctions:
         """Traces per function so far (a test checks that no step after the first traces again)."""
         return {name: getattr(self, name).tracing_count()
                 for name in ("forward", "forward_loss", "last_step", "accumulate", "forward_inputs",
-                             "input_pass", "last_input_pass", "weight_pass", "batched_weight_pass")}
+                             "input_pass", "last_input_pass", "weight_pass", "last_forward_inputs",
+                             "batched_weight_pass")}
 
     def _forward(self, x: tf.Tensor, training: bool) -> tf.Tensor:
         for layer in self.layers:
@@ -191,8 +196,9 @@ class TFStageWork:
     gradient to the sums. Where the stage cannot split (not built yet: the first step; or a layer
     with state), B runs the full backward and W only adds its weights' part: correct, no gain.
     With ``batch_weights`` too (GPipe with ``deferred_weights``), the W actions wait until every
-    micro-batch's has come and run as one ``batched_weight_pass``; the last stage then runs F and B
-    of every micro-batch in one call at forward time (``last_input_pass``), so its B's send at once.
+    micro-batch's has come and run as one ``batched_weight_pass``; the last stage's F keeps its
+    layers' inputs and the loss's gradient at its output (``last_forward_inputs``) for its B, the
+    fused last micro-batch runs F and B in one call (``last_input_pass``).
 
     Example:
         >>> work = TFStageWork(layers, True, True, loss, [y0], [1.0], fused={0})   # doctest: +SKIP
@@ -214,8 +220,6 @@ class TFStageWork:
         self._pending: Dict[int, Tuple[Any, ...]] = {}
         self.batch_weights = batch_weights and self.split_passes
         self._weights_due: List[int] = []  # W actions come, waiting for the batched pass
-        if self.batch_weights:
-            fused = range(len(weights))
         self.fused = set(fused) if last else set()
         self.loss_fn, self.targets, self.weights, self.device = loss_fn, targets, weights, device
         self._saved: Dict[int, Any] = {}  # i -> (tape, input, output), or the last stage's input gradient
@@ -269,10 +273,16 @@ class TFStageWork:
             if self.split_passes:
                 if not self.last:
                     y, inputs = self.functions.forward_inputs(x)  # type: ignore[union-attr]
-                    self._keep(i, ("split", inputs))
+                    self._keep(i, ("split", inputs, None))
                     return y
                 if i in self.fused:
                     self._last_input_pass(i, x)
+                    return None
+                if self.batch_weights:
+                    loss, inputs, output_grad = self.functions.last_forward_inputs(  # type: ignore[union-attr]
+                        x, self.targets[i], tf.constant(self.weights[i], tf.float64))
+                    self._keep(i, ("split", inputs, output_grad))
+                    self.loss_sum += float(loss)
                     return None
             elif i in self.fused and self.functions is not None:
                 self._last_step(i, x)
@@ -309,7 +319,7 @@ class TFStageWork:
         if saved[0] == "split":  # B i of a split backward: the input's gradient, W's inputs kept
             assert self.functions is not None
             with tf.device(self.device):
-                input_grad, kept = self.functions.input_pass(saved[1], grad)
+                input_grad, kept = self.functions.input_pass(saved[1], grad if saved[2] is None else saved[2])
             self._pending[i] = ("split", self.functions.split.owner_inputs(saved[1]), kept)
             return input_grad
         tape, x, y = saved

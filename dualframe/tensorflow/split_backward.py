@@ -106,6 +106,21 @@ class SplitFunctions:
         kept = [_gradient_or_zeros(g, outputs[k]) for g, k in zip(found[0 if self.first else 1:], self.owners)]
         return loss, grad_x, [inputs[k] for k in self.owners], kept
 
+    def last_forward_inputs(self, x: tf.Tensor, target: tf.Tensor, weight: tf.Tensor
+                            ) -> Tuple[tf.Tensor, List[tf.Tensor], tf.Tensor]:
+        """F of the last stage alone: weighted loss, each layer's input, and the loss's gradient at the output.
+
+        ``input_pass(inputs, output_gradient)`` is its B later (GPipe's, whose last stage runs B's after
+        all F's); only the loss's own derivative runs here, no layer's backward.
+        """
+        assert self.loss_fn is not None
+        y, inputs = self.forward_inputs(x)
+        with tf.GradientTape() as tape:
+            tape.watch(y)
+            loss = tf.reduce_mean(self.loss_fn(target, y))
+            loss = loss * tf.cast(weight, loss.dtype)
+        return loss, inputs, _gradient_or_zeros(tape.gradient(loss, y), y)
+
     def weight_pass(self, inputs: List[tf.Tensor], kept: List[tf.Tensor], sums: Optional[Gradients]) -> Gradients:
         """W: each owner's weights' gradient from its input and B's output gradient, added to ``sums``.
 
