@@ -89,6 +89,9 @@ def test_training_equals_one_process(schedule):
     for got, want in zip(merged, expected_weights):
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
     assert pipe.records.records[-1].wall > 0
+    # GPipe's steps after the first (eager) one run every micro-batch's W in one pass after the last B.
+    tags = [tag for tag, _, _ in pipe.records.records[-1].actions]
+    assert (tags[-CHUNKS:] == [f"W{i}" for i in reversed(range(CHUNKS))]) is (schedule == "gpipe")
     # Stage 0 holds all 4 micro-batches' tapes with GPipe, at most 2 with 1F1B and ZB-H1 (whose last stage
     # holds one micro-batch's kept gradients for W while the next one runs).
     assert pipe.peak_live == ({"gpipe": 4, "1f1b": 2, "zb-h1": 2}[schedule] if pipe.is_first
