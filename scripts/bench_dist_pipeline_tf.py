@@ -29,7 +29,7 @@ median of the per-round ratios):
      zb-h1 / 1f1b, each one's measured bubble beside its theory ((n-1)/(m+n-1) and (n-1)/(3m+n-1)) and
      the computing seconds per stage (ZB-H1's B re-runs each layer from its kept input, so it may compute
      more: ``dualframe.tensorflow.split_backward``), and the micro-batches each holds at once.
-  ``--only-zb`` runs part 4 alone.
+  ``--only-zb`` runs part 4 alone; ``--only-ratios`` part 1 alone (what bench_dist_pipeline_launchers.py reads).
 """
 import argparse
 import functools
@@ -63,10 +63,8 @@ def build_model(width: int, blocks: int) -> keras.Sequential:
 
 def ours(model, chunks, schedule="gpipe", transport="auto", jit_compile=True):
     half = len(model.layers) // 2
-    os.environ["DUALFRAME_PIPELINE_TRANSPORT"] = transport  # read when the pipeline is built
     pipe = DistributedPipeline(model, [half, half], chunks=chunks, schedule=schedule, loss_fn="mse",
-                               jit_compile=jit_compile)
-    os.environ.pop("DUALFRAME_PIPELINE_TRANSPORT")
+                               jit_compile=jit_compile, transport=transport)
     optimizer = keras.optimizers.SGD(1e-4)
 
     def step(x, y):
@@ -127,6 +125,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--only-zb", action="store_true", help="run part 4 (zb-h1 against 1f1b) alone")
+    parser.add_argument("--only-ratios", action="store_true", help="run part 1 (throughput ratios) alone")
     args = parser.parse_args()
     hvd.init()
     if hvd.size() != 2:
@@ -164,6 +163,10 @@ def main() -> None:
                                  times["chunks=8 Horovod broadcasts"]))
     report.append(seconds_line(per_step).replace("step seconds (median)",
                                                  "seconds per step (median over rounds, after 1 warm-up step each)"))
+    if args.only_ratios:
+        if hvd.rank() == 0:
+            print(f"{header}, messages over {transport}\n" + "\n".join(report), flush=True)
+        return
     for m in (1, 2, 4, 8, 16):
         pipe, step = ours(model, m)
         for _ in range(args.steps + 1):
