@@ -253,8 +253,9 @@ class Backend(Protocol[T]):
     def wire(self, device: Any) -> Wire[T]:
         """The pipeline wire whose receive buffers live on ``device`` (a ``placement.device``)."""
 
-    def point_to_point(self, device: Any, chunks: int, name: str) -> Optional[PointToPoint[T]]:
-        """MPI point-to-point when every rank has it, else None (a collective over every rank)."""
+    def point_to_point(self, device: Any, chunks: int, name: str,
+                       transport: Optional[str] = None) -> Optional[PointToPoint[T]]:
+        """The point-to-point transport every rank agreed on (``transport``: the pipeline's argument), else None (a collective)."""
 
     def process_sets(self, needed: Sequence[Sequence[int]]) -> Dict[Tuple[int, ...], Any]:
         """Horovod process sets for the rank groups ``needed`` (and the global one), by sorted ranks."""
@@ -278,7 +279,7 @@ class AdapterBackend(Generic[T]):
 
     def __init__(self, name: str, collectives: Collectives[T], caster: TensorCaster[T], batches: BatchOps[T],
                  placement: Placement, wire: Callable[[Any], Wire[T]],
-                 point_to_point: Callable[[Any, int, str], Optional[PointToPoint[T]]],
+                 point_to_point: Callable[[Any, int, str, Optional[str]], Optional[PointToPoint[T]]],
                  process_sets: Callable[[Sequence[Sequence[int]]], Dict[Tuple[int, ...], Any]], *,
                  split_backward: bool = False) -> None:
         self.name, self.collectives, self.caster, self.batches, self.placement = (
@@ -290,9 +291,10 @@ class AdapterBackend(Generic[T]):
         """The pipeline wire whose receive buffers live on ``device``."""
         return self._wire(device)
 
-    def point_to_point(self, device: Any, chunks: int, name: str) -> Optional[PointToPoint[T]]:
-        """MPI point-to-point when every rank has it, else None (a collective over every rank)."""
-        return self._point_to_point(device, chunks, name)
+    def point_to_point(self, device: Any, chunks: int, name: str,
+                       transport: Optional[str] = None) -> Optional[PointToPoint[T]]:
+        """The point-to-point transport every rank agreed on, else None (a collective over every rank)."""
+        return self._point_to_point(device, chunks, name, transport)
 
     def process_sets(self, needed: Sequence[Sequence[int]]) -> Dict[Tuple[int, ...], Any]:
         """Horovod process sets for ``needed`` (and the global one), by sorted ranks."""

@@ -19,7 +19,7 @@ Prints, from interleaved rounds (A B C A B C ..., median of the per-round ratios
      measured bubble beside its theory ((n-1)/(m+n-1) and (n-1)/(3m+n-1)), and torch.distributed.pipelining's
      Schedule1F1B, ScheduleInterleavedZeroBubble and ScheduleZBVZeroBubble (two stages per rank, V-shaped) on
      the same model where they run (an error is printed instead where one does not).
-  ``--only-zb`` runs part 4 alone.
+  ``--only-zb`` runs part 4 alone; ``--only-ratios`` part 1 alone (what bench_dist_pipeline_launchers.py reads).
 """
 import argparse
 import copy
@@ -47,9 +47,8 @@ def build_model(width: int, blocks: int) -> nn.Sequential:
 
 
 def ours(model, chunks, schedule="gpipe", transport="auto"):
-    os.environ["DUALFRAME_PIPELINE_TRANSPORT"] = transport  # read when the pipeline is built
-    pipe = DistributedPipeline(model, [len(model) // 2] * 2, chunks=chunks, schedule=schedule, loss_fn=nn.MSELoss())
-    os.environ.pop("DUALFRAME_PIPELINE_TRANSPORT")
+    pipe = DistributedPipeline(model, [len(model) // 2] * 2, chunks=chunks, schedule=schedule, loss_fn=nn.MSELoss(),
+                               transport=transport)
     optimizer = torch.optim.SGD(pipe.parameters(), lr=1e-4)
 
     def step(x, y):
@@ -136,6 +135,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--only-zb", action="store_true", help="run part 4 (zb-h1 against 1f1b) alone")
+    parser.add_argument("--only-ratios", action="store_true", help="run part 1 (throughput ratios) alone")
     args = parser.parse_args()
     torch.set_num_threads(1)
     hvd.init()
@@ -168,6 +168,10 @@ def main() -> None:
         report.append(ratio_line(f"chunks=8 {transport} point-to-point / Horovod broadcasts",
                                  times["chunks=8 Horovod broadcasts"], times["chunks=8"]))
     report.append(seconds_line(times))
+    if args.only_ratios:
+        if hvd.rank() == 0:
+            print(f"{header}, messages over {transport}\n" + "\n".join(report), flush=True)
+        return
     for m in (1, 2, 4, 8, 16):
         pipe, step = ours(model, m)
         for _ in range(args.steps + 1):

@@ -32,7 +32,7 @@ median of the per-round ratios):
   Part 1 also times GPipe with each micro-batch's weight gradient in its own backward (``W per
   micro-batch``, as before GPipe batched its W passes: ``pipeline_work.deferred_weights``), and prints
   chunks=8 / that in the same rounds.
-  ``--only-zb`` runs part 4 alone, ``--only-ratios`` part 1 alone.
+  ``--only-zb`` runs part 4 alone; ``--only-ratios`` part 1 alone (what bench_dist_pipeline_launchers.py reads).
 """
 import argparse
 import functools
@@ -66,10 +66,8 @@ def build_model(width: int, blocks: int) -> keras.Sequential:
 
 def ours(model, chunks, schedule="gpipe", transport="auto", jit_compile=True, batch_weights=True):
     half = len(model.layers) // 2
-    os.environ["DUALFRAME_PIPELINE_TRANSPORT"] = transport  # read when the pipeline is built
     pipe = DistributedPipeline(model, [half, half], chunks=chunks, schedule=schedule, loss_fn="mse",
-                               jit_compile=jit_compile)
-    os.environ.pop("DUALFRAME_PIPELINE_TRANSPORT")
+                               jit_compile=jit_compile, transport=transport)
     pipe.batch_weights = batch_weights
     optimizer = keras.optimizers.SGD(1e-4)
 

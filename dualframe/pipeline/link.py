@@ -63,12 +63,37 @@ DIRECT_TRANSPORTS = ("mpi", "zmq")
 _REMEDY = {"mpi": "launch with mpirun or srun", "zmq": "install pyzmq on every host"}
 
 
-def transport_choice(environ: Optional[Mapping[str, str]] = None) -> str:
-    """The transport ``DUALFRAME_PIPELINE_TRANSPORT`` asks for ("auto" when unset).
+def check_transport(transport: Optional[str]) -> Optional[str]:
+    """A pipeline's ``transport=`` argument, checked and lower-cased; None (the default) leaves it to the variable.
+
+    Example:
+        >>> check_transport(" ZMQ "), check_transport(None)
+        ('zmq', None)
+
+    Raises:
+        StrategyError: a value other than auto, mpi, zmq, horovod or None.
+    """
+    if transport is None:
+        return None
+    value = transport.strip().lower() if isinstance(transport, str) else transport
+    if value not in TRANSPORTS:
+        raise StrategyError(f"transport must be one of {', '.join(TRANSPORTS)}, or None to read {TRANSPORT_VARIABLE} "
+                            f"(transport: {transport!r})")
+    return value
+
+
+def transport_choice(environ: Optional[Mapping[str, str]] = None, transport: Optional[str] = None) -> str:
+    """The transport asked for: ``transport`` (the pipeline's argument) when given, else ``DUALFRAME_PIPELINE_TRANSPORT`` ("auto" when unset).
+
+    Example:
+        >>> transport_choice({TRANSPORT_VARIABLE: "horovod"}), transport_choice({TRANSPORT_VARIABLE: "horovod"}, "zmq")
+        ('horovod', 'zmq')
 
     Raises:
         StrategyError: a value other than auto, mpi, zmq or horovod.
     """
+    if transport is not None:
+        return str(check_transport(transport))
     value = (os.environ if environ is None else environ).get(TRANSPORT_VARIABLE, "auto").strip().lower() or "auto"
     if value not in TRANSPORTS:
         raise StrategyError(f"{TRANSPORT_VARIABLE} must be one of {', '.join(TRANSPORTS)} ({TRANSPORT_VARIABLE}: {value!r})")
@@ -89,7 +114,8 @@ def transport_votes(choice: str, missing: Mapping[str, Optional[str]]) -> List[i
     return [int(missing.get(name) is None) for name in DIRECT_TRANSPORTS] + [TRANSPORTS.index(choice)]
 
 
-def agree_transport(sums: Sequence[int], ranks: int, choice: str, missing: Mapping[str, Optional[str]]) -> str:
+def agree_transport(sums: Sequence[int], ranks: int, choice: str, missing: Mapping[str, Optional[str]],
+                    asked_by: str = TRANSPORT_VARIABLE) -> str:
     """The transport the pipeline's messages take ("mpi", "zmq" or "horovod"), from the summed ``transport_votes``.
 
     Every rank gets the same sums, so every rank decides alike or raises alike: "auto" takes the
@@ -102,16 +128,18 @@ def agree_transport(sums: Sequence[int], ranks: int, choice: str, missing: Mappi
         'horovod'
 
     Raises:
-        StrategyError: the ranks asked for different transports, or "mpi" / "zmq" where a rank lacks it.
+        StrategyError: the ranks asked for different transports, or "mpi" / "zmq" where a rank lacks it;
+        the message names ``asked_by`` (``"transport"``: the pipeline's argument; else the variable).
     """
     available, choices = [int(s) for s in sums[:len(DIRECT_TRANSPORTS)]], int(sums[len(DIRECT_TRANSPORTS)])
     if choices != TRANSPORTS.index(choice) * ranks:
-        raise StrategyError(f"every rank must set the same {TRANSPORT_VARIABLE} (this rank: {choice!r}); "
-                            "pass it to all of them, e.g. mpirun -x " + TRANSPORT_VARIABLE)
+        raise StrategyError(f"every rank must ask for the same transport (this rank: {choice!r}, by {asked_by}); "
+                            f"pass the same transport= on every rank, or set {TRANSPORT_VARIABLE} on all of them "
+                            f"(e.g. mpirun -x {TRANSPORT_VARIABLE})")
     if choice in DIRECT_TRANSPORTS:
         lacking = ranks - available[DIRECT_TRANSPORTS.index(choice)]
         if lacking:
-            raise StrategyError(f"{TRANSPORT_VARIABLE}={choice} needs {choice} point-to-point on every rank "
+            raise StrategyError(f"{asked_by}={choice} needs {choice} point-to-point on every rank "
                                 f"({lacking} of {ranks} lack it; here: {missing.get(choice) or 'available'}); "
                                 f"{_REMEDY[choice]}, or use auto")
         return choice

@@ -153,7 +153,7 @@ _IDS = itertools.count()
 
 
 def open_stage(backend: "Backend[T]", layout: StageLayout, step_names: bool = True,
-               split: Any = None) -> "PipelineStage[T]":
+               split: Any = None, transport: Optional[str] = None) -> "PipelineStage[T]":
     """This rank's stage of a checked pipeline layout, opened over ``backend``: the first communication.
 
     Declares (or finds) the pipeline's process sets, places the stage on its device, agrees on the
@@ -166,6 +166,8 @@ def open_stage(backend: "Backend[T]", layout: StageLayout, step_names: bool = Tr
         step_names: see ``StageLink`` (TensorFlow passes False).
         split: a graph's ``GraphSplit``: a ``GraphPipelineStage`` whose values go along the graph's
             edges, each edge's pair of ranks with a process set too; None: a chain of stages.
+        transport: the pipeline's checked ``transport=`` (``link.check_transport``); None reads
+            ``DUALFRAME_PIPELINE_TRANSPORT``.
 
     Example:
         >>> role = open_stage(BACKEND, layout_pipeline(4, [2, 2], 4, world_size=2))  # doctest: +SKIP
@@ -187,7 +189,7 @@ def open_stage(backend: "Backend[T]", layout: StageLayout, step_names: bool = Tr
     j = grid.position(rank)[1]
     device = backend.placement.device(layout.devices[j] if layout.devices else None)
     prefix = f"dpipe{next(_IDS)}"
-    direct = backend.point_to_point(device, layout.chunks, prefix)  # None: messages go as Horovod broadcasts
+    direct = backend.point_to_point(device, layout.chunks, prefix, transport)  # None: messages go as Horovod broadcasts
     if split is not None:
         from dualframe.pipeline.graph_walk import GraphPipelineStage
 

@@ -230,6 +230,8 @@ def _close(sockets: List[Any]) -> None:
     import zmq
 
     for sock in reversed(sockets):  # PUSH sockets first: each stops its monitor, then its LINGER lets queued messages out
+        if sock.closed:  # the context's destroy at exit may have closed it first (atexit order is not ours)
+            continue
         if sock.type == zmq.PUSH:
             sock.disable_monitor()
         sock.close()

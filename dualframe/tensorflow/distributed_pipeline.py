@@ -21,6 +21,7 @@ from dualframe.pipeline.schedule import Action, ScheduleError
 from dualframe.pipeline.stage import StageView, open_stage
 from dualframe.pipeline.walk import StepRecord
 from dualframe.pipeline.layout import layout_pipeline
+from dualframe.pipeline.link import check_transport
 from dualframe.tensorflow.backend import BACKEND
 from dualframe.tensorflow.collectives import hvd
 from dualframe.tensorflow.optimizer import DistributedOptimizer
@@ -109,6 +110,8 @@ class DistributedPipeline(StageView):
         jit_compile: compile each micro-batch's pass with XLA (default), where XLA compiles the stage
             (else a plain ``tf.function``, decided at the first call); False: plain ``tf.function``s.
             TensorFlow's own CPU kernels slow down per row at micro-batch sizes, XLA's much less.
+        transport: how messages travel: ``"auto"``, ``"mpi"``, ``"zmq"`` or ``"horovod"``, as torch's
+            ``DistributedPipeline``; None (default): ``DUALFRAME_PIPELINE_TRANSPORT``, else auto.
 
     Raises:
         BalanceError, ChunksError, ScheduleError, StrategyError: bad arguments, on every rank, before
@@ -126,7 +129,8 @@ class DistributedPipeline(StageView):
                  loss_fn: Optional[Callable[[Any, Any], Any]] = None, devices: Optional[Sequence[str]] = None,
                  data_parallel: Optional[int] = None, timeout: float = 45.0, *,
                  split_points: Optional[Sequence[str]] = None, stages: Optional[int] = None,
-                 jit_compile: bool = True) -> None:
+                 jit_compile: bool = True, transport: Optional[str] = None) -> None:
+        transport = check_transport(transport)
         if not isinstance(jit_compile, bool):
             raise StrategyError(f"jit_compile must be True or False (jit_compile: {jit_compile!r})")
         captured = _graph_of(layers)
@@ -158,7 +162,7 @@ class DistributedPipeline(StageView):
         self.loss_fn, self.timeout = loss_fn, timeout
         # From here on, Horovod: every argument above is checked on every rank.
         # Names without step numbers: each is a traced tf.function (see pipeline_transport).
-        self.role = open_stage(BACKEND, layout, step_names=False, split=self.split)
+        self.role = open_stage(BACKEND, layout, step_names=False, split=self.split, transport=transport)
         self.device, self.direct = self.role.device, self.role.direct  # direct None: Horovod broadcasts
         j = self.role.index
         self.layer_indices = ranges[j]

@@ -198,13 +198,13 @@ def _receive_into(buffer: tf.Tensor) -> Tuple[Any, Callable[[], tf.Tensor]]:
     return array.reshape(-1).view(np.uint8), lambda: tf.convert_to_tensor(array)
 
 
-def point_to_point(device: Optional[str], chunks: int, name: str) -> Optional[Direct]:
+def point_to_point(device: Optional[str], chunks: int, name: str, transport: Optional[str] = None) -> Optional[Direct]:
     """MPI or ZeroMQ point-to-point for a pipeline when every rank has it (``dualframe.pipeline.direct.open_direct``); else None.
 
     A collective over every rank: call it on all of them.
 
     Raises:
-        StrategyError: a bad or uneven ``DUALFRAME_PIPELINE_TRANSPORT``, or "mpi" / "zmq" where a rank lacks it.
+        StrategyError: a bad or uneven ``transport`` / ``DUALFRAME_PIPELINE_TRANSPORT``, or "mpi" / "zmq" where a rank lacks it.
     """
     def vote(votes: List[int]) -> List[int]:
         total = hvd.allreduce(tf.constant(votes, tf.int64), op=hvd.Sum, name=f"{name}.transport")
@@ -215,4 +215,4 @@ def point_to_point(device: Optional[str], chunks: int, name: str) -> Optional[Di
 
     on_cpu = "" if device is None or (tf.DeviceSpec.from_string(device).device_type or "CPU").upper() == "CPU" else device
     return open_direct(on_cpu, bool(hvd.mpi_enabled()), int(hvd.rank()), int(hvd.size()), chunks, vote, gather,
-                       _byte_view, _receive_into)
+                       _byte_view, _receive_into, transport)

@@ -17,6 +17,7 @@ from torch import nn
 from dualframe.errors import StrategyError
 from dualframe.pipeline.graph import stage_count
 from dualframe.pipeline.action import Action, splits_backward
+from dualframe.pipeline.link import check_transport
 from dualframe.pipeline.stage import StageView, open_stage
 from dualframe.pipeline.walk import StepRecord
 from dualframe.pipeline.layout import StageLayout, layout_pipeline
@@ -64,6 +65,10 @@ class DistributedPipeline(StageView, nn.Module):
         split_points, stages, sample, leaves: how to cut a graph (see ``ModelParallel``). ``stages=n``
             evens out parameter bytes here (every rank must cut alike; timings differ between ranks).
             Inputs of several tensors: pass ``train_step((tokens, mask), y)`` (a tuple: positional arguments).
+        transport: how messages travel: ``"auto"`` (MPI point-to-point under mpirun, ZeroMQ elsewhere, else
+            Horovod broadcasts), ``"mpi"``, ``"zmq"`` (an error where a rank lacks it) or ``"horovod"``;
+            every rank must pass the same. None (default): ``DUALFRAME_PIPELINE_TRANSPORT``, else auto.
+            ``pipe.transport`` tells which one was taken.
 
     Raises:
         BalanceError, ChunksError, ScheduleError, StrategyError: bad arguments, on every rank, before
@@ -81,8 +86,9 @@ class DistributedPipeline(StageView, nn.Module):
                  schedule: str = "gpipe", loss_fn: Optional[Callable[[Any, torch.Tensor], torch.Tensor]] = None,
                  devices: Optional[Sequence[str]] = None, data_parallel: Optional[int] = None,
                  timeout: float = 45.0, *, split_points: Optional[Sequence[str]] = None, stages: Optional[int] = None,
-                 sample: Any = None, leaves: Leaves = ()) -> None:
+                 sample: Any = None, leaves: Leaves = (), transport: Optional[str] = None) -> None:
         super().__init__()
+        transport = check_transport(transport)
         self.graph: Optional[GraphPart] = None
         if is_graph_split(module, split_points, stages):
             n = stage_count(split_points, balance, stages)
@@ -96,7 +102,7 @@ class DistributedPipeline(StageView, nn.Module):
         self.loss_fn, self.timeout = loss_fn, timeout
         # From here on, Horovod: every argument above is checked on every rank.
         split = self.graph.split if self.graph is not None else None
-        self.role = open_stage(BACKEND, layout, split=split)
+        self.role = open_stage(BACKEND, layout, split=split, transport=transport)
         self.device, self.direct = self.role.device, self.role.direct  # direct None: Horovod broadcasts
         j = self.role.index
         if self.graph is not None:

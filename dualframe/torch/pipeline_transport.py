@@ -87,13 +87,13 @@ def _byte_view(tensor: torch.Tensor) -> Any:
     return tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
-def point_to_point(device: torch.device, chunks: int, name: str) -> Optional[Direct]:
+def point_to_point(device: torch.device, chunks: int, name: str, transport: Optional[str] = None) -> Optional[Direct]:
     """MPI or ZeroMQ point-to-point for a pipeline when every rank has it (``dualframe.pipeline.direct.open_direct``); else None.
 
     A collective over every rank: call it on all of them.
 
     Raises:
-        StrategyError: a bad or uneven ``DUALFRAME_PIPELINE_TRANSPORT``, or "mpi" / "zmq" where a rank lacks it.
+        StrategyError: a bad or uneven ``transport`` / ``DUALFRAME_PIPELINE_TRANSPORT``, or "mpi" / "zmq" where a rank lacks it.
     """
     def vote(votes: List[int]) -> List[int]:
         return hvd.allreduce(torch.tensor(votes, dtype=torch.int64), op=hvd.Sum, name=f"{name}.transport").tolist()
@@ -103,4 +103,4 @@ def point_to_point(device: torch.device, chunks: int, name: str) -> Optional[Dir
 
     return open_direct("" if device.type == "cpu" else str(device), bool(hvd.mpi_enabled()), int(hvd.rank()),
                        int(hvd.size()), chunks, vote, gather, _byte_view,
-                       lambda buffer: (_byte_view(buffer), lambda: buffer))
+                       lambda buffer: (_byte_view(buffer), lambda: buffer), transport)

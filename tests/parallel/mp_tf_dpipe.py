@@ -136,8 +136,14 @@ def test_messages_go_over_mpi_under_mpi_and_over_zeromq_under_gloo(monkeypatch):
         with pytest.raises(StrategyError, match=r"=mpi needs mpi point-to-point on every rank \(2 of 2 lack it; "
                                                 r"here: Horovod runs on Gloo"):
             DistributedPipeline(make_model(), [3, 2], chunks=2, loss_fn="mse")
-    monkeypatch.setenv("DUALFRAME_PIPELINE_TRANSPORT", "horovod")
-    pipe = DistributedPipeline(make_model(), [3, 2], chunks=2, schedule="1f1b", loss_fn="mse")
+    # transport= wins over the variable: asked for on every rank, taken (zmq: under gloo, mpi: under mpirun).
+    assert DistributedPipeline(make_model(), [3, 2], chunks=2, loss_fn="mse",
+                               transport="zmq" if gloo else "mpi").transport == ("zmq" if gloo else "mpi")
+    with pytest.raises(StrategyError, match=r"transport must be one of auto, mpi, zmq, horovod, or None to read "
+                                            r"DUALFRAME_PIPELINE_TRANSPORT \(transport: 'gloo'\)"):
+        DistributedPipeline(make_model(), [3, 2], chunks=2, loss_fn="mse", transport="gloo")
+    monkeypatch.setenv("DUALFRAME_PIPELINE_TRANSPORT", "zmq")
+    pipe = DistributedPipeline(make_model(), [3, 2], chunks=2, schedule="1f1b", loss_fn="mse", transport="horovod")
     assert pipe.direct is None and pipe.transport == "horovod"
     # Horovod broadcasts under mpirun too: one step still equals one process.
     x, y = batches()[0]

@@ -149,12 +149,14 @@ def test_messages_go_over_mpi_under_mpi_and_over_zeromq_under_gloo():
     assert pipe.transport == ("zmq" if gloo else "mpi") and pipe.direct is not None
 
 
-@pytest.mark.parametrize("transport", ["horovod", "zmq"])
-def test_every_transport_asked_for_trains_as_one_process(transport, monkeypatch):
-    monkeypatch.setenv("DUALFRAME_PIPELINE_TRANSPORT", transport)
+@pytest.mark.parametrize("transport,by_argument", [("horovod", False), ("zmq", True)])
+def test_every_transport_asked_for_trains_as_one_process(transport, by_argument, monkeypatch):
+    # Asked by the variable, or by transport= against a variable saying otherwise: the argument wins.
+    monkeypatch.setenv("DUALFRAME_PIPELINE_TRANSPORT", "horovod" if by_argument else transport)
     model, data = make_model(), batches()[:2]
     expected_losses, _ = reference(model, data)
-    pipe = DistributedPipeline(copy.deepcopy(model), [3, 2], chunks=CHUNKS, schedule="1f1b", loss_fn=nn.MSELoss())
+    pipe = DistributedPipeline(copy.deepcopy(model), [3, 2], chunks=CHUNKS, schedule="1f1b", loss_fn=nn.MSELoss(),
+                               transport=transport if by_argument else None)
     assert pipe.transport == transport
     optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
     for step, (x, y) in enumerate(data):
@@ -173,3 +175,7 @@ def test_asking_for_mpi_point_to_point_where_there_is_none_is_refused_on_every_r
         assert DistributedPipeline(make_model(), [3, 2], chunks=2, loss_fn=nn.MSELoss()).transport == "mpi"
     monkeypatch.setenv("DUALFRAME_PIPELINE_TRANSPORT", "horovod")
     assert DistributedPipeline(make_model(), [3, 2], chunks=2, loss_fn=nn.MSELoss()).direct is None
+    # A bad transport= is refused on every rank before any communication (so no rank waits on the others).
+    with pytest.raises(StrategyError, match=r"transport must be one of auto, mpi, zmq, horovod, or None to read "
+                                            r"DUALFRAME_PIPELINE_TRANSPORT \(transport: 'nccl'\)"):
+        DistributedPipeline(make_model(), [3, 2], chunks=2, loss_fn=nn.MSELoss(), transport="nccl")

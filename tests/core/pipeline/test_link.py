@@ -2,7 +2,7 @@
 import pytest
 
 from dualframe.errors import DeviceError, StrategyError
-from dualframe.pipeline.link import (TRANSPORT_VARIABLE, agree_transport, decode_header, encode_header, largest_tag,
+from dualframe.pipeline.link import (TRANSPORT_VARIABLE, agree_transport, check_transport, decode_header, encode_header, largest_tag,
                                   message_tag, transport_choice, transport_votes, wait_for)
 from dualframe.pipeline.layout import PeerLostError, layout_pipeline
 
@@ -80,6 +80,29 @@ def test_transport_choice_reads_and_checks_the_variable():
         transport_choice({TRANSPORT_VARIABLE: "nccl"})
 
 
+def test_the_transport_argument_is_checked_and_overrides_the_variable():
+    assert [check_transport(t) for t in (None, "auto", " Horovod ", "mpi", "zmq")] == [None, "auto", "horovod", "mpi", "zmq"]
+    for bad in ("nccl", "", 1, True):
+        with pytest.raises(StrategyError, match=r"transport must be one of auto, mpi, zmq, horovod, or None to read "
+                                                r"DUALFRAME_PIPELINE_TRANSPORT \(transport: "):
+            check_transport(bad)
+    assert transport_choice({TRANSPORT_VARIABLE: "horovod"}, "zmq") == "zmq"  # the argument wins
+    assert transport_choice({TRANSPORT_VARIABLE: "horovod"}, "auto") == "auto"  # an explicit auto too
+    assert transport_choice({TRANSPORT_VARIABLE: "horovod"}, None) == "horovod"  # None: the variable decides
+    assert transport_choice({TRANSPORT_VARIABLE: "nccl"}, "mpi") == "mpi"  # a bad variable the argument overrides is not read
+    with pytest.raises(StrategyError, match=r"transport must be one of"):
+        transport_choice({}, "gloo")
+
+
+def test_refusals_name_the_argument_when_it_asked():
+    with pytest.raises(StrategyError, match=r"^transport=mpi needs mpi point-to-point on every rank \(2 of 2 lack it; "
+                                            r"here: Horovod runs on Gloo\)"):
+        agree_transport(sums(("mpi", GLOO), ("mpi", GLOO)), 2, "mpi", GLOO, "transport")
+    with pytest.raises(StrategyError, match=r"every rank must ask for the same transport \(this rank: 'zmq', by transport\); "
+                                            r"pass the same transport= on every rank"):
+        agree_transport(sums(("zmq", GLOO), ("auto", GLOO)), 2, "zmq", GLOO, "transport")
+
+
 def sums(*ranks):
     """Each rank's (choice, what it lacks), summed as the allreduce does."""
     votes = [transport_votes(choice, missing) for choice, missing in ranks]
@@ -103,5 +126,6 @@ def test_agree_transport_decides_alike_on_every_rank():
     with pytest.raises(StrategyError, match=r"=zmq needs zmq point-to-point on every rank \(2 of 2 lack it; here: pyzmq "
                                             r"is not installed\); install pyzmq on every host"):
         agree_transport(sums(("zmq", BARE), ("zmq", BARE)), 2, "zmq", BARE)
-    with pytest.raises(StrategyError, match=r"every rank must set the same DUALFRAME_PIPELINE_TRANSPORT"):
+    with pytest.raises(StrategyError, match=r"every rank must ask for the same transport \(this rank: 'mpi', by "
+                                            r"DUALFRAME_PIPELINE_TRANSPORT\)"):
         agree_transport(sums(("mpi", {}), ("auto", {})), 2, "mpi", {})

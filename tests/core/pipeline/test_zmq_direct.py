@@ -118,6 +118,18 @@ def test_open_direct_opens_what_every_rank_agreed_on(monkeypatch):
         direct_module.open_direct("", False, 0, 2, 8, lambda v: [0, 2, 2], lambda e: [e, e], byte_view, receive_into)
 
 
+def test_the_transport_argument_overrides_the_variable_in_the_vote(monkeypatch):
+    monkeypatch.setenv("DUALFRAME_PIPELINE_TRANSPORT", "zmq")
+    votes = []
+    opened = direct_module.open_direct("", False, 0, 2, 8, lambda v: votes.append(v) or [0, 2, 6],
+                                       lambda entry: [entry, entry], byte_view, receive_into, transport="horovod")
+    assert votes == [[1, 1, 3]] and opened is None  # voted "horovod" (index 3), not the variable's zmq
+    with pytest.raises(StrategyError, match=r"^transport=mpi needs mpi point-to-point on every rank \(2 of 2 lack it; "
+                                            r"here: Horovod runs on Gloo, not MPI"):
+        direct_module.open_direct("", False, 0, 2, 8, lambda v: [0, 2, 2], lambda e: [e, e], byte_view, receive_into,
+                                  transport="mpi")
+
+
 def test_a_stage_on_a_device_has_neither_point_to_point():
     lacking = direct_module.missing("cuda:0", True, 0, 2, 8)
     assert set(lacking) == {"mpi", "zmq"} and all(r.startswith("the stage is on cuda:0") for r in lacking.values())
