@@ -1,7 +1,7 @@
 """distribute(model, strategy): the strategy-object path into the TensorFlow adapter."""
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 import keras
 
@@ -44,12 +44,12 @@ def _data_parallel(model: Any, strategy: DataParallel, root_rank: int) -> keras.
         raise StrategyError(f"build the model before distribute (call it on a batch or give an Input) "
                             f"(model {model.name!r} is not built)")
     check_wrappable(model.optimizer)
+    # shard= only when sharded: the loss-scaling wrapper (mixed_float16) takes no shard argument.
+    sharding: Dict[str, Any] = {} if strategy.shard == "none" else {"shard": strategy.shard}
     model.optimizer = DistributedOptimizer(
         model.optimizer, compression=strategy.compression, op=strategy.op,
         backward_passes_per_step=strategy.backward_passes_per_step,
-        gradient_predivide_factor=strategy.gradient_predivide_factor,
-        # Only when sharded: the loss-scaling wrapper (mixed_float16) takes no shard argument.
-        **({} if strategy.shard == "none" else {"shard": strategy.shard}))
+        gradient_predivide_factor=strategy.gradient_predivide_factor, **sharding)
     model.train_function = None  # traced with the old optimizer, if ever
     broadcast_model(model, root_rank)
     return model
