@@ -1,6 +1,7 @@
 """Gradient averaging across ranks, written once for DistributedGradientTape and the Keras optimizer."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Union
 
@@ -13,6 +14,33 @@ from dualframe.tensorflow.collectives import OPS, check_initialized, hvd
 from dualframe.tensorflow.compression import Compression
 
 Gradient = Union[tf.Tensor, tf.IndexedSlices]
+
+#: Absolute name scopes of the traced collectives. Horovod pairs the ranks' requests by name and,
+#: given none, names a traced op after its scope and its first input: for a gradient, its layer's
+#: name, which Keras numbers per process. A rank that built one more layer first (even one it threw
+#: away) then asks for other names than its peers and the job hangs (plain) or aborts (the Gloo abort
+#: of issue 17, sharded). Under these scopes the inputs are named by position instead.
+PLAIN_SCOPE = "dualframe_dp/"
+SHARD_SCOPE = "dualframe_shard/"
+
+
+def collective_scope(scope: str) -> Any:
+    """The fixed name scope ``scope`` for traced collectives (eager ones Horovod names alike on every rank)."""
+    return contextlib.nullcontext() if tf.executing_eagerly() else tf.name_scope(scope)
+
+
+def named(tensors: Sequence[Any], role: str) -> List[Any]:
+    """``tensors`` renamed ``<role><i>`` (free identities; IndexedSlices part by part): the same names on every rank."""
+    if tf.executing_eagerly():
+        return list(tensors)
+    out: List[Any] = []
+    for i, t in enumerate(tensors):
+        if isinstance(t, tf.IndexedSlices):
+            out.append(tf.IndexedSlices(tf.identity(t.values, name=f"{role}{i}_values"),
+                                        tf.identity(t.indices, name=f"{role}{i}_indices"), t.dense_shape))
+        else:
+            out.append(tf.identity(t, name=f"{role}{i}"))
+    return out
 
 
 @dataclass(frozen=True)
@@ -66,6 +94,14 @@ def reduce_gradients(grads: Sequence[Optional[Gradient]], settings: ReduceSettin
     out: List[Optional[Gradient]] = list(grads)
     if settings.process_set.size() == 1:
         return out
+    with collective_scope(PLAIN_SCOPE):
+        return _reduce(out, settings)
+
+
+def _reduce(out: List[Optional[Gradient]], settings: ReduceSettings) -> List[Optional[Gradient]]:
+    present = [i for i, grad in enumerate(out) if grad is not None]
+    for i, grad in zip(present, named([out[i] for i in present], "grad")):
+        out[i] = grad
     by_dtype: Dict[tf.DType, List[int]] = {}
     for i, grad in enumerate(out):
         if grad is None:

@@ -8,7 +8,7 @@ import tensorflow as tf
 from keras import ops
 
 from dualframe.dp.checks import check_bool, compression_name
-from dualframe.dp.shard import check_shard
+from dualframe.dp.shard import check_scatter, check_shard
 from dualframe.errors import StrategyError
 from dualframe.tensorflow.collectives import hvd
 from dualframe.tensorflow.compression import Compression
@@ -145,6 +145,8 @@ class DistributedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
         op: ``hvd.Average`` (default), ``hvd.Sum`` or ``hvd.Adasum``.
         shard: None (default), ``"optimizer"`` (ZeRO-1) or ``"gradients"`` (ZeRO-2): returns a
             :class:`dualframe.tensorflow.sharded_optimizer.ShardedOptimizer`, whose state covers 1/N of the parameters.
+        scatter: with ``shard`` only: ``"auto"``, ``"reducescatter"`` or ``"allreduce"`` (how gradients reach
+            their owners); refused without ``shard``, as in torch.
 
     Example:
         >>> hvd.init()                                                     # doctest: +SKIP
@@ -163,6 +165,7 @@ class DistributedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
             from dualframe.tensorflow.sharded_optimizer import ShardedOptimizer
 
             return ShardedOptimizer(optimizer, *args, **kwargs)
+        check_scatter(kwargs.get("scatter"), None)  # scatter= without shard=: refused before anything
         if cls is DistributedOptimizer and _wants_loss_scaling(optimizer):
             return DistributedLossScaleOptimizer.wrap(optimizer, *args, **kwargs)
         return super().__new__(cls)
@@ -171,7 +174,7 @@ class DistributedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
                  device_dense: str = "", device_sparse: str = "", compression: Any = Compression.none,
                  sparse_as_dense: bool = False, gradient_predivide_factor: float = 1.0, op: Any = hvd.Average,
                  backward_passes_per_step: int = 1, average_aggregated_gradients: bool = False,
-                 process_set: Any = None, shard: Optional[str] = None) -> None:
+                 process_set: Any = None, shard: Optional[str] = None, scatter: Optional[str] = None) -> None:
         settings, accumulation = wrap_settings(
             optimizer, compression, op, sparse_as_dense, gradient_predivide_factor, backward_passes_per_step,
             average_aggregated_gradients, process_set, device_dense, device_sparse)

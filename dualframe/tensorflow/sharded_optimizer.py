@@ -14,7 +14,6 @@ exists in both modes; ZeRO-2 saves the accumulators and lets each bucket's flat 
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Dict, List, Optional, Sequence
 
 import keras
@@ -22,19 +21,20 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 
-from dualframe.dp.shard import BUCKET_ELEMENTS, ShardLayout, check_same_parameters, check_shard, parameter_signature
+from dualframe.dp.shard import (BUCKET_ELEMENTS, ShardLayout, check_same_parameters, check_scatter, check_shard,
+                                parameter_signature)
 from dualframe.errors import StrategyError
 from dualframe.tensorflow.collectives import hvd
 from dualframe.tensorflow.compression import Compression
+from dualframe.tensorflow.gradients import SHARD_SCOPE, collective_scope, named
 from dualframe.tensorflow.optimizer import KerasTwoNames, _config, register_wrapper, wrap_settings
 from dualframe.tensorflow.shard_state import SLICE_NAME, ShardedState, check_elementwise, inner_copy
 
-#: How the gradients reach their owners: one Horovod reduce-scatter of the flat buckets, or an
-#: allreduce of the gradients of which each rank keeps its slice (1.5x the bytes of reduce-scatter
-#: plus allgather). "auto": the allreduce under Gloo, whose reducescatter in Horovod 0.28 costs about
-#: twice its allreduce (16.8M floats, np=2: 205 vs 115 ms); the reduce-scatter under MPI (116 ms,
-#: allreduce 107-190), where reduce-scatter plus allgather undercut allreduce plus allgather.
-SCATTERS = ("auto", "reducescatter", "allreduce")
+# How the gradients reach their owners (``scatter=``, the core's SCATTERS): one Horovod reduce-scatter
+# of the flat buckets, or an allreduce of the gradients of which each rank keeps its slice (1.5x the
+# bytes of reduce-scatter plus allgather). "auto": the allreduce under Gloo, whose reducescatter in Horovod 0.28 costs about
+# twice its allreduce (16.8M floats, np=2: 205 vs 115 ms); the reduce-scatter under MPI (116 ms,
+# allreduce 107-190), where reduce-scatter plus allgather undercut allreduce plus allgather.
 
 
 def scatter_path(scatter: str) -> str:
@@ -42,25 +42,6 @@ def scatter_path(scatter: str) -> str:
     if scatter != "auto":
         return scatter
     return "allreduce" if hvd.gloo_enabled() else "reducescatter"
-
-
-#: Absolute name scope of the traced collectives. Horovod pairs ranks' tensors by name, and by default
-#: derives a traced op's name from its scope and its first input's name: for gradients, the layers'
-#: names, which Keras numbers per process (a rank that built one more layer, even a discarded one,
-#: names them differently), so the ranks' requests never matched (the Gloo abort of issue 17).
-COLLECTIVE_SCOPE = "dualframe_shard/"
-
-
-def collective_scope() -> Any:
-    """The fixed name scope for the traced collectives (eager ops are named by Horovod alike on every rank)."""
-    return contextlib.nullcontext() if tf.executing_eagerly() else tf.name_scope(COLLECTIVE_SCOPE)
-
-
-def named(tensors: Sequence[Any], role: str) -> List[tf.Tensor]:
-    """``tensors`` renamed ``<role><i>`` (free identities), so Horovod's names are the same on every rank."""
-    if tf.executing_eagerly():
-        return list(tensors)
-    return [tf.identity(t, name=f"{role}{i}") for i, t in enumerate(tensors)]
 
 
 @keras.saving.register_keras_serializable(package="dualframe")
@@ -111,9 +92,7 @@ class ShardedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
             raise StrategyError("ShardedOptimizer needs shard='optimizer' or 'gradients'; for shard=None use "
                                 "hvd.DistributedOptimizer")
         check_elementwise(optimizer)
-        if scatter not in SCATTERS:
-            raise StrategyError(f"scatter must be one of {', '.join(SCATTERS)} (scatter: {scatter!r}); 'auto' picks "
-                                f"the faster path for the controller")
+        scatter = check_scatter(scatter, mode)  # type: ignore[assignment]
         ShardLayout.build([], 1, bucket_elements=bucket_elements)  # checks bucket_elements now, not at build
         super().__init__(learning_rate=0.0, name=name or f"sharded_{optimizer.name}")
         self.shard = mode
@@ -234,7 +213,7 @@ class ShardedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
         if settings.process_set.size() == 1:
             return self._zero.own_slices(self._zero.dense(grads))
         prescale, postscale = settings.scale_factors()
-        with collective_scope():
+        with collective_scope(SHARD_SCOPE):
             if scatter_path(self.scatter) == "allreduce":
                 reduced = hvd.grouped_allreduce(
                     named(self._zero.dense(grads), "grad"), op=settings.horovod_op, compression=settings.compression,
@@ -252,7 +231,7 @@ class ShardedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
         zero.inner.apply(self._clip(slice_grads), zero.slices)
         values = [tf.convert_to_tensor(s) for s in zero.slices]
         if self.reduction.process_set.size() > 1:
-            with collective_scope():
+            with collective_scope(SHARD_SCOPE):
                 values = list(hvd.grouped_allgather(named(values, "slice"), process_set=self.reduction.process_set))
         zero.write_back(values)
 
@@ -263,7 +242,7 @@ class ShardedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
             return slice_grads
         squared = ops.sum(ops.stack([ops.sum(ops.square(g)) for g in slice_grads]))
         if self.reduction.process_set.size() > 1:
-            with collective_scope():
+            with collective_scope(SHARD_SCOPE):
                 squared = hvd.allreduce(named([squared], "squared_norm")[0], op=hvd.Sum,
                                         process_set=self.reduction.process_set)
         norm = ops.sqrt(squared)

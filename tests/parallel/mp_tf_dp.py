@@ -376,6 +376,18 @@ def test_sharded_scatter_paths_equal_plain_data_parallelism(scatter):
     assert_same_state(opt, ref.optimizer)
 
 
+def test_plain_fit_pairs_up_when_ranks_number_layers_differently():
+    """Plain data parallelism names its traced allreduces by position too (before: by layer name, and hung)."""
+    if RANK == 1:
+        keras.layers.Dense(1)  # shifts this rank's automatic layer numbers by one more
+    x, y = data(seed=23)
+    model = sharded_fit(hvd.DistributedOptimizer(keras.optimizers.Adam(0.01)), x, y)
+    assert len(set(hvd.allgather_object(model.layers[1].name))) == SIZE  # the ranks' layer names do differ
+    ref = plain_fit(keras.optimizers.Adam(0.01), x, y, PER_RANK * SIZE)
+    assert_equal_on_all_ranks(model)
+    np.testing.assert_allclose(flat(model), flat(ref), atol=1e-5)
+
+
 @pytest.mark.parametrize("shard", ["optimizer", "gradients"])
 def test_sharded_global_clipnorm_equals_plain_data_parallelism(shard):
     """The norm over all ranks' slices (an allreduce of their squared norms) clips as Keras clips the whole gradient."""

@@ -64,6 +64,9 @@ def test_config_round_trip_and_wrapped_once():
     (lambda: hvd.DistributedOptimizer(keras.optimizers.SGD(), shard="optimizer", bucket_elements=0), "bucket_elements"),
     (lambda: hvd.DistributedOptimizer(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()), shard="gradients"),
      "loss scaling"),
+    (lambda: hvd.DistributedOptimizer(keras.optimizers.SGD(), scatter="allreduce"), r"needs shard='optimizer'"),
+    (lambda: hvd.DistributedOptimizer(keras.optimizers.SGD(), shard="optimizer", scatter="ring"),
+     "unknown scatter 'ring'; choose one of auto, reducescatter, allreduce"),
 ])
 def test_refused_before_anything(make, rule):
     with pytest.raises(dualframe.StrategyError, match=rule):
