@@ -82,6 +82,9 @@ class GraphSplitPasses:
         graph = captured.graph
         self.reads = list(dict.fromkeys(v for k in self.nodes for v in graph.nodes[k].inputs))
         self.made = {v for k in self.nodes for v in graph.nodes[k].outputs}
+        #: What the stage receives from earlier stages, by name: what its nodes read and, on the last
+        #: stage, the model outputs earlier stages made (read by the loss only).
+        self.received = [v for p in stage_edges(split, j).sources for v in edge_values(split, p, j)]
         self.outgoing = {c: edge_values(split, j, c) for c in stage_edges(split, j).targets}
 
     def splittable(self) -> bool:
@@ -108,7 +111,7 @@ class GraphSplitPasses:
                 {v: values[v] for v in self.reads})
 
     def input_pass(self, kept: Dict[str, Any], roots: Dict[str, Any]) -> Tuple[Dict[str, Any], OwnerGradients]:
-        """B: the gradients of the stage's received and read values, by name, and each owner's output gradients.
+        """B: the gradients of the values the stage received, by name, and each owner's output gradients.
 
         ``roots`` are the gradients of the values later stages read (summed over the stages that read one).
         """
@@ -126,7 +129,7 @@ class GraphSplitPasses:
             found = self._node_gradients(k, kept, outs, [kept[v] for v in wanted])
             for v, g in zip(wanted, found):
                 grads[v] = _summed(grads.get(v), g)
-        return ({v: grads.get(v) for v in self.reads if v not in self.made}, [owner_grads[k] for k, _, _ in self.owners])
+        return {v: grads.get(v) for v in self.received}, [owner_grads[k] for k, _, _ in self.owners]
 
     def _wanted(self, value: str) -> bool:
         """Whether B needs the gradient of ``value``: made in the stage, or received (model inputs never need one)."""
@@ -154,7 +157,7 @@ class GraphSplitPasses:
                         ) -> Tuple[Any, Dict[str, Any], Dict[str, Any], OwnerGradients]:
         """F and B of the last stage in one tape: weighted loss, received values' gradients, owners' inputs and output gradients."""
         assert self.loss_fn is not None
-        sources = [v for v in self.reads if v not in self.made and values[v].dtype.is_floating and self._wanted(v)]
+        sources = [v for v in self.received if values[v].dtype.is_floating and self._wanted(v)]
         with tf.GradientTape() as tape:
             tape.watch([values[v] for v in sources])
             values = self._run(values)
@@ -168,7 +171,7 @@ class GraphSplitPasses:
         grads = dict(zip(sources, found[:len(sources)]))
         by_output = dict(zip([v for _, outs in owned for v in outs], found[len(sources):]))
         owner_grads = [[by_output.get(v) for v in graph.nodes[k].outputs] for k, _, _ in self.owners]
-        return loss, {v: grads.get(v) for v in self.reads if v not in self.made}, self.owner_inputs(values), owner_grads
+        return loss, {v: grads.get(v) for v in self.received}, self.owner_inputs(values), owner_grads
 
     def weight_pass(self, inputs: Dict[str, Any], owner_grads: OwnerGradients, sums: Optional[Gradients]) -> Gradients:
         """W: each owner node's weights' gradient from its kept inputs and B's output gradients, added to ``sums``."""

@@ -145,9 +145,9 @@ class TFGraphStageWork:
         self.function = function
         self.split_backward = split_backward and loss_fn is not None
         # The compiled passes, or (no function: eager, as the stage's forward) their python bodies.
-        self.passes: Any = function if function is not None else GraphSplitPasses(stage, split, j, captured, loss_fn)
-        bodies = function.passes if function is not None else self.passes
-        self.split_passes = self.split_backward and bodies.splittable()
+        self.bodies = function.passes if function is not None else GraphSplitPasses(stage, split, j, captured, loss_fn)
+        self.passes: Any = function if function is not None else self.bodies
+        self.split_passes = self.split_backward and self.bodies.splittable()
         if self.split_backward and not self.split_passes and not _WARNED:
             _WARNED.append(True)
             _LOG.warning("a layer of this graph stage has state (non-trainable variables) or reads an implicit mask, "
@@ -267,8 +267,7 @@ class TFGraphStageWork:
                         roots[name] = g if name not in roots else roots[name] + g
             with tf.device(self.device):
                 found, owner_grads = self.passes.input_pass(found, roots)
-            bodies = self.function.passes if self.function is not None else self.passes
-            self._pending[i] = ("split", bodies.owner_inputs(saved[2]), owner_grads)
+            self._pending[i] = ("split", self.bodies.owner_inputs(saved[2]), owner_grads)
         return {p: pack([tf.zeros_like(t) if found.get(name) is None else tf.convert_to_tensor(found[name])
                          for name, t in zip(self.incoming[p], tensors)], self.incoming[p])
                 for p, tensors in held.items()}
