@@ -9,10 +9,9 @@ ndim and dims) followed by each tensor's bytes, padded to 8, so every dtype trav
 """
 from __future__ import annotations
 
+import logging
 from contextlib import nullcontext
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
-
-import logging
 
 import numpy as np
 import tensorflow as tf
@@ -126,7 +125,7 @@ class TFGraphStageWork:
     ``stage.trainable_weights``). With ``function`` (a ``GraphStageFunction`` kept across steps), the
     stage's forward is that one compiled call under the tape; without, its layers run eagerly.
 
-    With ``split`` (the schedule has W actions, ``"zb-h1"``), backward computes only the gradients the
+    With ``split_backward`` (the schedule has W actions, ``"zb-h1"``), backward computes only the gradients the
     source stages wait for and ``weight(i)`` the weights' later (``graph_split_backward``): F keeps
     every value a node reads, B keeps the gradients at the outputs of the nodes that own weights, W adds
     the weights' gradients to the sums; on the last stage F runs F and B in one call. A stage that is
@@ -228,7 +227,7 @@ class TFGraphStageWork:
 
     def backward(self, i: int, grads: Mapping[int, Any]) -> Dict[int, tf.Tensor]:
         saved = self._saved.pop(i)
-        if saved[0] in ("split", "done"):
+        if isinstance(saved[0], str):  # "split" or "done": a split backward's F kept it
             return self._backward_split(i, saved, grads)
         tape, held, sent, loss = saved
         roots: Dict[int, Tuple[Any, Any]] = {}  # a value sent to two stages: both gradients add up
