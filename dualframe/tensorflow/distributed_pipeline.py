@@ -17,7 +17,7 @@ import tensorflow as tf
 
 from dualframe.errors import BalanceError, StrategyError
 from dualframe.pipeline.action import splits_backward
-from dualframe.pipeline.schedule import Action, ScheduleError
+from dualframe.pipeline.schedule import Action
 from dualframe.pipeline.stage import StageView, open_stage
 from dualframe.pipeline.walk import StepRecord
 from dualframe.pipeline.layout import layout_pipeline
@@ -100,7 +100,8 @@ class DistributedPipeline(StageView):
         chunks: micro-batches per mini-batch.
         schedule: ``"gpipe"``, ``"1f1b"`` (at most ``stages`` micro-batches' tapes alive) or ``"zb-h1"``
             (1F1B's memory, the weights' gradients computed in ticks 1F1B leaves idle:
-            ``dualframe.tensorflow.split_backward``; a list of layers only).
+            ``dualframe.tensorflow.split_backward``; a functional model's stages:
+            ``dualframe.tensorflow.graph_split_backward``).
         loss_fn: ``loss_fn(targets, outputs)`` in Keras order (``keras.losses.MeanSquaredError()`` or
             ``"mse"``); per-row results are averaged. ``outputs`` is what the model returns (a list or dict
             for several outputs).
@@ -151,10 +152,6 @@ class DistributedPipeline(StageView):
         else:  # a functional model: one GraphStage per stage, the same cut on every rank
             n = stage_count(split_points, balance, stages)
             layout = layout_pipeline(n, [1] * n, chunks, schedule, loss_fn, devices, data_parallel, timeout, world)
-            if any(splits_backward(actions) for actions in layout.actions):
-                raise ScheduleError(f"schedule {schedule!r} splits the backward (B, W), which Keras runs for a list "
-                                    "of layers only, not yet for a functional model's graph stages; use "
-                                    "schedule='1f1b' or 'gpipe' here")
             self.split, all_layers = process_stages(captured, split_points=split_points, balance=balance,
                                                     stages=stages)
             ranges = [range(k, k + 1) for k in range(len(all_layers))]
@@ -271,7 +268,7 @@ class DistributedPipeline(StageView):
         micro_targets = tf.split(targets, sizes) if train and targets is not None else []
         work: Any = TFGraphStageWork(self.layers[0], self.split, self.stage_index, self.captured,
                                 self.loss_fn if train else None, micro_targets, [s / sum(sizes) for s in sizes],
-                                self.device, self._graph_function)
+                                self.device, self._graph_function, split_backward=splits_backward(actions))
         return work, self.role.step(actions, micro_inputs, work, train)
 
     def train_step(self, inputs: Any, targets: Any) -> float:

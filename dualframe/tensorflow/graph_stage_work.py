@@ -9,6 +9,7 @@ ndim and dims) followed by each tensor's bytes, padded to 8, so every dtype trav
 """
 from __future__ import annotations
 
+import logging
 from contextlib import nullcontext
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -21,10 +22,13 @@ from dualframe.pipeline.graph_walk import edge_values, stage_edges
 from dualframe.pipeline.link import MAX_DIMS
 from dualframe.tensorflow.graph import KerasGraph
 from dualframe.tensorflow.distributed_graph import GraphStage
+from dualframe.tensorflow.graph_split_backward import GraphSplitPasses
 from dualframe.tensorflow.pipeline_transport import DTYPES, tf_dtype_code
 from dualframe.tensorflow.pipeline_work import Gradients, _Compiled, _dense, _summed
 
 _FIELDS = 2 + MAX_DIMS  # per tensor: dtype code, ndim, dims
+_LOG = logging.getLogger(__name__)
+_WARNED: List[bool] = []  # the no-split warning, once per process
 
 
 def pack(tensors: Sequence[Any], names: Sequence[str]) -> tf.Tensor:
@@ -76,6 +80,8 @@ class GraphStageFunction:
     when training, else None; the model's outputs on the last stage when not training, else None).
     Compiled with XLA where XLA compiles the stage (``pipeline_work._Compiled``); a tape records the
     call as one op, and its backward is one compiled call too. Traced once per input shape and mode.
+    ``forward_kept``, ``input_pass``, ``last_input_pass`` and ``weight_pass`` are the split backward's F,
+    B, F+B of the last stage and W (``dualframe.tensorflow.graph_split_backward``), compiled alike.
 
     Example:
         >>> function = GraphStageFunction(stage, split, 1, captured, keras.losses.get("mse"))        # doctest: +SKIP
@@ -89,6 +95,11 @@ class GraphStageFunction:
         self.outgoing = {c: edge_values(split, j, c) for c in stage_edges(split, j).targets}
         self.call = _Compiled(self._call, jit_compile)
         self.accumulate = _Compiled(_summed, jit_compile)
+        self.passes = GraphSplitPasses(stage, split, j, captured, loss_fn)
+        self.forward_kept = _Compiled(self.passes.forward_kept, jit_compile)
+        self.input_pass = _Compiled(self.passes.input_pass, jit_compile)
+        self.last_input_pass = _Compiled(self.passes.last_input_pass, jit_compile)
+        self.weight_pass = _Compiled(self.passes.weight_pass, jit_compile)
 
     def _call(self, values: Dict[str, Any], training: bool, target: Any,
               weight: Any) -> Tuple[Dict[int, List[Any]], Any, Optional[List[Any]]]:
@@ -114,6 +125,12 @@ class TFGraphStageWork:
     ``stage.trainable_weights``). With ``function`` (a ``GraphStageFunction`` kept across steps), the
     stage's forward is that one compiled call under the tape; without, its layers run eagerly.
 
+    With ``split_backward`` (the schedule has W actions, ``"zb-h1"``), backward computes only the gradients the
+    source stages wait for and ``weight(i)`` the weights' later (``graph_split_backward``): F keeps
+    every value a node reads, B keeps the gradients at the outputs of the nodes that own weights, W adds
+    the weights' gradients to the sums; on the last stage F runs F and B in one call. A stage that is
+    not ``splittable`` (a layer with state) runs B as the full backward and W only adds its weights' part.
+
     Example:
         >>> work = TFGraphStageWork(stage, split, 1, captured, loss, [y0], [1.0])   # doctest: +SKIP
         >>> messages = work.forward(0, {0: message}); work.backward(0, {})          # doctest: +SKIP
@@ -121,9 +138,22 @@ class TFGraphStageWork:
 
     def __init__(self, stage: GraphStage, split: GraphSplit, j: int, captured: KerasGraph,
                  loss_fn: Optional[Callable[[Any, Any], Any]], targets: Sequence[Any], weights: Sequence[float],
-                 device: Optional[str] = None, function: Optional[GraphStageFunction] = None) -> None:
+                 device: Optional[str] = None, function: Optional[GraphStageFunction] = None,
+                 split_backward: bool = False) -> None:
         self.stage, self.split, self.j, self.captured, self.device = stage, split, j, captured, device
         self.function = function
+        self.split_backward = split_backward and loss_fn is not None
+        # The compiled passes, or (no function: eager, as the stage's forward) their python bodies.
+        self.bodies = function.passes if function is not None else GraphSplitPasses(stage, split, j, captured, loss_fn)
+        self.passes: Any = function if function is not None else self.bodies
+        self.split_passes = self.split_backward and self.bodies.splittable()
+        if self.split_backward and not self.split_passes and not _WARNED:
+            _WARNED.append(True)
+            _LOG.warning("a layer of this graph stage has state (non-trainable variables) or reads an implicit mask, "
+                         "so its backward cannot be re-run in two passes: B runs the whole backward, W only adds it "
+                         "(no zero-bubble gain)")
+        # i -> what W i needs: ("sums", the weights' gradients) or ("split", owners' inputs, their output gradients)
+        self._pending: Dict[int, Tuple[Any, ...]] = {}
         self.loss_fn, self.targets, self.weights = loss_fn, list(targets), list(weights)
         self.last = j == split.stages - 1
         edges = stage_edges(split, j)
@@ -142,6 +172,8 @@ class TFGraphStageWork:
         held: Dict[int, List[Any]] = {p: unpack(received[p]) for p in self.incoming}
         loss = None
         tape = tf.GradientTape() if training else None
+        if self.split_passes:
+            return self._forward_split(i, values, held)
         with tf.device(self.device), (tape if tape is not None else nullcontext()):
             for p, names in self.incoming.items():
                 if tape is not None:
@@ -155,9 +187,28 @@ class TFGraphStageWork:
             return messages
         if loss is not None:
             self.loss_sum += float(loss)
-        self._saved[i] = (tape, held, sent, loss)
-        self.peak_live = max(self.peak_live, len(self._saved))
+        self._keep(i, (tape, held, sent, loss))
         return messages
+
+    def _keep(self, i: int, saved: Tuple[Any, ...]) -> None:
+        self._saved[i] = saved
+        self.peak_live = max(self.peak_live, len(set(self._saved) | set(self._pending)))
+
+    def _forward_split(self, i: int, values: Dict[str, Any], held: Dict[int, List[Any]]) -> Dict[int, tf.Tensor]:
+        """F i of a split backward: keep what B needs (the last stage: run B now, keep the inputs' gradients)."""
+        for p, names in self.incoming.items():
+            values.update(zip(names, held[p]))
+        with tf.device(self.device):
+            if not self.last:
+                sent, kept = self.passes.forward_kept(values)
+                self._keep(i, ("split", held, kept))
+                return {c: pack(sent[c], names) for c, names in self.outgoing.items()}
+            loss, grads, inputs, owner_grads = self.passes.last_input_pass(
+                values, self.targets[i], tf.constant(self.weights[i], tf.float64))
+        self.loss_sum += float(loss)
+        self._pending[i] = ("split", inputs, owner_grads)
+        self._keep(i, ("done", held, grads))
+        return {}
 
     def _stage(self, i: int, values: Dict[str, Any], training: bool) -> Tuple[Dict[int, List[Any]], Any, Any]:
         """(values sent to each later stage, the weighted loss or None, the model's outputs or None) of micro-batch i."""
@@ -175,7 +226,10 @@ class TFGraphStageWork:
         return sent, loss * tf.cast(weight, loss.dtype), None
 
     def backward(self, i: int, grads: Mapping[int, Any]) -> Dict[int, tf.Tensor]:
-        tape, held, sent, loss = self._saved.pop(i)
+        saved = self._saved.pop(i)
+        if isinstance(saved[0], str):  # "split" or "done": a split backward's F kept it
+            return self._backward_split(i, saved, grads)
+        tape, held, sent, loss = saved
         roots: Dict[int, Tuple[Any, Any]] = {}  # a value sent to two stages: both gradients add up
         for c, message in grads.items():
             for t, g in zip(sent[c], unpack(message)):
@@ -192,11 +246,39 @@ class TFGraphStageWork:
                                       output_gradients=[tf.cast(g, r.dtype) for r, g in roots.values()])
             else:  # nothing this stage sends carries a gradient
                 found = [None] * (len(variables) + len(sources))
-        self._add(found[:len(variables)])
+        if self.split_backward:  # a stage that cannot split: W i adds what B computed
+            self._pending[i] = ("sums", found[:len(variables)])
+        else:
+            self._add(found[:len(variables)])
         by_id = {id(t): g for t, g in zip(sources, found[len(variables):])}
         return {p: pack([tf.zeros_like(t) if by_id.get(id(t)) is None else tf.convert_to_tensor(by_id[id(t)])
                          for t in tensors], self.incoming[p])
                 for p, tensors in held.items()}
+
+    def _backward_split(self, i: int, saved: Tuple[Any, ...], grads: Mapping[int, Any]) -> Dict[int, tf.Tensor]:
+        """B i of a split backward: the received values' gradients only (the last stage: computed in F i)."""
+        kind, held, found = saved
+        if kind == "split":
+            roots: Dict[str, Any] = {}  # a value sent to two stages: both gradients add up
+            for c, message in grads.items():
+                for name, g in zip(self.outgoing[c], unpack(message)):
+                    if g.dtype.is_floating:
+                        roots[name] = g if name not in roots else roots[name] + g
+            with tf.device(self.device):
+                found, owner_grads = self.passes.input_pass(found, roots)
+            self._pending[i] = ("split", self.bodies.owner_inputs(saved[2]), owner_grads)
+        return {p: pack([tf.zeros_like(t) if found.get(name) is None else tf.convert_to_tensor(found[name])
+                         for name, t in zip(self.incoming[p], tensors)], self.incoming[p])
+                for p, tensors in held.items()}
+
+    def weight(self, i: int) -> None:
+        """W i: micro-batch i's weights' gradient added to the step's sums (after its backward)."""
+        pending = self._pending.pop(i)
+        if pending[0] == "sums":
+            self._add(pending[1])
+            return
+        with tf.device(self.device):
+            self.gradients = _dense(self.passes.weight_pass(pending[1], pending[2], self.gradients or None))
 
     def _add(self, gradients: Sequence[Any]) -> None:
         """Add one micro-batch's variable gradients to the step's sums (None: not connected to the loss)."""

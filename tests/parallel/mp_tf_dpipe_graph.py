@@ -2,7 +2,8 @@
 # timeout: 400
 
 Cut at a block's output, one tensor crosses; cut inside a block, two do (the skip and the main
-path), packed into one byte message. Skips over a stage and several outputs: mp_tf_graph_pipeline.py.
+path), packed into one byte message. GPipe, 1F1B and ZB-H1 (its B and W split node by node,
+``dualframe.tensorflow.graph_split_backward``), the residual net and the attention encoder with a mask. Skips over a stage and several outputs: mp_tf_graph_pipeline.py.
 """
 import keras
 import numpy as np
@@ -44,7 +45,8 @@ def reference(data):
     return losses, model.get_weights()
 
 
-@pytest.mark.parametrize("schedule, balance", [("gpipe", [5, 4]), ("1f1b", [5, 4]), ("1f1b", [3, 6])])
+@pytest.mark.parametrize("schedule, balance", [("gpipe", [5, 4]), ("1f1b", [5, 4]), ("1f1b", [3, 6]),
+                                               ("zb-h1", [5, 4]), ("zb-h1", [3, 6])])
 def test_functional_model_trains_as_one_process(schedule, balance):
     data = batches()
     expected_losses, expected_weights = reference(data)
@@ -101,7 +103,8 @@ def encoder_batches():
     return out
 
 
-def test_encoder_with_two_inputs_and_a_mask_crossing_trains_as_one_process():
+@pytest.mark.parametrize("schedule, chunks", [("1f1b", 3), ("zb-h1", 4)])
+def test_encoder_with_two_inputs_and_a_mask_crossing_trains_as_one_process(schedule, chunks):
     data = encoder_batches()
     model, optimizer, expected = make_encoder(), keras.optimizers.SGD(0.1), []
     for x, y in data:
@@ -110,11 +113,12 @@ def test_encoder_with_two_inputs_and_a_mask_crossing_trains_as_one_process():
         optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
         expected.append(float(loss))
     # inputs, mask, embedding, block 0 (3 layers) | block 1, pool, head: the states and the bool mask cross, packed
-    pipe = DistributedPipeline(make_encoder(), balance=[7, 5], chunks=3, schedule="1f1b", loss_fn="mse")
+    pipe = DistributedPipeline(make_encoder(), balance=[7, 5], chunks=chunks, schedule=schedule, loss_fn="mse")
     optimizer = keras.optimizers.SGD(0.1)
     for step, (x, y) in enumerate(data):
         loss = pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None)
         assert loss == pytest.approx(expected[step], abs=1e-5), f"step {step}"
         pipe.apply_gradients(optimizer)
+    assert (pipe._graph_function.weight_pass.tracing_count() > 0) == (schedule == "zb-h1")  # W ran, compiled
     for got, want in zip(pipe.gather_weights(), model.get_weights()):
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)

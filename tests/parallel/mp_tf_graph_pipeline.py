@@ -66,7 +66,8 @@ def test_edges_skip_the_stage_that_does_not_read():
     assert DistributedPipeline(make_model(), chunks=2, loss_fn=loss_fn, stages=3).split.stages == 3
 
 
-@pytest.mark.parametrize("schedule, cut", [("gpipe", {"balance": BALANCE}), ("1f1b", {"split_points": SPLIT_POINTS})])
+@pytest.mark.parametrize("schedule, cut", [("gpipe", {"balance": BALANCE}), ("1f1b", {"split_points": SPLIT_POINTS}),
+                                           ("zb-h1", {"split_points": SPLIT_POINTS})])
 def test_training_equals_one_process(schedule, cut):
     data = batches()
     model, optimizer, expected = make_model(), keras.optimizers.SGD(0.1, momentum=0.9), []
