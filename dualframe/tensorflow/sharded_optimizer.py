@@ -32,16 +32,17 @@ from dualframe.tensorflow.shard_state import SLICE_NAME, ShardedState, check_ele
 
 # How the gradients reach their owners (``scatter=``, the core's SCATTERS): one Horovod reduce-scatter
 # of the flat buckets, or an allreduce of the gradients of which each rank keeps its slice (1.5x the
-# bytes of reduce-scatter plus allgather). "auto": the allreduce under Gloo, whose reducescatter in Horovod 0.28 costs about
-# twice its allreduce (16.8M floats, np=2: 205 vs 115 ms); the reduce-scatter under MPI (116 ms,
-# allreduce 107-190), where reduce-scatter plus allgather undercut allreduce plus allgather.
+# bytes of reduce-scatter plus allgather). "auto" is the allreduce under both controllers, as in torch:
+# Horovod 0.28's Gloo reducescatter costs about twice its allreduce (16.8M floats, np=2: 205 vs 115 ms),
+# and under MPI, on the quiet box, ZeRO-2 stepped 1.24x plain with the reduce-scatter against 0.99x
+# with the allreduce (scripts/bench_shard_tf.py, docs/benchmarks.md). On a real network, where bytes
+# cost more than Horovod's per-call overhead, try scatter="reducescatter".
+AUTO_SCATTER = "allreduce"
 
 
 def scatter_path(scatter: str) -> str:
-    """The path ``scatter`` means under the running controller ("auto": allreduce under Gloo, else reducescatter)."""
-    if scatter != "auto":
-        return scatter
-    return "allreduce" if hvd.gloo_enabled() else "reducescatter"
+    """The path ``scatter`` means ("auto": ``AUTO_SCATTER``, the allreduce under both controllers)."""
+    return AUTO_SCATTER if scatter == "auto" else scatter
 
 
 @keras.saving.register_keras_serializable(package="dualframe")
