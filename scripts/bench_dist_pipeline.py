@@ -25,14 +25,13 @@ import argparse
 import copy
 import functools
 import os
-import time
 
 import torch
 from torch import nn
 
 import dualframe
 import dualframe.torch as hvd
-from dualframe.observe.bench_rounds import bubble_line, interleaved, ratio_line, seconds_line
+from dualframe.observe.bench_rounds import bubble_line, interleaved, ratio_line, seconds_line, timed_steps
 from dualframe.pipeline.clock import gpipe_bubble, zb_h1_bubble
 from dualframe.pipeline.walk import pipeline_bubble
 from dualframe.torch.distributed_pipeline import DistributedPipeline
@@ -89,15 +88,6 @@ def torch_gpipe(model, chunks, name="ScheduleGPipe"):
     return step
 
 
-def timed(step, x, y, steps):
-    hvd.barrier()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step(x, y)
-    hvd.barrier()
-    return time.perf_counter() - start
-
-
 def zero_bubble_report(model, x, y, rounds, steps):
     """Part 4: zb-h1 against 1f1b at chunks=8 (and torch's nearest schedules), interleaved rounds, bubbles."""
     pipes, configs = {}, {}
@@ -113,7 +103,7 @@ def zero_bubble_report(model, x, y, rounds, steps):
             errors.append(f"torch {name}: does not run here: {type(error).__name__}: {str(error)[:160]}")
     for step in configs.values():
         step(x, y)
-    times = interleaved({name: functools.partial(timed, step, x, y, steps) for name, step in configs.items()}, rounds)
+    times = interleaved({name: functools.partial(timed_steps, step, (x, y), steps, hvd.barrier) for name, step in configs.items()}, rounds)
     report = [f"zb-h1 against 1f1b, messages over {pipes['zb-h1'].transport}",
               ratio_line("zb-h1 m=8 / 1f1b m=8", times["1f1b m=8"], times["zb-h1 m=8"])]
     report += [ratio_line(f"zb-h1 m=8 / {name}", times[name], times["zb-h1 m=8"])
@@ -157,7 +147,7 @@ def main() -> None:
         configs["chunks=8 Horovod broadcasts"] = ours(model, 8, transport="horovod")[1]
     for step in configs.values():  # warm-up: allocator, autograd, shape headers
         step(x, y)
-    times = interleaved({name: functools.partial(timed, step, x, y, args.steps) for name, step in configs.items()},
+    times = interleaved({name: functools.partial(timed_steps, step, (x, y), args.steps, hvd.barrier) for name, step in configs.items()},
                         args.rounds)
     report = [ratio_line(f"{name} / chunks=1", times["chunks=1"], times[name])
               for name in ("chunks=8", "torch ScheduleGPipe m=8")]

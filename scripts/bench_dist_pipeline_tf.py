@@ -39,7 +39,6 @@ import functools
 import os
 import statistics
 import sys
-import time
 
 for name in ("OMP_NUM_THREADS", "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS"):
     os.environ.setdefault(name, "1")
@@ -51,7 +50,7 @@ import numpy as np  # noqa: E402
 
 import dualframe.tensorflow as hvd  # noqa: E402
 from dualframe.pipeline.clock import gpipe_bubble, zb_h1_bubble  # noqa: E402
-from dualframe.observe.bench_rounds import bubble_line, interleaved, ratio_line, seconds_line  # noqa: E402
+from dualframe.observe.bench_rounds import bubble_line, interleaved, ratio_line, seconds_line, timed_steps  # noqa: E402
 from dualframe.pipeline.walk import pipeline_bubble  # noqa: E402
 from dualframe.tensorflow.distributed_pipeline import DistributedPipeline  # noqa: E402
 
@@ -77,15 +76,6 @@ def ours(model, chunks, schedule="gpipe", transport="auto", jit_compile=True, ba
     return pipe, step
 
 
-def timed(step, x, y, steps):
-    hvd.barrier()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step(x, y)
-    hvd.barrier()
-    return time.perf_counter() - start
-
-
 def memory_line(model, schedule, x, y, chunks, width):
     pipe, step = ours(model, chunks, schedule)
     step(x, y)
@@ -106,7 +96,7 @@ def zero_bubble_report(model, x, y, rounds, steps):
         step(x, y)
         step(x, y)
         pipes[name.split()[0]].records.records = []  # the bubbles below: timed steps only (the first left out)
-    times = interleaved({name: functools.partial(timed, step, x, y, steps) for name, step in configs.items()}, rounds)
+    times = interleaved({name: functools.partial(timed_steps, step, (x, y), steps, hvd.barrier) for name, step in configs.items()}, rounds)
     per_step = {name: [t / steps for t in ts] for name, ts in times.items()}
     report = [f"zb-h1 against 1f1b, messages over {pipes['zb-h1'].transport}",
               ratio_line("zb-h1 m=8 / 1f1b m=8", times["1f1b m=8"], times["zb-h1 m=8"]),
@@ -158,7 +148,7 @@ def main() -> None:
         configs["chunks=8 Horovod broadcasts"] = ours(model, 8, transport="horovod")[1]
     for step in configs.values():  # warm-up, not timed: traces, XLA compilation, shape headers
         step(x, y)
-    times = interleaved({name: functools.partial(timed, step, x, y, args.steps) for name, step in configs.items()},
+    times = interleaved({name: functools.partial(timed_steps, step, (x, y), args.steps, hvd.barrier) for name, step in configs.items()},
                         args.rounds)
     per_step = {name: [t / args.steps for t in ts] for name, ts in times.items()}
     report = [ratio_line(f"{name} / chunks=1", times["chunks=1"], times[name]) for name in list(configs)[1:6]]

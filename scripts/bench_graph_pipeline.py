@@ -16,14 +16,13 @@ model inputs). So by default a manual split of the same modules stands in (stage
 import argparse
 import functools
 import os
-import time
 
 import torch
 from torch import nn
 
 import dualframe
 import dualframe.torch as hvd
-from dualframe.observe.bench_rounds import interleaved, ratio_line, seconds_line
+from dualframe.observe.bench_rounds import interleaved, ratio_line, seconds_line, timed_steps
 from dualframe.torch.distributed_pipeline import DistributedPipeline
 from torch_examples.transformer_split import Encoder, synthetic
 
@@ -97,15 +96,6 @@ def torch_gpipe(model, chunks, point, sample, rank, split):
     return step, how
 
 
-def timed(step, batch, steps):
-    hvd.barrier()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step(*batch)
-    hvd.barrier()
-    return time.perf_counter() - start
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dim", type=int, default=64)
@@ -131,7 +121,7 @@ def main() -> None:
     configs = {"chunks=1": ours(model, 1, point), "chunks=8": ours(model, 8, point), "torch ScheduleGPipe m=8": theirs}
     for step in configs.values():  # warm-up: allocator, autograd, shape headers
         step(*batch)
-    times = interleaved({name: functools.partial(timed, step, batch, args.steps) for name, step in configs.items()},
+    times = interleaved({name: functools.partial(timed_steps, step, batch, args.steps, hvd.barrier) for name, step in configs.items()},
                         args.rounds)
     report = [ratio_line(f"{name} / chunks=1", times["chunks=1"], times[name])
               for name in ("chunks=8", "torch ScheduleGPipe m=8")]

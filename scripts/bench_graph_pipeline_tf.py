@@ -18,7 +18,6 @@ import argparse
 import functools
 import os
 import sys
-import time
 
 for name in ("OMP_NUM_THREADS", "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS"):
     os.environ.setdefault(name, "1")
@@ -29,7 +28,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import dualframe.tensorflow as hvd  # noqa: E402
-from dualframe.observe.bench_rounds import interleaved, ratio_line, seconds_line  # noqa: E402
+from dualframe.observe.bench_rounds import interleaved, ratio_line, seconds_line, timed_steps  # noqa: E402
 from dualframe.pipeline.clock import gpipe_bubble, zb_h1_bubble  # noqa: E402
 from dualframe.pipeline.walk import pipeline_bubble  # noqa: E402
 from dualframe.tensorflow.distributed_pipeline import DistributedPipeline  # noqa: E402
@@ -57,15 +56,6 @@ def ours(model, chunks, schedule):
     return pipe, step
 
 
-def timed(step, x, y, steps):
-    hvd.barrier()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step(x, y)
-    hvd.barrier()
-    return time.perf_counter() - start
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=512)
@@ -89,7 +79,7 @@ def main() -> None:
         step(x, y)
         step(x, y)
         pipes[name.split()[0]].records.records = []  # the bubbles below: timed steps only (the first left out)
-    times = interleaved({name: functools.partial(timed, step, x, y, args.steps) for name, step in configs.items()},
+    times = interleaved({name: functools.partial(timed_steps, step, (x, y), args.steps, hvd.barrier) for name, step in configs.items()},
                         args.rounds)
     per_step = {name: [t / args.steps for t in ts] for name, ts in times.items()}
     report = [f"Keras {keras.__version__}: functional model, {args.blocks} x residual (Dense({args.width}), ReLU, "

@@ -2,10 +2,26 @@
 from __future__ import annotations
 
 import statistics
-from typing import Callable, Dict, List, Mapping, Sequence
+import time
+from typing import Any, Callable, Dict, List, Mapping, Sequence
 
 from dualframe.errors import StrategyError
 from dualframe.pipeline.clock import gpipe_bubble
+
+
+def timed_steps(step: Callable[..., Any], args: Sequence[Any], steps: int, barrier: Callable[[], Any]) -> float:
+    """Seconds for ``steps`` calls of ``step(*args)`` between two barriers, so every rank times the same span.
+
+    Example:
+        >>> timed_steps(lambda x: x + 1, (1,), 3, barrier=lambda: None) >= 0.0
+        True
+    """
+    barrier()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step(*args)
+    barrier()
+    return time.perf_counter() - start
 
 
 def interleaved(configs: Mapping[str, Callable[[], float]], rounds: int) -> Dict[str, List[float]]:
