@@ -198,6 +198,9 @@ cmd_up() {
   [[ $NODES =~ ^[0-9]+$ ]] && [ "$NODES" -ge 2 ] && [ "$NODES" -le 8 ] \
     || die "DUALFRAME_CLUSTER_NODES must be 2..8 (DUALFRAME_CLUSTER_NODES=$NODES)"
   [ -z "$(missing_packages)" ] || die "missing packages: $(missing_packages); run: bash scripts/cluster.sh install"
+  local root; root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)
+  case "$root/" in /tmp/*) die "this checkout is under /tmp ($root), which each node replaces with its own /tmp, so \
+the nodes cannot run its .venv or tests; clone it elsewhere (e.g. /root or /work)" ;; esac
   if [ -d "$STATE" ]; then
     if cmd_status >/dev/null 2>&1 && [ "$(cat "$STATE/nodes")" = "$(node_names)" ]; then say "already up"; return 0; fi
     say "a partial or different cluster is there: taking it down first"; cmd_down
