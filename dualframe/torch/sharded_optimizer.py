@@ -8,7 +8,8 @@ or a reduce-scatter) and the rank keeps its slice of the result; ``step()`` give
 reduced slice to a copy of the user's optimizer class whose parameters are the rank's flat slices
 (so it holds state for 1/N of the elements), then allgathers the updated slices back into every
 parameter. ``shard="gradients"`` also drops each parameter's full ``.grad`` once its bucket is sent.
-``clip_grad_norm_`` clips by the global norm, computed from each rank's reduced slice.
+``clip_grad_norm_`` clips by the global norm, computed from each rank's reduced slice. The gradient
+path (reduce, synchronize, clip) is in ``shard_gradients.py``; the buckets in ``shard_buckets.py``.
 """
 from __future__ import annotations
 
@@ -28,19 +29,18 @@ from dualframe.torch.compression import Compression
 from dualframe.torch.optimizer import DistributedOptimizer
 from dualframe.torch.wrapped_optimizer import WRAPPED, check_optimizer, weak_hook
 from dualframe.torch import shard_state
-from dualframe.torch.shard_buckets import Slot, adopt, check_elementwise, check_norm_arguments, clip_slices_, make_inner
+from dualframe.torch.shard_buckets import Slot, adopt, check_elementwise, make_inner
+from dualframe.torch.shard_gradients import SliceGradients
 
 #: Buckets whose updated slices are being allgathered at once.
 GATHER_WINDOW = 2
-#: Buckets whose flat gradients are being reduced at once (beyond: wait for the oldest).
-REDUCE_WINDOW = 4
 #: The path ``scatter="auto"`` takes: "allreduce" (in place, then this rank keeps its slice). Under mpirun
 #: on a 2-core box Horovod 0.28's allreduce of 50 M floats took 0.85x the time of its reducescatter (and
 #: moves the result in place, with no output tensor); on a real network "reducescatter" moves half the
 #: bytes. The sums are the same either way (docs/torch_data_parallel.md).
 AUTO_SCATTER = "allreduce"
 
-class ShardedOptimizer(DistributedOptimizer):
+class ShardedOptimizer(SliceGradients, DistributedOptimizer):
     """``DistributedOptimizer(..., shard="optimizer"|"gradients")``: optimizer state (and gradients) kept 1/N per rank.
 
     Built by ``DistributedOptimizer`` when ``shard`` is given; the arguments are its arguments.
@@ -79,7 +79,7 @@ class ShardedOptimizer(DistributedOptimizer):
         self.shard = check_shard(shard, self.op_name)
         self.scatter = check_scatter(scatter, self.shard)
         #: The collective each bucket's gradient goes through: "allreduce" or "reducescatter".
-        self.gradient_path = AUTO_SCATTER if self.scatter == "auto" else self.scatter
+        self.gradient_path = AUTO_SCATTER if self.scatter == "auto" else str(self.scatter)  # set: shard is
         if groups is not None or num_groups:
             raise StrategyError(f"groups= fuses allreduces; with shard={self.shard!r} the buckets are the fusion "
                                 f"(groups: {groups if groups is not None else num_groups}); drop groups=")
@@ -129,7 +129,7 @@ class ShardedOptimizer(DistributedOptimizer):
     def _build(self) -> None:
         """Cut each param group for the process set's current size and make the inner optimizer (no state)."""
         self.ranks, self.rank = self.process_set.size(), self.process_set.rank()
-        # Flat send buffers, reused across steps (at most REDUCE_WINDOW + 1 alive): allocating 16 MiB
+        # Flat send buffers, reused across steps (at most shard_gradients.REDUCE_WINDOW + 1 alive): allocating 16 MiB
         # blocks each step costs a page fault per 4 KiB page when the allocator returns them to the system.
         self._spare: Dict[Tuple[int, torch.dtype, torch.device], List[torch.Tensor]] = {}
         self._slots: List[Slot] = []
@@ -172,93 +172,6 @@ class ShardedOptimizer(DistributedOptimizer):
     def state(self, value: Any) -> None:
         self._inner.state = value
 
-    # -- gradients: one asynchronous reduce-scatter per bucket, as soon as its gradients are ready --
-    def _on_gradient(self, p: torch.Tensor) -> None:
-        slot = self._slot_of.get(p)
-        if slot is None:
-            return
-        if slot.pending is not None:
-            raise AssertionError(
-                f"gradients were computed more than backward_passes_per_step ({self.backward_passes_per_step}) "
-                f"times before step(); raise backward_passes_per_step (parameter {self._names.get(p)})")
-        self._delay[p] -= 1
-        if self._delay[p] > 0:
-            return
-        slot.ready += 1
-        if slot.ready == len(slot.members):
-            self._reduce_bucket(slot)
-
-    def _reduce_bucket(self, slot: Slot) -> None:
-        bucket = slot.bucket
-        first = slot.members[0]
-        key = (bucket.padded, first.dtype, first.device)
-        spare = self._spare.get(key)
-        flat = spare.pop() if spare else torch.empty(bucket.padded, dtype=first.dtype, device=first.device)
-        flat[bucket.length:].zero_()  # every other element is written below
-        for p, offset, size in zip(slot.members, bucket.offsets, bucket.sizes):
-            if p.grad is None:  # another rank may have a gradient for it: this rank sends zeros
-                flat[offset:offset + size].zero_()
-            else:
-                grad = p.grad.to_dense() if p.grad.is_sparse else p.grad
-                flat[offset:offset + size].copy_(grad.reshape(-1))
-            if self.shard == "gradients":
-                p.grad = None  # ZeRO-2: the full gradient is not kept, only the reduced slice
-        self._sent += 1
-        slot.order = self._sent
-        compressed, ctx = self._compression.compress(flat)
-        prescale, postscale = self.settings.scale_factors()
-        name = f"dualframe.shard.grad.{slot.name}"
-        if self.gradient_path == "allreduce":
-            handle = hvd.allreduce_async_(compressed, name=name, op=self.op, process_set=self.process_set,
-                                          prescale_factor=prescale, postscale_factor=postscale)
-        else:
-            handle = hvd.reducescatter_async(compressed, name=name, op=self.op, process_set=self.process_set,
-                                             prescale_factor=prescale, postscale_factor=postscale)
-        slot.pending = (handle, ctx, flat)
-        slot.done = False
-        # Horovod holds a sent buffer until it is synchronized: collect finished buckets now, and wait
-        # for the oldest beyond REDUCE_WINDOW, so that the flat copies never add up to the full gradients.
-        sent = [other for other in self._slots if other.pending is not None and not other.done]
-        sent.sort(key=lambda other: other.order)
-        for k, other in enumerate(sent):
-            if k < len(sent) - REDUCE_WINDOW or hvd.poll(other.pending[0]):  # type: ignore[index]
-                self._finish_bucket(other)
-
-    def _finish_bucket(self, slot: Slot) -> None:
-        assert slot.pending is not None
-        handle, ctx, flat = slot.pending
-        reduced = hvd.synchronize(handle)
-        if self.gradient_path == "allreduce":
-            reduced = reduced[slot.start:slot.start + slot.bucket.shard]
-        reduced = self._compression.decompress(reduced, ctx)
-        grad = reduced if reduced.dtype == slot.flat.dtype else reduced.to(slot.flat.dtype)
-        if grad.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr():
-            grad = grad.clone()  # the send buffer is reused by the next step
-        slot.flat.grad = grad
-        self._spare.setdefault((flat.numel(), flat.dtype, flat.device), []).append(flat)
-        slot.done = True
-
-    def synchronize(self) -> None:
-        """Wait for every bucket's reduce-scatter (starting those not started); slices' gradients are then set."""
-        for slot in self._slots:
-            if slot.pending is None:
-                self._reduce_bucket(slot)
-        for slot in self._slots:
-            if not slot.done:
-                self._finish_bucket(slot)
-            slot.pending, slot.ready, slot.done = None, 0, False
-            for p in slot.members:
-                self._delay[p] = self.backward_passes_per_step
-        # ZeRO-1 keeps each rank's own, unreduced .grad: step() refuses it changed after this (see _check_untouched).
-        self._versions = {p: (p.grad, p.grad._version) for p in self._slot_of if p.grad is not None}
-        self._synchronized = True
-
-    def _pending(self) -> bool:
-        # Between backward and step: a bucket sent or partly ready, or gradients accumulating locally.
-        passes = self.backward_passes_per_step
-        return any(slot.pending is not None or slot.ready for slot in self._slots) or any(
-            delay != passes for delay in self._delay.values())
-
     # -- step: the slices, then the allgather -----------------------------------------------------
     def _sync_hyperparameters(self) -> None:
         # An LR scheduler (or the user) changes the wrapped optimizer's groups: the slices follow.
@@ -296,49 +209,6 @@ class ShardedOptimizer(DistributedOptimizer):
         for slot, handle in in_flight:
             self._write_back(slot, handle)
         return None
-
-    def _check_untouched(self) -> None:
-        # Horovod's recipe (synchronize(); clip .grad; skip_synchronize() step) changes .grad, which a
-        # sharded step never reads: it reads the reduced slices. Refused rather than silently unclipped.
-        changed = [self._names.get(p, "?") for p, (grad, version) in self._versions.items()
-                   if p.grad is not grad or (grad is not None and grad._version != version)]
-        if changed:
-            raise StrategyError(
-                f"the parameters' .grad changed between synchronize() and step() ({', '.join(changed[:3])}"
-                f"{' ...' if len(changed) > 3 else ''}); with shard={self.shard!r} step() uses the reduced gradient "
-                f"slices, not .grad, so that change would be lost. To clip, call optimizer.clip_grad_norm_(max_norm) "
-                f"after backward instead of synchronize() + torch.nn.utils.clip_grad_norm_")
-
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the reduced gradients by their global norm, as ``torch.nn.utils.clip_grad_norm_`` on plain DP.
-
-        Call it after backward and before ``step()`` (on every rank: it synchronizes the gradients,
-        then allreduces one number, each rank's sum of |g|^p over its slices); ``step()`` then uses
-        the clipped slices without reducing again.
-
-        Args:
-            max_norm: the largest global norm of the gradients.
-            norm_type: p of the p-norm (``float("inf")``: the largest absolute value).
-
-        Returns:
-            The global norm of the reduced gradients before clipping (a float32 scalar tensor).
-
-        Raises:
-            StrategyError: ``max_norm`` or ``norm_type`` not a number > 0 (before any communication).
-
-        Example:
-            >>> loss.backward()                                                   # doctest: +SKIP
-            >>> total = optimizer.clip_grad_norm_(1.0)   # not torch.nn.utils's   # doctest: +SKIP
-            >>> optimizer.step()                                                  # doctest: +SKIP
-        """
-        check_norm_arguments(max_norm, norm_type)
-        if not self._synchronized:
-            self.synchronize()
-        total = clip_slices_([slot.flat.grad for slot in self._slots if slot.flat.grad is not None], max_norm,
-                             norm_type, lambda local, op: hvd.allreduce(local, name="dualframe.shard.clip_norm",
-                                                                        op=OPS[op], process_set=self.process_set))
-        self._clipped = True
-        return total
 
     @staticmethod
     def _write_back(slot: Slot, handle: Any) -> None:
