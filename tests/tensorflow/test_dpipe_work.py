@@ -184,13 +184,14 @@ def test_stage_xla_cannot_compile_runs_as_plain_tf_function():
         np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-6, rtol=0)
 
 
-def any_step(layers, functions, x, y, first, last, schedule, grad_seed=3):
-    """One step of stage 0 or 1 of 2 in ``schedule``'s order, W actions included; the next stage's gradients
-    fixed random. Returns the work and the input gradients per micro-batch."""
-    plan = rank_schedule(schedule, 2, len(SIZES))[1 if last else 0]
+def any_step(layers, functions, x, y, first, last, schedule, grad_seed=3, plan=None, batch_weights=False):
+    """One step of stage 0 or 1 of 2 in ``schedule``'s order (or ``plan``), W actions included; the next
+    stage's gradients fixed random. Returns the work and the input gradients per micro-batch."""
+    plan = plan or rank_schedule(schedule, 2, len(SIZES))[1 if last else 0]
     xs, ys = tf.split(x, SIZES), tf.split(y, SIZES)
     work = TFStageWork(layers, first, last, keras.losses.MeanSquaredError(), ys, [s / sum(SIZES) for s in SIZES],
-                       "/CPU:0", functions, fusable(plan), split=any(a.kind == "W" for a in plan))
+                       "/CPU:0", functions, fusable(plan), split=any(a.kind == "W" for a in plan),
+                       batch_weights=batch_weights)
     outputs, input_grads = {}, {}
     for action in plan:
         i = action.micro
@@ -271,20 +272,7 @@ def test_zb_h1_stage_with_state_runs_the_full_backward_in_b():
 def gpipe_batched_step(layers, functions, x, y, first, last, grad_seed=3):
     """One GPipe step of stage 0 or 1 of 2 with the W passes batched after the last B (``deferred_weights``)."""
     plan = deferred_weights(rank_schedule("gpipe", 2, len(SIZES))[1 if last else 0])
-    xs, ys = tf.split(x, SIZES), tf.split(y, SIZES)
-    work = TFStageWork(layers, first, last, keras.losses.MeanSquaredError(), ys, [s / sum(SIZES) for s in SIZES],
-                       "/CPU:0", functions, fusable(plan), split=True, batch_weights=True)
-    outputs, input_grads = {}, {}
-    for action in plan:
-        i = action.micro
-        if action.kind == "F":
-            outputs[i] = work.forward(i, xs[i])
-        elif action.kind == "B":
-            upstream = None if last else tf.random.stateless_normal(tf.shape(outputs[i]), (grad_seed, i))
-            input_grads[i] = work.backward(i, upstream)
-        else:
-            work.weight(i)
-    return work, [input_grads[i] for i in range(len(SIZES))]
+    return any_step(layers, functions, x, y, first, last, "gpipe", grad_seed, plan=plan, batch_weights=True)
 
 
 def test_deferred_weights_appends_a_w_per_b():
