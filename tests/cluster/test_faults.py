@@ -134,10 +134,12 @@ def test_a_lost_node_ends_the_job(launcher, fault):
         reader.join(timeout=10)
     output = "".join(lines)
     if os.environ.get("DUALFRAME_TEST_SHOW"):
-        print(output)
+        print(output, f"\n{launcher} {fault}: ended {ended - fault_at:.1f} s after the fault" if fault_at else "")
     assert fault_at, f"{launcher}: training never started:\n{output[-6000:]}"
     elapsed = ended - fault_at
-    assert process.returncode not in (0, None, -signal.SIGKILL), f"{launcher} {fault}: exit {process.returncode}:\n{output[-6000:]}"
+    assert process.returncode not in (0, None, -signal.SIGKILL), (
+        f"{launcher} {fault}: exit {process.returncode}, {elapsed:.1f} s after the fault:\n{output[-6000:]}")
     assert elapsed < LIMIT_S, f"{launcher} {fault}: the job ended {elapsed:.0f} s after the fault:\n{output[-6000:]}"
     assert re.search(EXPECTED[launcher, fault], output), (
-        f"{launcher} {fault}: nothing names the lost node or rank ({EXPECTED[launcher, fault]!r}):\n{output[-6000:]}")
+        f"{launcher} {fault}: nothing names the lost node or rank ({EXPECTED[launcher, fault]!r}; "
+        f"ended {elapsed:.1f} s after the fault, exit {process.returncode}):\n{output[-6000:]}")
