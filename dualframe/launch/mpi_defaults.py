@@ -1,4 +1,4 @@
-"""Defaults for the MPI library under Horovod, set in the environment before ``hvd.init()`` starts MPI.
+"""Defaults for the MPI library and Horovod's controller, set in the environment before ``hvd.init()`` starts them.
 
 Horovod's background thread coordinates the ranks every cycle (about a millisecond). Under Open MPI
 its waits busy-poll by default unless the job is oversubscribed. A pipeline stage that waits for its
@@ -8,9 +8,18 @@ pipeline chunks=8 / chunks=1 fell from 1.69 to 1.15 (docs/benchmarks.md). ``mpi_
 makes those waits give the core away. A busy poll saves a few microseconds per message when every
 process has a core to itself, so the default only fills in what the user left unset.
 
+Under Horovod's Gloo controller (``horovodrun --gloo`` sets ``HOROVOD_CONTROLLER=gloo``) that
+coordination is a Gloo allreduce over TCP every cycle, whether or not anything is to be reduced,
+and each wakeup takes a core from the computation. At Horovod's 1 ms, a 2-stage torch pipeline on
+2 cores ran 1.22-1.30x faster with 8 micro-batches than without; at 5 ms, 1.57x (mpirun: 1.65x), and
+data parallelism was not slower (docs/benchmarks.md). So a Gloo job runs at ``HOROVOD_CYCLE_TIME=5``
+unless it sets its own: a Horovod operation may wait up to 5 ms longer to start. MPI jobs keep
+Horovod's 1 ms: there the cycle's wait yields its core (above), and taking that wait off the core
+altogether gained nothing measurable.
+
 Set ``DUALFRAME_MPI_DEFAULTS=0`` to leave the environment alone. A value the user already set,
-e.g. ``mpirun --mca mpi_yield_when_idle 0`` or ``OMPI_MCA_mpi_yield_when_idle=0``, always wins.
-Other MPI libraries ignore these names.
+e.g. ``mpirun --mca mpi_yield_when_idle 0``, ``OMPI_MCA_mpi_yield_when_idle=0`` or
+``HOROVOD_CYCLE_TIME=1``, always wins. Other MPI libraries ignore the Open MPI names.
 """
 from __future__ import annotations
 
@@ -23,9 +32,12 @@ SWITCH_VARIABLE = "DUALFRAME_MPI_DEFAULTS"
 #: Open MPI's MCA parameters, as its environment variables, with dualframe's default values.
 DEFAULTS: Dict[str, str] = {"OMPI_MCA_mpi_yield_when_idle": "1"}
 
+#: Horovod's variables under its Gloo controller (``HOROVOD_CONTROLLER=gloo``), with dualframe's default values.
+GLOO_DEFAULTS: Dict[str, str] = {"HOROVOD_CYCLE_TIME": "5"}
+
 
 def apply(environ: Optional[MutableMapping[str, str]] = None) -> Dict[str, str]:
-    """Fill in ``DEFAULTS`` the environment does not set yet; return the ones set now.
+    """Fill in ``DEFAULTS`` (and ``GLOO_DEFAULTS`` under the Gloo controller) the environment does not set yet.
 
     Call it before MPI starts (``hvd.init()``); importing ``dualframe.torch`` or
     ``dualframe.tensorflow`` does.
@@ -42,10 +54,13 @@ def apply(environ: Optional[MutableMapping[str, str]] = None) -> Dict[str, str]:
         {'OMPI_MCA_mpi_yield_when_idle': '1'}
         >>> apply({"OMPI_MCA_mpi_yield_when_idle": "0"})
         {}
+        >>> apply({"OMPI_MCA_mpi_yield_when_idle": "0", "HOROVOD_CONTROLLER": "gloo"})
+        {'HOROVOD_CYCLE_TIME': '5'}
     """
     env = os.environ if environ is None else environ
     if env.get(SWITCH_VARIABLE, "1") == "0":
         return {}
-    added = {name: value for name, value in DEFAULTS.items() if name not in env}
+    wanted = dict(DEFAULTS, **(GLOO_DEFAULTS if env.get("HOROVOD_CONTROLLER", "").lower() == "gloo" else {}))
+    added = {name: value for name, value in wanted.items() if name not in env}
     env.update(added)
     return added

@@ -138,6 +138,10 @@ def test_bad_batches_are_refused_on_every_rank():
 def test_mpi_waits_yield_the_core_unless_the_launch_said_otherwise():
     # dualframe.launch.mpi_defaults, applied when dualframe.torch was imported, before hvd.init() started MPI.
     assert os.environ.get("OMPI_MCA_mpi_yield_when_idle") == "1"
+    # Under horovodrun --gloo, Horovod's Gloo controller cycles every 5 ms (Horovod's own default, 1 ms,
+    # under mpirun), the job having set no HOROVOD_CYCLE_TIME of its own.
+    gloo = os.environ.get("HOROVOD_CONTROLLER") == "gloo"
+    assert os.environ.get("HOROVOD_CYCLE_TIME") == ("5" if gloo else None)
 
 
 def test_messages_go_over_mpi_under_mpi_and_over_zeromq_under_gloo():
