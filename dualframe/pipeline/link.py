@@ -48,9 +48,25 @@ def message_tag(tag: str, header: bool = False) -> int:
     return len(_KINDS) * int(tag[1:]) + _KINDS["H" if header else tag[0]]
 
 
+#: A step's control messages, numbered after its micro-batches' (see ``control_tag``).
+_CONTROL = ("agree", "loss")
+
+
+def control_tag(name: str, chunks: int) -> int:
+    """The point-to-point number of a step's control message ``name``: "agree" (the step agreement) or "loss".
+
+    Numbered after every ``message_tag`` of ``chunks`` micro-batches, so that no message takes another's.
+
+    Example:
+        >>> control_tag("agree", 4), control_tag("loss", 4), message_tag("F3", header=True)
+        (12, 13, 11)
+    """
+    return len(_KINDS) * chunks + _CONTROL.index(name)
+
+
 def largest_tag(chunks: int) -> int:
-    """The highest number ``message_tag`` gives for ``chunks`` micro-batches (MPI's tag bound must reach it)."""
-    return len(_KINDS) * chunks - 1
+    """The highest point-to-point number of a step of ``chunks`` micro-batches (MPI's tag bound must reach it)."""
+    return control_tag(_CONTROL[-1], chunks)
 
 
 #: How pipeline messages travel: "auto" (the first point-to-point transport every rank has, else Horovod

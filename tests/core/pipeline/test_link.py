@@ -2,8 +2,8 @@
 import pytest
 
 from dualframe.errors import DeviceError, StrategyError
-from dualframe.pipeline.link import (TRANSPORT_VARIABLE, agree_transport, check_transport, decode_header, encode_header, largest_tag,
-                                  message_tag, transport_choice, transport_votes, wait_for)
+from dualframe.pipeline.link import (TRANSPORT_VARIABLE, agree_transport, check_transport, control_tag, decode_header,
+                                  encode_header, largest_tag, message_tag, transport_choice, transport_votes, wait_for)
 from dualframe.pipeline.layout import PeerLostError, layout_pipeline
 
 
@@ -69,6 +69,7 @@ def test_one_stage_over_several_processes_is_refused_as_data_parallelism():
 
 def test_message_tags_are_distinct_per_micro_batch_and_kind():
     tags = [message_tag(f"{kind}{i}") for i in range(5) for kind in "FB"] + [message_tag(f"F{i}", True) for i in range(5)]
+    tags += [control_tag("agree", 5), control_tag("loss", 5)]
     assert len(set(tags)) == len(tags) and max(tags) == largest_tag(5)
 
 
