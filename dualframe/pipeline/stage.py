@@ -156,38 +156,48 @@ class PipelineStage(Generic[T]):
         return float(self.wire.values(self.link.wait(handle, "waiting for the loss"))[0])
 
     def _others(self) -> List[int]:
-        return [r for r in self.pipeline_ranks if r != self.rank]
+        return [peer for peer in self.pipeline_ranks if peer != self.rank]
+
+    def _post_to_others(self, tensor: T, tag: int) -> List[Any]:
+        """Start sending ``tensor`` as ``tag`` to every other rank of the pipeline over point-to-point."""
+        assert self.direct is not None
+        return [self.direct.send(tensor, peer, tag) for peer in self._others()]
+
+    def _delivered(self, sends: Sequence[Any], what: str) -> None:
+        assert self.direct is not None
+        for handle in sends:
+            self.link.wait(handle, what, self.direct)
+
+    def _receive(self, dims: Tuple[int, ...], code: int, peer: int, tag: int, what: str) -> List[Any]:
+        """The values of the ``tag`` message from ``peer`` over point-to-point (a bounded wait)."""
+        assert self.direct is not None
+        handle = self.direct.receive(self.wire.empty(dims, code), peer, tag)
+        return self.wire.values(self.link.wait(handle, what, self.direct))
 
     def _direct_sum(self, mine: T, code: int, what: str) -> List[Any]:
         """``mine`` summed over the pipeline's ranks through point-to-point: each rank sends its own to every other.
 
         The step's agreement over the pipeline's transport instead of a Horovod allreduce, which waits
         for Horovod's background thread (a cycle, 5 ms under Gloo) on every rank; a pipeline has
-        few stages, so n - 1 small messages per rank cost less.
+        few stages, so n - 1 small messages per rank cost less. Every rank posts its sends before it
+        waits for any receive, so no two ranks wait on each other.
         """
-        assert self.direct is not None
         tag = control_tag("agree", self.layout.chunks)
-        sends = [self.direct.send(mine, peer, tag) for peer in self._others()]
-        dims = (len(self.wire.values(mine)),)
+        sends = self._post_to_others(mine, tag)
         total = list(self.wire.values(mine))
         for peer in self._others():
-            handle = self.direct.receive(self.wire.empty(dims, code), peer, tag)
-            theirs = self.wire.values(self.link.wait(handle, f"{what}: waiting for rank {peer}", self.direct))
+            theirs = self._receive((len(total),), code, peer, tag, f"{what}: waiting for rank {peer}")
             total = [a + b for a, b in zip(total, theirs)]
-        for handle in sends:
-            self.link.wait(handle, f"{what}: sending to the pipeline", self.direct)
+        self._delivered(sends, f"{what}: sending to the pipeline")
         return total
 
     def _direct_loss(self, loss: T) -> Any:
         """The last stage's loss sent to every other stage through point-to-point (a broadcast's result)."""
-        assert self.direct is not None
         tag, last = control_tag("loss", self.layout.chunks), self.pipeline_ranks[-1]
         if self.is_last:
-            for handle in [self.direct.send(loss, peer, tag) for peer in self._others()]:
-                self.link.wait(handle, "sending the loss", self.direct)
+            self._delivered(self._post_to_others(loss, tag), "sending the loss")
             return self.wire.values(loss)[0]
-        handle = self.direct.receive(self.wire.empty((1,), _FLOAT64), last, tag)
-        return self.wire.values(self.link.wait(handle, f"waiting for the loss from rank {last}", self.direct))[0]
+        return self._receive((1,), _FLOAT64, last, tag, f"waiting for the loss from rank {last}")[0]
 
     def timing(self) -> str:
         """One line for this stage: mean step seconds, computing seconds and idle share (the bubble)."""
