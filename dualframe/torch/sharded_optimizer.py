@@ -79,7 +79,7 @@ class ShardedOptimizer(SliceGradients, DistributedOptimizer):
         self.shard = check_shard(shard, self.op_name)
         self.scatter = check_scatter(scatter, self.shard)
         #: The collective each bucket's gradient goes through: "allreduce" or "reducescatter".
-        self.gradient_path = AUTO_SCATTER if self.scatter == "auto" else str(self.scatter)  # set: shard is
+        self.gradient_path = AUTO_SCATTER if self.scatter == "auto" else str(self.scatter)  # not None: shard is given
         if groups is not None or num_groups:
             raise StrategyError(f"groups= fuses allreduces; with shard={self.shard!r} the buckets are the fusion "
                                 f"(groups: {groups if groups is not None else num_groups}); drop groups=")
