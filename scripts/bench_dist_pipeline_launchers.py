@@ -5,7 +5,8 @@
 Runs ``bench_dist_pipeline.py --only-ratios`` (torch) and ``bench_dist_pipeline_tf.py --only-ratios``
 (Keras) under each launcher in turn (gloo, mpi, gloo, mpi ...: a change of load hits both alike), two
 processes of one thread each, and prints for each framework and launcher every run's median
-chunks=8 / chunks=1 (point-to-point: ZeroMQ under gloo, MPI under mpirun; and Horovod broadcasts),
+chunks=8 / chunks=1 (point-to-point: ZeroMQ under gloo, MPI under mpirun; and Horovod broadcasts;
+for Keras also GPipe and 1F1B over its chunks=1 with one backward per stage, ``bench_dist_pipeline_tf.py``),
 their median, and the load average before each run. One launcher cannot be interleaved with the
 other inside one job, so the runs are what alternates here; each run's own ratio is already the
 median of its interleaved rounds.
@@ -23,7 +24,9 @@ PYTHON = os.path.join(ROOT, ".venv", "bin", "python")
 SCRIPTS = {"torch": "scripts/bench_dist_pipeline.py", "keras": "scripts/bench_dist_pipeline_tf.py"}
 THREADS = {"OMP_NUM_THREADS": "1", "TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1"}
 LINES = {"point-to-point": re.compile(r"throughput chunks=8 / chunks=1: median ([0-9.]+)"),
-         "Horovod broadcasts": re.compile(r"throughput chunks=8 / chunks=1, Horovod broadcasts: median ([0-9.]+)")}
+         "Horovod broadcasts": re.compile(r"throughput chunks=8 / chunks=1, Horovod broadcasts: median ([0-9.]+)"),
+         "over one-backward chunks=1": re.compile(r"throughput chunks=8 / chunks=1 one backward: median ([0-9.]+)"),
+         "1F1B over one-backward chunks=1": re.compile(r"throughput chunks=8 1f1b / chunks=1 one backward: median ([0-9.]+)")}
 
 
 def command(launcher: str, script: str, extra: List[str]) -> List[str]:

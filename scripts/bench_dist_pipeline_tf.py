@@ -31,7 +31,11 @@ median of the per-round ratios):
      more: ``dualframe.tensorflow.split_backward``), and the micro-batches each holds at once.
   Part 1 also times GPipe with each micro-batch's weight gradient in its own backward (``W per
   micro-batch``, as before GPipe batched its W passes: ``pipeline_work.deferred_weights``), and prints
-  chunks=8 / that in the same rounds.
+  chunks=8 / that in the same rounds; and chunks=1 the same way (``chunks=1 one backward``: each stage
+  one tape backward, its input's gradient sent after its weights' as in torch's chunks=1, the
+  baseline when issue 16 was filed), with chunks=8 and 1F1B over it. The ``chunks=1`` baseline above
+  sends the input's gradient before the weights' (GPipe's split passes), so the last stage's W
+  overlaps the first stage's B even without micro-batches.
   ``--only-zb`` runs part 4 alone; ``--only-ratios`` part 1 alone (what bench_dist_pipeline_launchers.py reads).
 """
 import argparse
@@ -142,7 +146,8 @@ def main() -> None:
     # its speed per row at 256 rows where TensorFlow's kernels slow down.
     configs = {"chunks=1": ours(model, 1, jit_compile=False)[1], "chunks=8": ours(model, 8)[1],
                "chunks=8 1f1b": ours(model, 8, "1f1b")[1], "chunks=8 no XLA": ours(model, 8, jit_compile=False)[1],
-               "chunks=1 XLA": naive_step, "chunks=8 W per micro-batch": ours(model, 8, batch_weights=False)[1]}
+               "chunks=1 XLA": naive_step, "chunks=8 W per micro-batch": ours(model, 8, batch_weights=False)[1],
+               "chunks=1 one backward": ours(model, 1, jit_compile=False, batch_weights=False)[1]}
     if transport != "horovod":  # point-to-point: the same pipelines with Horovod broadcasts, side by side
         configs["chunks=1 Horovod broadcasts"] = ours(model, 1, transport="horovod", jit_compile=False)[1]
         configs["chunks=8 Horovod broadcasts"] = ours(model, 8, transport="horovod")[1]
@@ -154,6 +159,8 @@ def main() -> None:
     report = [ratio_line(f"{name} / chunks=1", times["chunks=1"], times[name]) for name in list(configs)[1:6]]
     report.append(ratio_line("chunks=8 / chunks=8 W per micro-batch", times["chunks=8 W per micro-batch"],
                              times["chunks=8"]))
+    for name in ("chunks=8", "chunks=8 1f1b"):
+        report.append(ratio_line(f"{name} / chunks=1 one backward", times["chunks=1 one backward"], times[name]))
     if "chunks=8 Horovod broadcasts" in times:
         report.append(ratio_line("chunks=8 / chunks=1, Horovod broadcasts", times["chunks=1 Horovod broadcasts"],
                                  times["chunks=8 Horovod broadcasts"]))
