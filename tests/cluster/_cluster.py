@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import pathlib
-import signal
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 import pytest
 
 from dualframe.launch.commands import thread_env
+from tests.parallel.jobs import run_bounded  # the repository root is on sys.path (PYTHONPATH, or python -m pytest)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "cluster.sh"
@@ -64,15 +64,9 @@ def exported(env: Mapping[str, str]) -> List[str]:
 
 def on_node(node: str, command: Sequence[str], env: Mapping[str, str], timeout: float) -> Tuple[int, str, float]:
     """Run ``command`` on ``node`` (scripts/cluster.sh exec); return (exit status, output, end time)."""
-    process = subprocess.Popen(["bash", str(SCRIPT), "exec", node, *command], cwd=ROOT, env=dict(env),
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"{' '.join(command[:8])} ... on {node} hung past {timeout:.0f} s:\n{output[-6000:]}")
-    return process.returncode, output, time.time()
+    code, output = run_bounded(["bash", str(SCRIPT), "exec", node, *command], env, ROOT, timeout,
+                               f"{' '.join(command[:8])} ... on {node}")
+    return code, output, time.time()
 
 
 def pytest_program(worker: pathlib.Path, timeout: int) -> List[str]:

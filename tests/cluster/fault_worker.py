@@ -9,15 +9,12 @@ import torch
 import torch.nn as nn
 
 import dualframe.torch as hvd
+from tests.parallel.torch_cases import small_data_parallel  # PYTHONPATH: the repo root
 
 
 def main() -> None:
     hvd.init()
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
-                                         named_parameters=model.named_parameters())
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    model, optimizer = small_data_parallel(lr=0.01)
     x, y = torch.randn(8, 4), torch.randn(8, 1)
     for step in range(100000):  # about 80 minutes: the test ends it long before
         optimizer.zero_grad()

@@ -19,6 +19,7 @@ import dualframe.torch as hvd
 from dualframe.launch.topology import detect
 from dualframe.pipeline.layout import pipeline_process_sets
 from dualframe.torch.distributed_pipeline import DistributedPipeline
+from tests.parallel.torch_cases import pipeline_batches, pipeline_model, pipeline_reference  # PYTHONPATH: the repo root
 
 TOPOLOGY = detect()  # read at collection, before init: every rank decides the same skips
 NODES = int(os.environ.get("DUALFRAME_TEST_NODES", "2"))
@@ -87,30 +88,6 @@ def test_data_parallel_equals_one_process():
         torch.testing.assert_close(value, expected, atol=TOL, rtol=TOL)
 
 
-def pipeline_model():
-    torch.manual_seed(7)
-    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
-
-
-def pipeline_data(rows):
-    generator = torch.Generator().manual_seed(11)
-    return [(torch.randn(rows, 6, generator=generator), torch.randn(rows, 3, generator=generator))
-            for _ in range(STEPS)]
-
-
-def reference_run(model, data):
-    model = copy.deepcopy(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    losses = []
-    for x, y in data:
-        optimizer.zero_grad()
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses, model.state_dict()
-
-
 TRANSPORTS = ["horovod"] if GLOO else ["mpi", "horovod"]
 
 
@@ -121,8 +98,8 @@ def test_pipeline_stages_on_different_nodes_equal_one_process(transport, schedul
     names = hosts()
     assert names[0] != names[1], f"both stages on {names[0]}"
     monkeypatch.setenv("DUALFRAME_PIPELINE_TRANSPORT", transport)
-    model, data = pipeline_model(), pipeline_data(10)
-    losses, state = reference_run(model, data)
+    model, data = pipeline_model(), pipeline_batches(10)
+    losses, state = pipeline_reference(model, data)
     pipe = DistributedPipeline(copy.deepcopy(model), balance=[3, 2], chunks=4, schedule=schedule, loss_fn=nn.MSELoss(),
                                timeout=PEER_TIMEOUT)
     assert (pipe.direct is not None) is (transport == "mpi")
@@ -151,8 +128,8 @@ def test_hybrid_two_replicas_by_two_stages_equals_one_process(schedule):
         assert where[0, 0] == where[0, 1] != where[1, 0] == where[1, 1], where
     else:  # a stage's replicas share a node; every activation crosses nodes
         assert where[0, 0] == where[1, 0] != where[0, 1] == where[1, 1], where
-    data = pipeline_data(16)
-    losses, state = reference_run(pipeline_model(), data)
+    data = pipeline_batches(16)
+    losses, state = pipeline_reference(pipeline_model(), data)
     optimizer = pipe.distributed_optimizer(torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9))
     for step, (x, y) in enumerate(data):
         shard = slice(pipe.replica * 8, (pipe.replica + 1) * 8)

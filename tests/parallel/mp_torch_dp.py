@@ -13,6 +13,7 @@ import dualframe
 import dualframe.torch as hvd
 import dualframe.torch.sharded_optimizer as shard_module
 from dualframe.errors import NotInitializedError, StrategyError
+from torch_cases import make_residual  # tests/parallel is on sys.path (pytest rootdir import)
 
 LAUNCHER = os.environ.get("DUALFRAME_TEST_LAUNCHER", "")
 TOL = 1e-5
@@ -66,9 +67,9 @@ def mse(model, x, y):
     return ((model(x) - y) ** 2).mean()
 
 
-def start_distributed(make_optimizer, batch_norm=None, **wrap):
+def start_distributed(make_optimizer, batch_norm=None, build=None, **wrap):
     """Rank r builds a different model (seed r); broadcasting rank 0's makes them equal."""
-    model = make_model(hvd.rank(), batch_norm)
+    model = build(hvd.rank()) if build else make_model(hvd.rank(), batch_norm)
     optimizer = hvd.DistributedOptimizer(make_optimizer(model), named_parameters=model.named_parameters(), **wrap)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     return model, optimizer
@@ -92,13 +93,15 @@ def assert_same_everywhere(model, reference, tol=TOL):
             f"{name} off the one-process reference by {(value.float() - expected.float()).abs().max():.3g}")
 
 
-def train_distributed(model, optimizer, data, passes=1):
+def train_distributed(model, optimizer, data, passes=1, scheduler=None):
     for x, y in data:
         optimizer.zero_grad()
         x_local, y_local = hvd.shard_batch(x), hvd.shard_batch(y)
         for xp, yp in zip(x_local.chunk(passes), y_local.chunk(passes)):
             (mse(model, xp, yp) / passes).backward()
         optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
 
 
 def sgd(model):
@@ -307,28 +310,15 @@ def test_collectives_and_objects():
 
 
 # --- Sharded optimizer (ZeRO-1/2): equal to plain data parallelism, 1/N of the state per rank ------------------
-class Residual(nn.Module):
-    """A small residual net with a LayerNorm: several tensors of several shapes per bucket."""
-
-    def __init__(self):
-        super().__init__()
-        self.inp, self.block, self.norm, self.out = nn.Linear(6, 8), nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 3)
-
-    def forward(self, x):
-        h = torch.tanh(self.inp(x))
-        return self.out(self.norm(h + torch.tanh(self.block(h))))
-
-
-def make_residual(seed):
-    torch.manual_seed(seed)
-    return Residual()
-
-
 SHARD_OPTIMIZERS = {
     "sgd-momentum": sgd,
     "adam": lambda m: torch.optim.Adam(m.parameters(), lr=0.01),
     "adamw-decay": lambda m: torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.1),
 }
+
+
+def step_lr(optimizer):
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
 
 
 def state_bytes(optimizer):
@@ -337,25 +327,15 @@ def state_bytes(optimizer):
 
 
 def train_sharded(make_optimizer, data, passes=1, build=make_residual, schedule=False, **wrap):
-    model = build(hvd.rank())
-    optimizer = hvd.DistributedOptimizer(make_optimizer(model), named_parameters=model.named_parameters(), **wrap)
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5) if schedule else None
-    for x, y in data:
-        optimizer.zero_grad()
-        x_local, y_local = hvd.shard_batch(x), hvd.shard_batch(y)
-        for xp, yp in zip(x_local.chunk(passes), y_local.chunk(passes)):
-            (mse(model, xp, yp) / passes).backward()
-        optimizer.step()
-        if scheduler is not None:
-            scheduler.step()
+    model, optimizer = start_distributed(make_optimizer, build=build, **wrap)
+    train_distributed(model, optimizer, data, passes, step_lr(optimizer) if schedule else None)
     return model, optimizer
 
 
 def train_plain(make_optimizer, data, build=make_residual, schedule=False):
     model = build(0)
     optimizer = make_optimizer(model)
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5) if schedule else None
+    scheduler = step_lr(optimizer) if schedule else None
     for x, y in data:
         optimizer.zero_grad()
         mse(model, x, y).backward()

@@ -10,33 +10,13 @@ from torch import nn
 import dualframe.torch as hvd
 from dualframe.errors import BalanceError, ChunksError, ScheduleError, StrategyError
 from dualframe.torch.distributed_pipeline import DistributedPipeline
+from torch_cases import pipeline_batches, pipeline_model, pipeline_reference  # tests/parallel is on sys.path
 
 STEPS, BATCH, CHUNKS = 4, 10, 4  # micro-batches of 3, 3, 2, 2 rows
 
 
-def make_model():
-    torch.manual_seed(7)
-    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
-
-
 def batches():
-    generator = torch.Generator().manual_seed(11)
-    return [(torch.randn(BATCH, 6, generator=generator), torch.randn(BATCH, 3, generator=generator))
-            for _ in range(STEPS)]
-
-
-def reference(model, data):
-    """One process trains the whole model on the same batches: losses and final state_dict."""
-    model = copy.deepcopy(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    losses = []
-    for x, y in data:
-        optimizer.zero_grad()
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses, model.state_dict()
+    return pipeline_batches(BATCH, STEPS)  # the same seeds as the cluster's pipeline test
 
 
 def merged_state_dict(pipe):
@@ -54,21 +34,21 @@ def started():
 
 def test_bad_input_is_refused_on_every_rank_before_communication():
     with pytest.raises(BalanceError, match=r"balance must sum to the number of layers \(balance: \[2, 2\] = 2 \+ 2 = 4, layers: 5\)"):
-        DistributedPipeline(make_model(), [2, 2], chunks=2, loss_fn=nn.MSELoss())
+        DistributedPipeline(pipeline_model(), [2, 2], chunks=2, loss_fn=nn.MSELoss())
     with pytest.raises(StrategyError, match=r"multiple of the number of stages \(processes: 2, stages: 3\)"):
-        DistributedPipeline(make_model(), [2, 2, 1], chunks=2, loss_fn=nn.MSELoss())
+        DistributedPipeline(pipeline_model(), [2, 2, 1], chunks=2, loss_fn=nn.MSELoss())
     with pytest.raises(ChunksError, match=r"chunks must be an int >= 1 \(chunks: 0\)"):
-        DistributedPipeline(make_model(), [3, 2], chunks=0, loss_fn=nn.MSELoss())
+        DistributedPipeline(pipeline_model(), [3, 2], chunks=0, loss_fn=nn.MSELoss())
     with pytest.raises(ScheduleError, match=r"unknown schedule 'zigzag'; choose one of gpipe, 1f1b"):
-        DistributedPipeline(make_model(), [3, 2], chunks=2, schedule="zigzag", loss_fn=nn.MSELoss())
+        DistributedPipeline(pipeline_model(), [3, 2], chunks=2, schedule="zigzag", loss_fn=nn.MSELoss())
     with pytest.raises(StrategyError, match=r"data_parallel x stages must equal the number of processes \(data_parallel: 2"):
-        DistributedPipeline(make_model(), [3, 2], chunks=2, loss_fn=nn.MSELoss(), data_parallel=2)
+        DistributedPipeline(pipeline_model(), [3, 2], chunks=2, loss_fn=nn.MSELoss(), data_parallel=2)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
 def test_training_equals_one_process(schedule):
-    model, data = make_model(), batches()
-    expected_losses, expected_state = reference(model, data)
+    model, data = pipeline_model(), batches()
+    expected_losses, expected_state = pipeline_reference(model, data)
     pipe = DistributedPipeline(copy.deepcopy(model), balance=[3, 2], chunks=CHUNKS, schedule=schedule,
                                loss_fn=nn.MSELoss())
     assert [name for name, _ in pipe.named_parameters()] == (["0.weight", "0.bias", "2.weight", "2.bias"]
@@ -91,7 +71,7 @@ def test_1f1b_and_zb_h1_keep_fewer_activations_alive_than_gpipe():
     x, y = torch.randn(64, 6), torch.randn(64, 3)
     peaks = {}
     for schedule in ("gpipe", "1f1b", "zb-h1"):
-        pipe = DistributedPipeline(make_model(), balance=[3, 2], chunks=8, schedule=schedule, loss_fn=nn.MSELoss())
+        pipe = DistributedPipeline(pipeline_model(), balance=[3, 2], chunks=8, schedule=schedule, loss_fn=nn.MSELoss())
         pipe.train_step(x, y)
         peaks[schedule] = pipe.meter.peak_bytes
         assert pipe.meter.live_bytes == 0
@@ -101,7 +81,7 @@ def test_1f1b_and_zb_h1_keep_fewer_activations_alive_than_gpipe():
 
 
 def test_inference_forward_equals_the_whole_model():
-    model = make_model()
+    model = pipeline_model()
     pipe = DistributedPipeline(copy.deepcopy(model), balance=[3, 2], chunks=3, loss_fn=nn.MSELoss())
     x = torch.randn(7, 6)
     with torch.no_grad():
@@ -114,7 +94,7 @@ def test_inference_forward_equals_the_whole_model():
 
 
 def test_load_state_dict_takes_this_stage_part_of_the_full_dict():
-    pipe = DistributedPipeline(make_model(), balance=[3, 2], chunks=2, loss_fn=nn.MSELoss())
+    pipe = DistributedPipeline(pipeline_model(), balance=[3, 2], chunks=2, loss_fn=nn.MSELoss())
     torch.manual_seed(99)
     other = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
     pipe.load_state_dict(other.state_dict())
@@ -124,7 +104,7 @@ def test_load_state_dict_takes_this_stage_part_of_the_full_dict():
 
 
 def test_bad_batches_are_refused_on_every_rank():
-    pipe = DistributedPipeline(make_model(), balance=[3, 2], chunks=4, loss_fn=nn.MSELoss())
+    pipe = DistributedPipeline(pipeline_model(), balance=[3, 2], chunks=4, loss_fn=nn.MSELoss())
     with pytest.raises(ChunksError, match=r"the batch is smaller than chunks \(batch: 3, chunks: 4\)"):
         pipe.train_step(torch.randn(3, 6), torch.randn(3, 3))
     with pytest.raises(StrategyError, match=r"the first stage of the pipeline got inputs=None"):
@@ -147,7 +127,7 @@ def test_mpi_waits_yield_the_core_unless_the_launch_said_otherwise():
 def test_messages_go_over_mpi_under_mpi_and_over_zeromq_under_gloo():
     # mpirun: Horovod on MPI, so activations and gradients go rank to rank over mpi4py; horovodrun
     # --gloo: no MPI world, so over ZeroMQ (the training tests above ran that way).
-    pipe = DistributedPipeline(make_model(), [3, 2], chunks=2, loss_fn=nn.MSELoss())
+    pipe = DistributedPipeline(pipeline_model(), [3, 2], chunks=2, loss_fn=nn.MSELoss())
     gloo = "HOROVOD_GLOO_RENDEZVOUS_ADDR" in os.environ
     assert horovod.mpi_enabled() is not gloo
     assert pipe.transport == ("zmq" if gloo else "mpi") and pipe.direct is not None
@@ -157,8 +137,8 @@ def test_messages_go_over_mpi_under_mpi_and_over_zeromq_under_gloo():
 def test_every_transport_asked_for_trains_as_one_process(transport, by_argument, monkeypatch):
     # Asked by the variable, or by transport= against a variable saying otherwise: the argument wins.
     monkeypatch.setenv("DUALFRAME_PIPELINE_TRANSPORT", "horovod" if by_argument else transport)
-    model, data = make_model(), batches()[:2]
-    expected_losses, _ = reference(model, data)
+    model, data = pipeline_model(), batches()[:2]
+    expected_losses, _ = pipeline_reference(model, data)
     pipe = DistributedPipeline(copy.deepcopy(model), [3, 2], chunks=CHUNKS, schedule="1f1b", loss_fn=nn.MSELoss(),
                                transport=transport if by_argument else None)
     assert pipe.transport == transport
@@ -174,12 +154,12 @@ def test_asking_for_mpi_point_to_point_where_there_is_none_is_refused_on_every_r
     if "HOROVOD_GLOO_RENDEZVOUS_ADDR" in os.environ:
         with pytest.raises(StrategyError, match=r"=mpi needs mpi point-to-point on every rank \(2 of 2 lack it; "
                                                 r"here: Horovod runs on Gloo"):
-            DistributedPipeline(make_model(), [3, 2], chunks=2, loss_fn=nn.MSELoss())
+            DistributedPipeline(pipeline_model(), [3, 2], chunks=2, loss_fn=nn.MSELoss())
     else:
-        assert DistributedPipeline(make_model(), [3, 2], chunks=2, loss_fn=nn.MSELoss()).transport == "mpi"
+        assert DistributedPipeline(pipeline_model(), [3, 2], chunks=2, loss_fn=nn.MSELoss()).transport == "mpi"
     monkeypatch.setenv("DUALFRAME_PIPELINE_TRANSPORT", "horovod")
-    assert DistributedPipeline(make_model(), [3, 2], chunks=2, loss_fn=nn.MSELoss()).direct is None
+    assert DistributedPipeline(pipeline_model(), [3, 2], chunks=2, loss_fn=nn.MSELoss()).direct is None
     # A bad transport= is refused on every rank before any communication (so no rank waits on the others).
     with pytest.raises(StrategyError, match=r"transport must be one of auto, mpi, zmq, horovod, or None to read "
                                             r"DUALFRAME_PIPELINE_TRANSPORT \(transport: 'nccl'\)"):
-        DistributedPipeline(make_model(), [3, 2], chunks=2, loss_fn=nn.MSELoss(), transport="nccl")
+        DistributedPipeline(pipeline_model(), [3, 2], chunks=2, loss_fn=nn.MSELoss(), transport="nccl")

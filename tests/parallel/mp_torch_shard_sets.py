@@ -6,10 +6,10 @@ Every rank runs every test; each compares with a one-process reference computed 
 # launchers: mpirun
 import pytest
 import torch
-import torch.nn as nn
 
 import dualframe.torch as hvd
 import dualframe.torch.sharded_optimizer as shard_module
+from torch_cases import make_residual  # tests/parallel is on sys.path (pytest rootdir import)
 
 TOL = 1e-5
 PAIRS = [hvd.ProcessSet([0, 1]), hvd.ProcessSet([2, 3])]
@@ -19,21 +19,6 @@ PAIRS = [hvd.ProcessSet([0, 1]), hvd.ProcessSet([2, 3])]
 def started():
     hvd.init(process_sets=PAIRS)
     assert hvd.size() == 4
-
-
-class Residual(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.inp, self.block, self.norm, self.out = nn.Linear(6, 8), nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 3)
-
-    def forward(self, x):
-        h = torch.tanh(self.inp(x))
-        return self.out(self.norm(h + torch.tanh(self.block(h))))
-
-
-def make(seed):
-    torch.manual_seed(seed)
-    return Residual()
 
 
 def adamw(model):
@@ -46,7 +31,7 @@ def batches(seed, steps=4, rows=8):
 
 
 def reference(data):
-    model = make(0)
+    model = make_residual(0)
     optimizer = adamw(model)
     for x, y in data:
         optimizer.zero_grad()
@@ -56,7 +41,7 @@ def reference(data):
 
 
 def train(data, process_set, shard):
-    model = make(hvd.rank())
+    model = make_residual(hvd.rank())
     optimizer = hvd.DistributedOptimizer(adamw(model), model.named_parameters(), shard=shard, process_set=process_set)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)  # the same start on all 4 ranks
     n, r = process_set.size(), process_set.rank()

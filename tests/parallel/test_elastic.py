@@ -10,13 +10,12 @@ from __future__ import annotations
 import os
 import pathlib
 import re
-import signal
-import subprocess
 import sys
 
 import pytest
 
 from dualframe.launch.run import plan_launch
+from jobs import run_bounded  # tests/parallel is on sys.path (pytest rootdir import)
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -33,15 +32,8 @@ def run_elastic(np: int, program: "list[str]", discovery: pathlib.Path) -> str:
     # A worker stuck in a collective ends the job after 90 s instead of waiting for the timeout.
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="2",
                DUALFRAME_STALL_TIMEOUT="90", PATH=f"{bindir}:{os.environ['PATH']}", **job.env)
-    process = subprocess.Popen(job.command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"elastic horovodrun hung past {TIMEOUT_S} s:\n{output[-6000:]}")
-    assert process.returncode == 0, f"the elastic job failed:\n{output[-6000:]}"
+    code, output = run_bounded(job.command, env, ROOT, TIMEOUT_S, "elastic horovodrun")
+    assert code == 0, f"the elastic job failed:\n{output[-6000:]}"
     return output
 
 

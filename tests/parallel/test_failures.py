@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import pathlib
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from typing import Dict, List, Optional
 import pytest
 
 from dualframe.launch.commands import horovodrun_command, mpirun_command, thread_env
+from jobs import run_bounded  # tests/parallel is on sys.path (pytest rootdir import)
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -49,18 +49,11 @@ def launch(launcher: str, program: List[str], extra_env: Optional[Dict[str, str]
         command = mpirun_command(2, program, oversubscribe=True, export=(
             "PATH", "PYTHONPATH", "PYTHONUNBUFFERED", "TF_CPP_MIN_LOG_LEVEL", *env.keys() & {
                 *thread_env(1), *(extra_env or {})}))
-    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"{launcher} {program[-4:]} hung past {timeout}s:\n{output[-6000:]}")
+    code, output = run_bounded(command, env, ROOT, timeout, f"{launcher} {program[-4:]}")
     end = time.time()
     match = re.search(r"dualframe-test: fault \w+ at ([\d.]+)", output)
     assert match, f"the fault was never injected:\n{output[-6000:]}"
-    return process.returncode, output, end - float(match.group(1))
+    return code, output, end - float(match.group(1))
 
 
 def check(launcher: str, script: str, fault: str, expected: List[str], env: Optional[Dict[str, str]] = None) -> None:

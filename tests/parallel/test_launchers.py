@@ -10,13 +10,12 @@ from __future__ import annotations
 import os
 import pathlib
 import re
-import signal
-import subprocess
 import sys
 
 import pytest
 
 from dualframe.launch.commands import find_executable, horovodrun_command, mpirun_command, thread_env
+from jobs import run_bounded  # tests/parallel is on sys.path (pytest rootdir import)
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -57,13 +56,7 @@ def test_worker_file(worker: pathlib.Path, launcher: str) -> None:
     env = dict(os.environ, PYTHONUNBUFFERED="1", DUALFRAME_TEST_LAUNCHER=launcher, TF_CPP_MIN_LOG_LEVEL="2",
                PATH=f"{pathlib.Path(sys.executable).parent}:{os.environ['PATH']}",
                PYTHONPATH=str(ROOT), **thread_env(np, cores=np))
-    process = subprocess.Popen(_command(launcher, np, program), cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=timeout + 60)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"{launcher} -np {np} {worker.name} hung past {timeout + 60}s:\n{output[-6000:]}")
-    assert process.returncode == 0, f"{launcher} -np {np} {worker.name} exited {process.returncode}:\n{output[-8000:]}"
+    code, output = run_bounded(_command(launcher, np, program), env, ROOT, timeout + 60,
+                               f"{launcher} -np {np} {worker.name}")
+    assert code == 0, f"{launcher} -np {np} {worker.name} exited {code}:\n{output[-8000:]}"
     assert re.search(r"\d+ passed", output), f"no test passed in {worker.name}:\n{output[-4000:]}"

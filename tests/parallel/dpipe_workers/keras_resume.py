@@ -9,7 +9,6 @@ pipeline) and compare with the straight run and one process. Dropout's seed gene
 variable), data drawn from numpy's global stream and SGD momentum make every part of the state matter.
 Started by tests/parallel/test_dpipe_resume.py; not a pytest module.
 """
-import argparse
 import json
 import os
 import signal
@@ -21,6 +20,7 @@ import tensorflow as tf
 
 import dualframe.tensorflow as hvd
 from dualframe.tensorflow.keras import load_checkpoint
+from tests.parallel.resume_phases import run_phase  # PYTHONPATH: the repo root
 
 STEPS, KILL_AFTER, BATCH, CHUNKS, TOL = 10, 5, 8, 4, 1e-6
 
@@ -135,14 +135,5 @@ def resume(args):
     hvd.broadcast(tf.zeros([1]), 0, name="done")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--phase", choices=("crash", "resume"), required=True)
-    parser.add_argument("--dir", required=True)
-    args = parser.parse_args()
-    hvd.init()
-    crash(args) if args.phase == "crash" else resume(args)
-
-
 if __name__ == "__main__":
-    main()
+    run_phase(hvd.init, crash, resume)

@@ -8,7 +8,6 @@ checkpoint and compare it with the straight run and with one process training th
 Dropout in stage 0 (rank 0's own RNG stream) and SGD momentum make the RNG and optimizer state matter.
 Started by tests/parallel/test_dpipe_resume.py; not a pytest module.
 """
-import argparse
 import json
 import os
 import signal
@@ -18,6 +17,7 @@ import torch
 from torch import nn
 
 import dualframe.torch as hvd
+from tests.parallel.resume_phases import run_phase  # PYTHONPATH: the repo root
 
 STEPS, KILL_AFTER, BATCH, CHUNKS, TOL = 10, 5, 8, 4, 1e-6
 
@@ -134,14 +134,5 @@ def check_merged(folder, ckpt, merged, straight_losses):
     assert max(abs(a - b) for a, b in zip(losses, straight_losses)) <= 1e-5, (losses, straight_losses)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--phase", choices=("crash", "resume"), required=True)
-    parser.add_argument("--dir", required=True)
-    args = parser.parse_args()
-    hvd.init()
-    crash(args) if args.phase == "crash" else resume(args)
-
-
 if __name__ == "__main__":
-    main()
+    run_phase(hvd.init, crash, resume)

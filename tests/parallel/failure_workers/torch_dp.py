@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 import dualframe.torch as hvd
+from tests.parallel.torch_cases import small_data_parallel  # PYTHONPATH: the repo root
 
 
 def inject(fault: str) -> None:
@@ -46,11 +47,7 @@ def main() -> None:
     parser.add_argument("--step", type=int, default=3)
     args = parser.parse_args()
     hvd.init()
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                         named_parameters=model.named_parameters())
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    model, optimizer = small_data_parallel(lr=0.1)
     for step in range(200):
         if step == args.step:
             if hvd.rank() == args.rank:

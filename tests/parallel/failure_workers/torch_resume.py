@@ -5,7 +5,6 @@ the same seeds, checkpointing every step, and SIGKILL rank 1 after the checkpoin
 ``--phase resume``: load the newest checkpoint, train to step 10, compare with ``straight.pt``.
 Dropout, per-rank random data and SGD momentum make the RNG and optimizer state matter.
 """
-import argparse
 import os
 import signal
 import time
@@ -14,6 +13,7 @@ import torch
 import torch.nn as nn
 
 import dualframe.torch as hvd
+from tests.parallel.resume_phases import run_phase  # PYTHONPATH: the repo root
 
 STEPS, KILL_AFTER = 10, 5
 
@@ -37,29 +37,26 @@ def train(model, optimizer, start, stop, on_step=None):
             on_step(step)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--phase", choices=("crash", "resume"), required=True)
-    parser.add_argument("--dir", required=True)
-    args = parser.parse_args()
-    hvd.init()
-    straight = os.path.join(args.dir, "straight.pt")
-    ckpt = os.path.join(args.dir, "ckpt")
-    if args.phase == "crash":
-        model, optimizer = fresh()
-        train(model, optimizer, 0, STEPS)
-        if hvd.rank() == 0:
-            torch.save(model.state_dict(), straight)
-        model, optimizer = fresh()
+def crash(args) -> None:
+    model, optimizer = fresh()
+    train(model, optimizer, 0, STEPS)
+    if hvd.rank() == 0:
+        torch.save(model.state_dict(), os.path.join(args.dir, "straight.pt"))
+    model, optimizer = fresh()
 
-        def save(step):
-            hvd.save_checkpoint(ckpt, model, optimizer, step=step, data_position={"next_step": step + 1}, keep=2)
-            if step + 1 == KILL_AFTER and hvd.rank() == 1:
-                print(f"dualframe-test: fault kill at {time.time():.3f}", flush=True)
-                os.kill(os.getpid(), signal.SIGKILL)
+    def save(step):
+        hvd.save_checkpoint(os.path.join(args.dir, "ckpt"), model, optimizer, step=step,
+                            data_position={"next_step": step + 1}, keep=2)
+        if step + 1 == KILL_AFTER and hvd.rank() == 1:
+            print(f"dualframe-test: fault kill at {time.time():.3f}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
 
-        train(model, optimizer, 0, STEPS, save)
-        raise AssertionError("rank 1 should have been killed")
+    train(model, optimizer, 0, STEPS, save)
+    raise AssertionError("rank 1 should have been killed")
+
+
+def resume(args) -> None:
+    straight, ckpt = os.path.join(args.dir, "straight.pt"), os.path.join(args.dir, "ckpt")
     model, optimizer = fresh()
     torch.manual_seed(999)  # a different stream: the checkpoint must restore the saved one
     state = hvd.load_checkpoint(ckpt, model, optimizer)
@@ -75,4 +72,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_phase(hvd.init, crash, resume)

@@ -1,0 +1,65 @@
+"""Models, data and one-process references that the torch worker files share (tests/parallel, tests/cluster).
+
+Not a worker itself (its name does not start with ``mp_``, so test_launchers.py does not launch it).
+Files in tests/parallel import it by its bare name (pytest puts their folder on sys.path); files
+elsewhere as ``tests.parallel.torch_cases`` (every launch sets PYTHONPATH to the repository root).
+"""
+import copy
+
+import torch
+from torch import nn
+
+import dualframe.torch as hvd
+
+
+class Residual(nn.Module):
+    """A small residual net with a LayerNorm: several tensors of several shapes per sharded-optimizer bucket."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.block, self.norm, self.out = nn.Linear(6, 8), nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        return self.out(self.norm(h + torch.tanh(self.block(h))))
+
+
+def make_residual(seed):
+    torch.manual_seed(seed)
+    return Residual()
+
+
+def small_data_parallel(lr):
+    """A 4-8-1 MLP (seed 0) under a DistributedOptimizer(SGD(lr)), rank 0's weights broadcast: the fault workers' job."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr),
+                                         named_parameters=model.named_parameters())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    return model, optimizer
+
+
+# --- The two-stage pipeline of the DistributedPipeline workers: balance [3, 2] of this model ----------------------
+def pipeline_model():
+    torch.manual_seed(7)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def pipeline_batches(rows, steps=4):
+    generator = torch.Generator().manual_seed(11)
+    return [(torch.randn(rows, 6, generator=generator), torch.randn(rows, 3, generator=generator))
+            for _ in range(steps)]
+
+
+def pipeline_reference(model, data):
+    """One process trains (a copy of) the whole model on the same batches: losses and final state_dict."""
+    model = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for x, y in data:
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, model.state_dict()
