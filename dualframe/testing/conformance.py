@@ -6,12 +6,15 @@ executable form: both adapters' tests run it (``tests/torch/test_conformance.py`
 It never imports a framework: tensors are made and read through the backend's own ``Wire``.
 Every check works for any job size (one process in the unit tests).
 
+An adapter's test file runs it under pytest by subclassing ``ConformanceTests`` (one test per check).
+
 Example:
     >>> from dualframe.torch.backend import BACKEND                  # doctest: +SKIP
     >>> for check in CHECKS: check(BACKEND, "/tmp/conformance")      # doctest: +SKIP
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -231,3 +234,60 @@ def check_backend(backend: "Backend[Any]", directory: str, probe: Optional[Any] 
         check(backend, directory)
     if probe is not None:
         check_plan_probe(probe)
+
+
+class _DoublingBatches:
+    """The backend's BatchOps with a wrong ``concat`` (every part twice): a wrong number the suite must catch."""
+
+    def __init__(self, batches: "BatchOps[Any]") -> None:
+        self.batches = batches
+
+    def split(self, batch: Any, sizes: Sequence[int]) -> List[Any]:
+        return self.batches.split(batch, sizes)
+
+    def concat(self, parts: Sequence[Any]) -> Any:
+        return self.batches.concat(list(parts) * 2)
+
+
+def check_suite_catches_a_wrong_number(backend: "Backend[Any]") -> None:
+    """The suite itself fails on ``backend`` with a wrong ``concat``, naming the check and the values."""
+    wrong = copy.copy(backend)
+    wrong.batches = _DoublingBatches(backend.batches)
+    try:
+        check_batches(wrong, "")
+    except AssertionError as error:
+        if "concat: expected [0.0, 1.0" not in str(error):
+            raise AssertionError(f"check_batches failed without naming concat and its values: {error}") from None
+        return
+    raise AssertionError("check_batches passed a backend whose concat returns every part twice")
+
+
+class ConformanceTests:
+    """The suite as pytest tests: an adapter's test file subclasses it as ``Test...``, naming backend and probe.
+
+    pytest collects one ``test_backend_conforms`` per entry of ``CHECKS`` (named after the check), the
+    plan probe's check, and the suite's check that it catches a wrong number. pytest is not imported:
+    ``pytest_generate_tests`` is pytest's hook by name, which pytest looks up on a test class too.
+
+    Example:
+        >>> import dualframe.torch.plan_probe as plan_probe              # doctest: +SKIP
+        >>> from dualframe.torch.backend import BACKEND                  # doctest: +SKIP
+        >>> class TestTorchBackend(ConformanceTests):                    # doctest: +SKIP
+        ...     backend, probe = BACKEND, plan_probe
+    """
+
+    backend: Any = None
+    probe: Any = None
+
+    def pytest_generate_tests(self, metafunc: Any) -> None:
+        if "check" in metafunc.fixturenames:
+            metafunc.parametrize("check", CHECKS, ids=[check.__name__ for check in CHECKS])
+
+    def test_backend_conforms(self, check: Callable[["Backend[Any]", str], None], tmp_path: Any) -> None:
+        check(self.backend, str(tmp_path))
+
+    def test_plan_probe_conforms(self) -> None:
+        check_plan_probe(self.probe)
+
+    def test_a_wrong_number_is_reported(self) -> None:
+        check_suite_catches_a_wrong_number(self.backend)
