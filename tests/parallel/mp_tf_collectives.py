@@ -3,14 +3,11 @@ import numpy as np
 import tensorflow as tf
 
 import dualframe.tensorflow as hvd
-from dualframe.launch.topology import detect
+from adapter_checks import check_topology_matches  # tests/parallel is on sys.path (pytest rootdir import)
 
 
 def test_topology_matches_horovod():
-    topo = detect()
-    hvd.init()
-    assert (hvd.rank(), hvd.size()) == (topo.rank, topo.size)
-    assert topo.size == 2
+    check_topology_matches(hvd, size=2)
 
 
 def test_allreduce_sum_and_average():
@@ -34,7 +31,6 @@ def test_backend_conformance_across_ranks(tmp_path):
     # The Backend conformance suite at size 2: collectives' numbers, the wire, bytes and the core's
     # stage-checkpoint procedure across ranks (point-to-point to itself under mpirun).
     from dualframe.tensorflow.backend import BACKEND
-    from dualframe.testing.conformance import CHECKS
+    from dualframe.testing.conformance import check_backend
 
-    for check in CHECKS:
-        check(BACKEND, str(tmp_path))
+    check_backend(BACKEND, str(tmp_path))
