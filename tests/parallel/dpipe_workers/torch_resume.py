@@ -10,14 +10,12 @@ Started by tests/parallel/test_dpipe_resume.py; not a pytest module.
 """
 import json
 import os
-import signal
-import time
 
 import torch
 from torch import nn
 
 import dualframe.torch as hvd
-from tests.parallel.resume_phases import run_phase  # PYTHONPATH: the repo root
+from tests.parallel.resume_phases import run_phase, save_stages_until_killed  # PYTHONPATH: the repo root
 
 STEPS, KILL_AFTER, BATCH, CHUNKS, TOL = 10, 5, 8, 4, 1e-6
 
@@ -79,15 +77,8 @@ def crash(args):
         with open(os.path.join(args.dir, "losses.json"), "w") as handle:
             json.dump(losses, handle)
     pipe, optimizer = fresh()
-    for step in range(STEPS):
-        loss = step_once(pipe, optimizer, step)
-        assert abs(loss - losses[step]) <= TOL, f"step {step}: loss {loss} != straight {losses[step]}"
-        hvd.save_stage_checkpoint(os.path.join(args.dir, "ckpt"), pipe, optimizer, step=step,
-                                  data_position={"next_step": step + 1}, keep=2)
-        if step + 1 == KILL_AFTER and pipe.stage_index == 1:
-            print(f"dualframe-test: fault kill at {time.time():.3f}", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
-    raise AssertionError("stage 1 should have been killed")
+    save_stages_until_killed(hvd, pipe, optimizer, lambda step: step_once(pipe, optimizer, step), losses, args.dir,
+                             KILL_AFTER, TOL)
 
 
 def resume(args):

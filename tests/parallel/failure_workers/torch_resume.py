@@ -6,14 +6,12 @@ the same seeds, checkpointing every step, and SIGKILL rank 1 after the checkpoin
 Dropout, per-rank random data and SGD momentum make the RNG and optimizer state matter.
 """
 import os
-import signal
-import time
 
 import torch
 import torch.nn as nn
 
 import dualframe.torch as hvd
-from tests.parallel.resume_phases import run_phase  # PYTHONPATH: the repo root
+from tests.parallel.resume_phases import kill_after_checkpoint, run_phase  # PYTHONPATH: the repo root
 
 STEPS, KILL_AFTER = 10, 5
 
@@ -47,9 +45,7 @@ def crash(args) -> None:
     def save(step):
         hvd.save_checkpoint(os.path.join(args.dir, "ckpt"), model, optimizer, step=step,
                             data_position={"next_step": step + 1}, keep=2)
-        if step + 1 == KILL_AFTER and hvd.rank() == 1:
-            print(f"dualframe-test: fault kill at {time.time():.3f}", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
+        kill_after_checkpoint(step, KILL_AFTER, victim=hvd.rank() == 1)
 
     train(model, optimizer, 0, STEPS, save)
     raise AssertionError("rank 1 should have been killed")
