@@ -8,6 +8,7 @@ job from. Framework-free (an adapter module is an argument); the workers, run as
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import time
@@ -39,6 +40,13 @@ def kill_after_checkpoint(step: int, kill_after: int, victim: bool) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def save_straight_losses(folder: str, losses: Sequence[float], writer: bool) -> None:
+    """Keep the straight run's losses for the resume phase (``writer``: the one rank that writes them)."""
+    if writer:
+        with open(os.path.join(folder, "losses.json"), "w") as handle:
+            json.dump(list(losses), handle)
+
+
 def save_stages_until_killed(adapter: Any, pipe: Any, optimizer: Any, step_once: Callable[[int], float],
                              straight_losses: Sequence[float], folder: str, kill_after: int, tol: float) -> None:
     """A process pipeline's crash phase, trained again from the straight run's start: each step's loss equals
@@ -51,3 +59,21 @@ def save_stages_until_killed(adapter: Any, pipe: Any, optimizer: Any, step_once:
                                       data_position={"next_step": step + 1}, keep=2)
         kill_after_checkpoint(step, kill_after, pipe.stage_index == 1)
     raise AssertionError("stage 1 should have been killed")
+
+
+def resume_stages(adapter: Any, pipe: Any, optimizer: Any, step_once: Callable[[int], float], folder: str,
+                  kill_after: int, steps: int, tol: float) -> List[float]:
+    """A process pipeline's resume phase up to the comparisons of weights: load every stage's part of the
+    checkpoint of step ``kill_after - 1``, train the remaining steps, each loss equal to the straight run's.
+
+    Returns the straight run's losses (``save_straight_losses``).
+    """
+    state = adapter.load_stage_checkpoint(os.path.join(folder, "ckpt"), pipe, optimizer)
+    assert state is not None and state.step == kill_after - 1, state
+    assert state.data_position == {"next_step": kill_after}, state
+    with open(os.path.join(folder, "losses.json")) as handle:
+        straight_losses: List[float] = json.load(handle)
+    for step in range(kill_after, steps):
+        loss = step_once(step)
+        assert abs(loss - straight_losses[step]) <= tol, f"step {step}: loss {loss} != straight {straight_losses[step]}"
+    return straight_losses

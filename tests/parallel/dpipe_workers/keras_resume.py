@@ -9,7 +9,6 @@ pipeline) and compare with the straight run and one process. Dropout's seed gene
 variable), data drawn from numpy's global stream and SGD momentum make every part of the state matter.
 Started by tests/parallel/test_dpipe_resume.py; not a pytest module.
 """
-import json
 import os
 
 import keras
@@ -18,7 +17,8 @@ import tensorflow as tf
 
 import dualframe.tensorflow as hvd
 from dualframe.tensorflow.keras import load_checkpoint
-from tests.parallel.resume_phases import run_phase, save_stages_until_killed  # PYTHONPATH: the repo root
+# PYTHONPATH is the repository root (every launch sets it): tests.parallel imports from this folder too.
+from tests.parallel.resume_phases import resume_stages, run_phase, save_stages_until_killed, save_straight_losses
 
 STEPS, KILL_AFTER, BATCH, CHUNKS, TOL = 10, 5, 8, 4, 1e-6
 
@@ -80,9 +80,7 @@ def crash(args):
     pipe, optimizer = fresh()
     losses = [step_once(pipe, optimizer) for _ in range(STEPS)]
     np.savez(os.path.join(args.dir, f"straight-{pipe.stage_index}.npz"), *stage_values(pipe))
-    if hvd.rank() == 0:
-        with open(os.path.join(args.dir, "losses.json"), "w") as handle:
-            json.dump(losses, handle)
+    save_straight_losses(args.dir, losses, writer=hvd.rank() == 0)
     pipe, optimizer = fresh()
     save_stages_until_killed(hvd, pipe, optimizer, lambda step: step_once(pipe, optimizer), losses, args.dir,
                              KILL_AFTER, TOL)
@@ -97,14 +95,8 @@ def resume(args):
     ckpt, merged = os.path.join(args.dir, "ckpt"), os.path.join(args.dir, "full.npz")
     pipe, optimizer = fresh()
     np.random.seed(999)  # another stream: the checkpoint must restore the saved one
-    state = hvd.load_stage_checkpoint(ckpt, pipe, optimizer)
-    assert state is not None and state.step == KILL_AFTER - 1, state
-    assert state.data_position == {"next_step": KILL_AFTER}, state
-    with open(os.path.join(args.dir, "losses.json")) as handle:
-        straight_losses = json.load(handle)
-    for step in range(KILL_AFTER, STEPS):
-        loss = step_once(pipe, optimizer)
-        assert abs(loss - straight_losses[step]) <= TOL, f"step {step}: loss {loss} != straight {straight_losses[step]}"
+    straight_losses = resume_stages(hvd, pipe, optimizer, lambda step: step_once(pipe, optimizer), args.dir,
+                                    KILL_AFTER, STEPS, TOL)
     assert_close(stage_values(pipe), straight_values(args.dir, pipe.stage_index), f"stage {pipe.stage_index}")
     hvd.save_stage_checkpoint(ckpt, pipe, optimizer, step=STEPS - 1, data_position={"next_step": STEPS}, keep=2)
     if hvd.rank() == 0:

@@ -8,14 +8,14 @@ checkpoint and compare it with the straight run and with one process training th
 Dropout in stage 0 (rank 0's own RNG stream) and SGD momentum make the RNG and optimizer state matter.
 Started by tests/parallel/test_dpipe_resume.py; not a pytest module.
 """
-import json
 import os
 
 import torch
 from torch import nn
 
 import dualframe.torch as hvd
-from tests.parallel.resume_phases import run_phase, save_stages_until_killed  # PYTHONPATH: the repo root
+# PYTHONPATH is the repository root (every launch sets it): tests.parallel imports from this folder too.
+from tests.parallel.resume_phases import resume_stages, run_phase, save_stages_until_killed, save_straight_losses
 
 STEPS, KILL_AFTER, BATCH, CHUNKS, TOL = 10, 5, 8, 4, 1e-6
 
@@ -73,9 +73,7 @@ def crash(args):
     pipe, optimizer = fresh()
     losses = [step_once(pipe, optimizer, step) for step in range(STEPS)]
     torch.save(pipe.state_dict(), os.path.join(args.dir, f"straight-{pipe.stage_index}.pt"))
-    if hvd.rank() == 0:
-        with open(os.path.join(args.dir, "losses.json"), "w") as handle:
-            json.dump(losses, handle)
+    save_straight_losses(args.dir, losses, writer=hvd.rank() == 0)
     pipe, optimizer = fresh()
     save_stages_until_killed(hvd, pipe, optimizer, lambda step: step_once(pipe, optimizer, step), losses, args.dir,
                              KILL_AFTER, TOL)
@@ -85,14 +83,8 @@ def resume(args):
     ckpt, merged = os.path.join(args.dir, "ckpt"), os.path.join(args.dir, "full.pt")
     pipe, optimizer = fresh()
     torch.manual_seed(999)  # another stream: the checkpoint must restore each rank's own
-    state = hvd.load_stage_checkpoint(ckpt, pipe, optimizer)
-    assert state is not None and state.step == KILL_AFTER - 1, state
-    assert state.data_position == {"next_step": KILL_AFTER}, state
-    with open(os.path.join(args.dir, "losses.json")) as handle:
-        straight_losses = json.load(handle)
-    for step in range(KILL_AFTER, STEPS):
-        loss = step_once(pipe, optimizer, step)
-        assert abs(loss - straight_losses[step]) <= TOL, f"step {step}: loss {loss} != straight {straight_losses[step]}"
+    straight_losses = resume_stages(hvd, pipe, optimizer, lambda step: step_once(pipe, optimizer, step), args.dir,
+                                    KILL_AFTER, STEPS, TOL)
     straight = torch.load(os.path.join(args.dir, f"straight-{pipe.stage_index}.pt"), weights_only=True)
     assert_close(pipe.state_dict(), straight, f"stage {pipe.stage_index} after resuming")
     hvd.save_stage_checkpoint(ckpt, pipe, optimizer, step=STEPS - 1, data_position={"next_step": STEPS}, keep=2)
