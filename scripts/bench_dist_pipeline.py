@@ -27,7 +27,7 @@ import os
 import torch
 from torch import nn
 
-import bench_env
+import bench_common
 import dualframe
 import dualframe.torch as hvd
 from bench_torch import linear_relu
@@ -94,29 +94,28 @@ def zero_bubble_report(model, x, y, rounds, steps):
             errors.append(f"torch {name}: does not run here: {type(error).__name__}: {str(error)[:160]}")
     for step in configs.values():
         step(x, y)
-    times = bench_env.interleaved_steps(configs, (x, y), steps, rounds, hvd.barrier)
+    times = bench_common.interleaved_steps(configs, (x, y), steps, rounds, hvd.barrier)
     report = [f"zb-h1 against 1f1b, messages over {pipes['zb-h1'].transport}",
               ratio_line("zb-h1 m=8 / 1f1b m=8", times["1f1b m=8"], times["zb-h1 m=8"])]
     report += [ratio_line(f"zb-h1 m=8 / {name}", times[name], times["zb-h1 m=8"])
                for name in times if name.startswith("torch")]
     report += errors + [seconds_line(times)]
     for schedule, pipe in pipes.items():
-        busy, walls = bench_env.stage_seconds(pipe, hvd.allgather_object)
-        report.append(bench_env.zb_bubble_head(schedule, 8, busy, walls)
+        busy, walls = bench_common.stage_seconds(pipe, hvd.allgather_object)
+        report.append(bench_common.zb_bubble_head(schedule, 8, busy, walls)
                       + f" (per stage busy s: {' '.join(f'{b:.3f}' for b in busy)})")
     return report
 
 
 def main() -> None:
-    args = bench_env.parser(__doc__, only_parts=True, width=512, blocks=12, batch=2048, rounds=7, steps=3).parse_args()
+    args = bench_common.parser(__doc__, only_parts=True, width=512, blocks=12, batch=2048, rounds=7, steps=3).parse_args()
     torch.set_num_threads(1)
-    bench_env.init_two_processes(hvd)
+    bench_common.init_two_processes(hvd)
     x, y = torch.randn(args.batch, args.width), torch.randn(args.batch, args.width)
     model = linear_relu(args.width, args.blocks)
-    header = (f"{args.blocks} x (Linear({args.width}, {args.width}), ReLU), batch {args.batch}, 2 stages, "
-              f"1 thread per process, {args.rounds} rounds of {args.steps} steps")
+    header = bench_common.two_stage_header(f"{args.blocks} x (Linear({args.width}, {args.width}), ReLU)", args)
     if args.only_zb:
-        bench_env.print_report(hvd.rank(), header, zero_bubble_report(model, x, y, args.rounds, args.steps))
+        bench_common.print_report(hvd.rank(), header, zero_bubble_report(model, x, y, args.rounds, args.steps))
         return
     configs = {"chunks=1": ours(model, 1)[1], "chunks=8": ours(model, 8)[1], "torch ScheduleGPipe m=8": torch_gpipe(model, 8)}
     transport = ours(model, 8)[0].transport
@@ -125,7 +124,7 @@ def main() -> None:
         configs["chunks=8 Horovod broadcasts"] = ours(model, 8, transport="horovod")[1]
     for step in configs.values():  # warm-up: allocator, autograd, shape headers
         step(x, y)
-    times = bench_env.interleaved_steps(configs, (x, y), args.steps, args.rounds, hvd.barrier)
+    times = bench_common.interleaved_steps(configs, (x, y), args.steps, args.rounds, hvd.barrier)
     report = [ratio_line(f"{name} / chunks=1", times["chunks=1"], times[name])
               for name in ("chunks=8", "torch ScheduleGPipe m=8")]
     report.append(ratio_line("chunks=8 / torch ScheduleGPipe m=8", times["torch ScheduleGPipe m=8"], times["chunks=8"]))
@@ -136,9 +135,9 @@ def main() -> None:
                                  times["chunks=8 Horovod broadcasts"], times["chunks=8"]))
     report.append(seconds_line(times))
     if args.only_ratios:
-        bench_env.print_report(hvd.rank(), f"{header}, messages over {transport}", report)
+        bench_common.print_report(hvd.rank(), f"{header}, messages over {transport}", report)
         return
-    for m, busy, walls in bench_env.bubbles_by_chunks(lambda m: ours(model, m), x, y, args.steps, hvd.allgather_object):
+    for m, busy, walls in bench_common.bubbles_by_chunks(lambda m: ours(model, m), x, y, args.steps, hvd.allgather_object):
         report.append(bubble_line(m, pipeline_bubble(busy, walls)))
     for schedule in ("gpipe", "1f1b", "zb-h1"):
         pipe, step = ours(model, 8, schedule)
@@ -149,7 +148,7 @@ def main() -> None:
         report.append(f"peak activation MiB per rank, {schedule}, chunks=8: "
                       + ", ".join(f"rank {r} {b / 2**20:.1f}" for r, b in enumerate(peaks)))
     report += zero_bubble_report(model, x, y, args.rounds, args.steps)
-    bench_env.print_report(hvd.rank(), f"{header}, messages over {transport}", report)
+    bench_common.print_report(hvd.rank(), f"{header}, messages over {transport}", report)
 
 
 if __name__ == "__main__":

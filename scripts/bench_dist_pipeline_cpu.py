@@ -21,7 +21,7 @@ import psutil
 import torch
 from torch import nn
 
-import bench_env
+import bench_common
 import dualframe.torch as hvd
 from bench_torch import linear_relu
 from dualframe.torch.distributed_pipeline import DistributedPipeline
@@ -55,7 +55,7 @@ def launcher_seconds() -> float:
 
 
 def main() -> None:
-    parser = bench_env.parser(__doc__, chunks=8, steps=6)
+    parser = bench_common.parser(__doc__, chunks=8, steps=6)
     parser.add_argument("--transport", default="auto", choices=("auto", "mpi", "zmq", "horovod"))
     args = parser.parse_args()
     torch.set_num_threads(1)

@@ -46,6 +46,7 @@ bench_env.one_thread_per_process()
 
 import keras  # noqa: E402
 
+import bench_common  # noqa: E402
 import dualframe.tensorflow as hvd  # noqa: E402
 from bench_keras import random_xy, zb_against_1f1b  # noqa: E402
 from dualframe.observe.bench_rounds import bubble_line, ratio_line  # noqa: E402
@@ -92,14 +93,13 @@ def zero_bubble_report(model, x, y, rounds, steps):
 
 
 def main() -> None:
-    args = bench_env.parser(__doc__, only_parts=True, width=512, blocks=12, batch=2048, rounds=5, steps=2).parse_args()
-    bench_env.init_two_processes(hvd)
+    args = bench_common.parser(__doc__, only_parts=True, width=512, blocks=12, batch=2048, rounds=5, steps=2).parse_args()
+    bench_common.init_two_processes(hvd)
     x, y = random_xy(args.batch, args.width)
     model = build_model(args.width, args.blocks)
-    header = (f"Keras {keras.__version__}: {args.blocks} x (Dense({args.width}), ReLU), batch {args.batch}, 2 stages, "
-              f"1 thread per process, {args.rounds} rounds of {args.steps} steps")
+    header = bench_common.two_stage_header(f"Keras {keras.__version__}: {args.blocks} x (Dense({args.width}), ReLU)", args)
     if args.only_zb:
-        bench_env.print_report(hvd.rank(), header, zero_bubble_report(model, x, y, args.rounds, args.steps))
+        bench_common.print_report(hvd.rank(), header, zero_bubble_report(model, x, y, args.rounds, args.steps))
         return
     naive, naive_step = ours(model, 1)
     transport = naive.transport
@@ -115,7 +115,7 @@ def main() -> None:
         configs["chunks=8 Horovod broadcasts"] = ours(model, 8, transport="horovod")[1]
     for step in configs.values():  # warm-up, not timed: traces, XLA compilation, shape headers
         step(x, y)
-    times = bench_env.interleaved_steps(configs, (x, y), args.steps, args.rounds, hvd.barrier)
+    times = bench_common.interleaved_steps(configs, (x, y), args.steps, args.rounds, hvd.barrier)
     report = [ratio_line(f"{name} / chunks=1", times["chunks=1"], times[name]) for name in list(configs)[1:6]]
     report.append(ratio_line("chunks=8 / chunks=8 W per micro-batch", times["chunks=8 W per micro-batch"],
                              times["chunks=8"]))
@@ -124,17 +124,17 @@ def main() -> None:
     if "chunks=8 Horovod broadcasts" in times:
         report.append(ratio_line("chunks=8 / chunks=1, Horovod broadcasts", times["chunks=1 Horovod broadcasts"],
                                  times["chunks=8 Horovod broadcasts"]))
-    report.append(bench_env.per_step_line(times, args.steps,
+    report.append(bench_common.per_step_line(times, args.steps,
                                           "seconds per step (median over rounds, after 1 warm-up step each)"))
     if args.only_ratios:
-        bench_env.print_report(hvd.rank(), f"{header}, messages over {transport}", report)
+        bench_common.print_report(hvd.rank(), f"{header}, messages over {transport}", report)
         return
-    for m, busy, walls in bench_env.bubbles_by_chunks(lambda m: ours(model, m), x, y, args.steps, hvd.allgather_object):
+    for m, busy, walls in bench_common.bubbles_by_chunks(lambda m: ours(model, m), x, y, args.steps, hvd.allgather_object):
         report.append(bubble_line(m, pipeline_bubble(busy, walls))
                       + f"; walk {max(walls):.3f} s, computing {statistics.mean(busy):.3f} s per stage")
     report += [memory_line(model, schedule, x, y, 8, args.width) for schedule in ("gpipe", "1f1b")]
     report += zero_bubble_report(model, x, y, args.rounds, args.steps)
-    bench_env.print_report(hvd.rank(), f"{header}, messages over {transport}", report)
+    bench_common.print_report(hvd.rank(), f"{header}, messages over {transport}", report)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import os
 import torch
 from torch import nn
 
-import bench_env
+import bench_common
 import dualframe
 import dualframe.torch as hvd
 from dualframe.observe.bench_rounds import ratio_line, seconds_line
@@ -96,12 +96,12 @@ def torch_gpipe(model, chunks, point, sample, rank, split):
 
 
 def main() -> None:
-    parser = bench_env.parser(__doc__, dim=64, heads=4, blocks=4, length=32, batch=256, rounds=7, steps=3)
+    parser = bench_common.parser(__doc__, dim=64, heads=4, blocks=4, length=32, batch=256, rounds=7, steps=3)
     parser.add_argument("--torch-split", default="manual", choices=["tracer", "manual"],
                         help="how torch.distributed.pipelining cuts (its tracer fails here: see above)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    bench_env.init_two_processes(hvd)
+    bench_common.init_two_processes(hvd)
     rank, point = dualframe.detect_topology().rank, f"blocks.{args.blocks // 2}"
     batch = synthetic(args.batch, args.length, torch.Generator().manual_seed(1))
     torch.manual_seed(0)
@@ -111,12 +111,12 @@ def main() -> None:
     configs = {"chunks=1": ours(model, 1, point), "chunks=8": ours(model, 8, point), "torch ScheduleGPipe m=8": theirs}
     for step in configs.values():  # warm-up: allocator, autograd, shape headers
         step(*batch)
-    times = bench_env.interleaved_steps(configs, batch, args.steps, args.rounds, hvd.barrier)
+    times = bench_common.interleaved_steps(configs, batch, args.steps, args.rounds, hvd.barrier)
     report = [ratio_line(f"{name} / chunks=1", times["chunks=1"], times[name])
               for name in ("chunks=8", "torch ScheduleGPipe m=8")]
     report.append(ratio_line("chunks=8 / torch ScheduleGPipe m=8", times["torch ScheduleGPipe m=8"], times["chunks=8"]))
     report.append(seconds_line(times))
-    bench_env.print_report(hvd.rank(), f"Encoder(dim {args.dim}, heads {args.heads}, {args.blocks} blocks, length "
+    bench_common.print_report(hvd.rank(), f"Encoder(dim {args.dim}, heads {args.heads}, {args.blocks} blocks, length "
                            f"{args.length}), batch {args.batch}, cut at {point}, 2 process stages, 1 thread each, "
                            f"{args.rounds} rounds of {args.steps} steps; torch.distributed.pipelining: {how}", report)
 

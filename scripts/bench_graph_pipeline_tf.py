@@ -20,6 +20,7 @@ bench_env.one_thread_per_process()
 
 import keras  # noqa: E402
 
+import bench_common  # noqa: E402
 import dualframe.tensorflow as hvd  # noqa: E402
 from bench_keras import random_xy, zb_against_1f1b  # noqa: E402
 from dualframe.tensorflow.distributed_pipeline import DistributedPipeline  # noqa: E402
@@ -48,13 +49,13 @@ def ours(model, chunks, schedule):
 
 
 def main() -> None:
-    args = bench_env.parser(__doc__, width=512, blocks=6, batch=2048, chunks=8, rounds=5, steps=2).parse_args()
-    bench_env.init_two_processes(hvd)
+    args = bench_common.parser(__doc__, width=512, blocks=6, batch=2048, chunks=8, rounds=5, steps=2).parse_args()
+    bench_common.init_two_processes(hvd)
     x, y = random_xy(args.batch, args.width)
     model = build_model(args.width, args.blocks)
     transport, lines = zb_against_1f1b(lambda m, schedule: ours(model, m, schedule), x, y, args.chunks, args.rounds,
                                        args.steps)
-    bench_env.print_report(hvd.rank(), f"Keras {keras.__version__}: functional model, {args.blocks} x residual (Dense("
+    bench_common.print_report(hvd.rank(), f"Keras {keras.__version__}: functional model, {args.blocks} x residual (Dense("
                            f"{args.width}), ReLU, Dense({args.width}), Add), batch {args.batch}, 2 graph stages "
                            f"(stages=2), 1 thread per process, {args.rounds} rounds of {args.steps} steps, messages "
                            f"over {transport}", lines)

@@ -4,7 +4,7 @@ from typing import Any, Callable, List, Tuple
 import numpy as np
 
 import dualframe.tensorflow as hvd
-from bench_env import interleaved_steps, per_step_line, zb_bubble_head
+from bench_common import interleaved_steps, per_step_line, zb_bubble_head
 from dualframe.observe.bench_rounds import ratio_line
 
 

@@ -25,6 +25,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
+import bench_common  # noqa: E402
 import dualframe.torch as hvd  # noqa: E402
 from bench_torch import linear_relu  # noqa: E402
 from dualframe.observe.timeline import measured_bubble  # noqa: E402
@@ -143,7 +144,7 @@ def bubble(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = bench_env.parser(__doc__, helps={"depth": "Linear+ReLU pairs (overhead: half per group)"},
+    parser = bench_common.parser(__doc__, helps={"depth": "Linear+ReLU pairs (overhead: half per group)"},
                               width=512, depth=12, batch=2048, steps=2, rounds=7, cell_ms=20.0)
     parser.add_argument("--only", choices=["overhead", "memory", "bubble"])
     args = parser.parse_args()

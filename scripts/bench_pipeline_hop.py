@@ -14,14 +14,14 @@ import time
 
 import torch
 
-import bench_env
+import bench_common
 import dualframe.torch as hvd
 from dualframe.pipeline.link import wait_for
 from dualframe.torch.pipeline_transport import TorchWire, point_to_point, process_sets
 
 
 def main() -> None:
-    args = bench_env.parser(__doc__, rows=256, width=512, rounds=5, trips=50).parse_args()
+    args = bench_common.parser(__doc__, rows=256, width=512, rounds=5, trips=50).parse_args()
     torch.set_num_threads(1)
     hvd.init()
     rank, peer = hvd.rank(), 1 - hvd.rank()

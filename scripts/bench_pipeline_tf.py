@@ -19,6 +19,7 @@ bench_env.one_thread_per_process()
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+import bench_common  # noqa: E402
 import dualframe.tensorflow as hvd  # noqa: E402
 
 
@@ -50,7 +51,7 @@ def step_time(step, x: tf.Tensor, steps: int) -> "tuple[float, float]":
 
 
 def main() -> None:
-    args = bench_env.parser(__doc__, helps={"depth": "Dense(width, relu) layers, half per group"},
+    args = bench_common.parser(__doc__, helps={"depth": "Dense(width, relu) layers, half per group"},
                             width=512, depth=12, batch=2048, steps=2, rounds=7).parse_args()
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
