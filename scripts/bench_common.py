@@ -1,4 +1,4 @@
-"""What the pipeline benchmark scripts share once their framework is loaded: the command line, two processes, interleaved timed steps, report lines.
+"""What the benchmark scripts share once their framework loads: command line, two processes, timed rounds, reports.
 
 Imported after ``bench_env.one_thread_per_process()`` where a script calls it (it imports ``dualframe``).
 """
@@ -13,7 +13,7 @@ from dualframe.pipeline.walk import pipeline_bubble
 
 def parser(doc: str, only_parts: bool = False, helps: Optional[Mapping[str, str]] = None,
            **defaults: Union[int, float]) -> argparse.ArgumentParser:
-    """The scripts' parser: described by the docstring's first line, one ``--name`` per default (its type the default's).
+    """The scripts' parser: the docstring's first line, one ``--name`` per default (of the default's type).
 
     Args:
         doc: the script's ``__doc__``.
@@ -57,8 +57,8 @@ def stage_seconds(pipe: Any, allgather: Callable[[Any], List[Any]]) -> Tuple[Tup
 
 
 def bubbles_by_chunks(ours: Callable[[int], Tuple[Any, Callable[..., Any]]], x: Any, y: Any, steps: int,
-                      allgather: Callable[[Any], List[Any]]) -> Iterator[Tuple[int, Tuple[float, ...], Tuple[float, ...]]]:
-    """(m, busy, walls) for m = 1, 2, 4, 8, 16 micro-batches, each pipeline ``ours(m)`` run ``steps + 1`` steps first."""
+                      allgather: Callable[[Any], List[Any]]) -> Iterator[Tuple[int, Sequence[float], Sequence[float]]]:
+    """(m, busy, walls) for m = 1, 2, 4, 8, 16 micro-batches, each pipeline ``ours(m)`` run ``steps + 1`` steps."""
     for m in (1, 2, 4, 8, 16):
         pipe, step = ours(m)
         for _ in range(steps + 1):
@@ -67,13 +67,13 @@ def bubbles_by_chunks(ours: Callable[[int], Tuple[Any, Callable[..., Any]]], x: 
 
 
 def zb_bubble_head(schedule: str, m: int, busy: Sequence[float], walls: Sequence[float]) -> str:
-    """``bubble <schedule> m=<m>: measured X%, theory Y%``: 1f1b's theory (n-1)/(m+n-1), zb-h1's (n-1)/(3m+n-1), n = 2."""
+    """``bubble <schedule> m=<m>: measured X%, theory Y%``; theory: 1f1b (n-1)/(m+n-1), zb-h1 (n-1)/(3m+n-1)."""
     theory = {"1f1b": gpipe_bubble, "zb-h1": zb_h1_bubble}[schedule](2, m)
     return f"bubble {schedule} m={m}: measured {pipeline_bubble(busy, walls):.1%}, theory {theory:.1%}"
 
 
 def per_step_line(times: Mapping[str, Sequence[float]], steps: int, label: str) -> str:
-    """``seconds_line`` of each round's seconds divided by its ``steps``, its ``step seconds (median)`` said as ``label``."""
+    """``seconds_line`` of each round's seconds / ``steps``, ``label`` where it says ``step seconds (median)``."""
     per_step = {name: [t / steps for t in ts] for name, ts in times.items()}
     return seconds_line(per_step).replace("step seconds (median)", label)
 

@@ -108,7 +108,8 @@ def zero_bubble_report(model, x, y, rounds, steps):
 
 
 def main() -> None:
-    args = bench_common.parser(__doc__, only_parts=True, width=512, blocks=12, batch=2048, rounds=7, steps=3).parse_args()
+    parser = bench_common.parser(__doc__, only_parts=True, width=512, blocks=12, batch=2048, rounds=7, steps=3)
+    args = parser.parse_args()
     torch.set_num_threads(1)
     bench_common.init_two_processes(hvd)
     x, y = torch.randn(args.batch, args.width), torch.randn(args.batch, args.width)
@@ -137,7 +138,8 @@ def main() -> None:
     if args.only_ratios:
         bench_common.print_report(hvd.rank(), f"{header}, messages over {transport}", report)
         return
-    for m, busy, walls in bench_common.bubbles_by_chunks(lambda m: ours(model, m), x, y, args.steps, hvd.allgather_object):
+    bubbles = bench_common.bubbles_by_chunks(lambda m: ours(model, m), x, y, args.steps, hvd.allgather_object)
+    for m, busy, walls in bubbles:
         report.append(bubble_line(m, pipeline_bubble(busy, walls)))
     for schedule in ("gpipe", "1f1b", "zb-h1"):
         pipe, step = ours(model, 8, schedule)

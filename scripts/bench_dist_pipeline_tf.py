@@ -93,11 +93,13 @@ def zero_bubble_report(model, x, y, rounds, steps):
 
 
 def main() -> None:
-    args = bench_common.parser(__doc__, only_parts=True, width=512, blocks=12, batch=2048, rounds=5, steps=2).parse_args()
+    parser = bench_common.parser(__doc__, only_parts=True, width=512, blocks=12, batch=2048, rounds=5, steps=2)
+    args = parser.parse_args()
     bench_common.init_two_processes(hvd)
     x, y = random_xy(args.batch, args.width)
     model = build_model(args.width, args.blocks)
-    header = bench_common.two_stage_header(f"Keras {keras.__version__}: {args.blocks} x (Dense({args.width}), ReLU)", args)
+    model_text = f"Keras {keras.__version__}: {args.blocks} x (Dense({args.width}), ReLU)"
+    header = bench_common.two_stage_header(model_text, args)
     if args.only_zb:
         bench_common.print_report(hvd.rank(), header, zero_bubble_report(model, x, y, args.rounds, args.steps))
         return
@@ -125,11 +127,12 @@ def main() -> None:
         report.append(ratio_line("chunks=8 / chunks=1, Horovod broadcasts", times["chunks=1 Horovod broadcasts"],
                                  times["chunks=8 Horovod broadcasts"]))
     report.append(bench_common.per_step_line(times, args.steps,
-                                          "seconds per step (median over rounds, after 1 warm-up step each)"))
+                                             "seconds per step (median over rounds, after 1 warm-up step each)"))
     if args.only_ratios:
         bench_common.print_report(hvd.rank(), f"{header}, messages over {transport}", report)
         return
-    for m, busy, walls in bench_common.bubbles_by_chunks(lambda m: ours(model, m), x, y, args.steps, hvd.allgather_object):
+    bubbles = bench_common.bubbles_by_chunks(lambda m: ours(model, m), x, y, args.steps, hvd.allgather_object)
+    for m, busy, walls in bubbles:
         report.append(bubble_line(m, pipeline_bubble(busy, walls))
                       + f"; walk {max(walls):.3f} s, computing {statistics.mean(busy):.3f} s per stage")
     report += [memory_line(model, schedule, x, y, 8, args.width) for schedule in ("gpipe", "1f1b")]

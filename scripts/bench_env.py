@@ -1,4 +1,4 @@
-"""What the benchmark scripts do before torch, TensorFlow or dualframe is imported: one thread per process, the repo on sys.path.
+"""What benchmark scripts do before torch, TensorFlow or dualframe loads: one thread a process, the repo on sys.path.
 
 The standard library only: torch and TensorFlow read the thread variables once, when they load, and
 ``dualframe`` must be found in this checkout rather than in the venv's editable install of another.
@@ -18,7 +18,7 @@ THREAD_VARIABLES = ("OMP_NUM_THREADS", "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP
 
 
 def one_thread_per_process(tensorflow: bool = True) -> None:
-    """One thread per process unless the environment says otherwise, TensorFlow's C++ logs quiet, the repo first on sys.path.
+    """One thread per process unless the environment says otherwise, TensorFlow's logs quiet, the repo on sys.path.
 
     Args:
         tensorflow: also TensorFlow's two thread pools and its log level; False sets OMP_NUM_THREADS only.

@@ -116,9 +116,10 @@ def main() -> None:
               for name in ("chunks=8", "torch ScheduleGPipe m=8")]
     report.append(ratio_line("chunks=8 / torch ScheduleGPipe m=8", times["torch ScheduleGPipe m=8"], times["chunks=8"]))
     report.append(seconds_line(times))
-    bench_common.print_report(hvd.rank(), f"Encoder(dim {args.dim}, heads {args.heads}, {args.blocks} blocks, length "
-                           f"{args.length}), batch {args.batch}, cut at {point}, 2 process stages, 1 thread each, "
-                           f"{args.rounds} rounds of {args.steps} steps; torch.distributed.pipelining: {how}", report)
+    header = (f"Encoder(dim {args.dim}, heads {args.heads}, {args.blocks} blocks, length {args.length}), batch "
+              f"{args.batch}, cut at {point}, 2 process stages, 1 thread each, {args.rounds} rounds of {args.steps} "
+              f"steps; torch.distributed.pipelining: {how}")
+    bench_common.print_report(hvd.rank(), header, report)
 
 
 if __name__ == "__main__":

@@ -145,7 +145,7 @@ def bubble(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = bench_common.parser(__doc__, helps={"depth": "Linear+ReLU pairs (overhead: half per group)"},
-                              width=512, depth=12, batch=2048, steps=2, rounds=7, cell_ms=20.0)
+                                 width=512, depth=12, batch=2048, steps=2, rounds=7, cell_ms=20.0)
     parser.add_argument("--only", choices=["overhead", "memory", "bubble"])
     args = parser.parse_args()
     torch.set_num_threads(1)

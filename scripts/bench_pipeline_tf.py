@@ -52,7 +52,7 @@ def step_time(step, x: tf.Tensor, steps: int) -> "tuple[float, float]":
 
 def main() -> None:
     args = bench_common.parser(__doc__, helps={"depth": "Dense(width, relu) layers, half per group"},
-                            width=512, depth=12, batch=2048, steps=2, rounds=7).parse_args()
+                               width=512, depth=12, batch=2048, steps=2, rounds=7).parse_args()
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
     print(f"tensorflow {tf.__version__}, keras {keras.__version__}, {os.cpu_count()} cores, one thread, "
