@@ -31,9 +31,9 @@ def parser(doc: str, only_parts: bool = False, helps: Optional[Mapping[str, str]
     return parsed
 
 
-def two_stage_header(model: str, args: argparse.Namespace) -> str:
-    """``<model>, batch B, 2 stages, 1 thread per process, R rounds of S steps``: the process pipelines' first line."""
-    return f"{model}, batch {args.batch}, 2 stages, 1 thread per process, {args.rounds} rounds of {args.steps} steps"
+def two_stage_header(model: str, args: argparse.Namespace, stages: str = "2 stages") -> str:
+    """``<model>, batch B, <stages>, 1 thread per process, R rounds of S steps``: the process pipelines' first line."""
+    return f"{model}, batch {args.batch}, {stages}, 1 thread per process, {args.rounds} rounds of {args.steps} steps"
 
 
 def init_two_processes(hvd: Any) -> None:

@@ -55,10 +55,10 @@ def main() -> None:
     model = build_model(args.width, args.blocks)
     transport, lines = zb_against_1f1b(lambda m, schedule: ours(model, m, schedule), x, y, args.chunks, args.rounds,
                                        args.steps)
-    header = (f"Keras {keras.__version__}: functional model, {args.blocks} x residual (Dense({args.width}), ReLU, "
-              f"Dense({args.width}), Add), batch {args.batch}, 2 graph stages (stages=2), 1 thread per process, "
-              f"{args.rounds} rounds of {args.steps} steps, messages over {transport}")
-    bench_common.print_report(hvd.rank(), header, lines)
+    model_text = (f"Keras {keras.__version__}: functional model, {args.blocks} x residual (Dense({args.width}), ReLU, "
+                  f"Dense({args.width}), Add)")
+    header = bench_common.two_stage_header(model_text, args, "2 graph stages (stages=2)")
+    bench_common.print_report(hvd.rank(), f"{header}, messages over {transport}", lines)
 
 
 if __name__ == "__main__":
