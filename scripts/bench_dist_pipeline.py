@@ -21,28 +21,19 @@ Prints, from interleaved rounds (A B C A B C ..., median of the per-round ratios
      the same model where they run (an error is printed instead where one does not).
   ``--only-zb`` runs part 4 alone; ``--only-ratios`` part 1 alone (what bench_dist_pipeline_launchers.py reads).
 """
-import argparse
 import copy
-import functools
 import os
 
 import torch
 from torch import nn
 
+import bench_common
 import dualframe
 import dualframe.torch as hvd
-from dualframe.observe.bench_rounds import bubble_line, interleaved, ratio_line, seconds_line, timed_steps
-from dualframe.pipeline.clock import gpipe_bubble, zb_h1_bubble
+from bench_torch import linear_relu
+from dualframe.observe.bench_rounds import bubble_line, ratio_line, seconds_line
 from dualframe.pipeline.walk import pipeline_bubble
 from dualframe.torch.distributed_pipeline import DistributedPipeline
-
-
-def build_model(width: int, blocks: int) -> nn.Sequential:
-    torch.manual_seed(0)
-    layers = []
-    for _ in range(blocks):
-        layers += [nn.Linear(width, width), nn.ReLU()]
-    return nn.Sequential(*layers)
 
 
 def ours(model, chunks, schedule="gpipe", transport="auto"):
@@ -103,42 +94,29 @@ def zero_bubble_report(model, x, y, rounds, steps):
             errors.append(f"torch {name}: does not run here: {type(error).__name__}: {str(error)[:160]}")
     for step in configs.values():
         step(x, y)
-    times = interleaved({name: functools.partial(timed_steps, step, (x, y), steps, hvd.barrier) for name, step in configs.items()}, rounds)
+    times = bench_common.interleaved_steps(configs, (x, y), steps, rounds, hvd.barrier)
     report = [f"zb-h1 against 1f1b, messages over {pipes['zb-h1'].transport}",
               ratio_line("zb-h1 m=8 / 1f1b m=8", times["1f1b m=8"], times["zb-h1 m=8"])]
     report += [ratio_line(f"zb-h1 m=8 / {name}", times[name], times["zb-h1 m=8"])
                for name in times if name.startswith("torch")]
     report += errors + [seconds_line(times)]
-    theory = {"1f1b": gpipe_bubble(2, 8), "zb-h1": zb_h1_bubble(2, 8)}
     for schedule, pipe in pipes.items():
-        busy, walls = zip(*hvd.allgather_object((pipe.records.mean_busy(), pipe.records.mean_wall())))
-        report.append(f"bubble {schedule} m=8: measured {pipeline_bubble(busy, walls):.1%}, theory "
-                      f"{theory[schedule]:.1%} (per stage busy s: {' '.join(f'{b:.3f}' for b in busy)})")
+        busy, walls = bench_common.stage_seconds(pipe, hvd.allgather_object)
+        report.append(bench_common.zb_bubble_head(schedule, 8, busy, walls)
+                      + f" (per stage busy s: {' '.join(f'{b:.3f}' for b in busy)})")
     return report
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--blocks", type=int, default=12)
-    parser.add_argument("--batch", type=int, default=2048)
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--only-zb", action="store_true", help="run part 4 (zb-h1 against 1f1b) alone")
-    parser.add_argument("--only-ratios", action="store_true", help="run part 1 (throughput ratios) alone")
+    parser = bench_common.parser(__doc__, only_parts=True, width=512, blocks=12, batch=2048, rounds=7, steps=3)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    hvd.init()
-    if hvd.size() != 2:
-        raise SystemExit(f"run with 2 processes (processes: {hvd.size()})")
+    bench_common.init_two_processes(hvd)
     x, y = torch.randn(args.batch, args.width), torch.randn(args.batch, args.width)
-    model = build_model(args.width, args.blocks)
-    header = (f"{args.blocks} x (Linear({args.width}, {args.width}), ReLU), batch {args.batch}, 2 stages, "
-              f"1 thread per process, {args.rounds} rounds of {args.steps} steps")
+    model = linear_relu(args.width, args.blocks)
+    header = bench_common.two_stage_header(f"{args.blocks} x (Linear({args.width}, {args.width}), ReLU)", args)
     if args.only_zb:
-        report = zero_bubble_report(model, x, y, args.rounds, args.steps)
-        if hvd.rank() == 0:
-            print(header + "\n" + "\n".join(report), flush=True)
+        bench_common.print_report(hvd.rank(), header, zero_bubble_report(model, x, y, args.rounds, args.steps))
         return
     configs = {"chunks=1": ours(model, 1)[1], "chunks=8": ours(model, 8)[1], "torch ScheduleGPipe m=8": torch_gpipe(model, 8)}
     transport = ours(model, 8)[0].transport
@@ -147,8 +125,7 @@ def main() -> None:
         configs["chunks=8 Horovod broadcasts"] = ours(model, 8, transport="horovod")[1]
     for step in configs.values():  # warm-up: allocator, autograd, shape headers
         step(x, y)
-    times = interleaved({name: functools.partial(timed_steps, step, (x, y), args.steps, hvd.barrier) for name, step in configs.items()},
-                        args.rounds)
+    times = bench_common.interleaved_steps(configs, (x, y), args.steps, args.rounds, hvd.barrier)
     report = [ratio_line(f"{name} / chunks=1", times["chunks=1"], times[name])
               for name in ("chunks=8", "torch ScheduleGPipe m=8")]
     report.append(ratio_line("chunks=8 / torch ScheduleGPipe m=8", times["torch ScheduleGPipe m=8"], times["chunks=8"]))
@@ -159,14 +136,10 @@ def main() -> None:
                                  times["chunks=8 Horovod broadcasts"], times["chunks=8"]))
     report.append(seconds_line(times))
     if args.only_ratios:
-        if hvd.rank() == 0:
-            print(f"{header}, messages over {transport}\n" + "\n".join(report), flush=True)
+        bench_common.print_report(hvd.rank(), f"{header}, messages over {transport}", report)
         return
-    for m in (1, 2, 4, 8, 16):
-        pipe, step = ours(model, m)
-        for _ in range(args.steps + 1):
-            step(x, y)
-        busy, walls = zip(*hvd.allgather_object((pipe.records.mean_busy(), pipe.records.mean_wall())))
+    bubbles = bench_common.bubbles_by_chunks(lambda m: ours(model, m), x, y, args.steps, hvd.allgather_object)
+    for m, busy, walls in bubbles:
         report.append(bubble_line(m, pipeline_bubble(busy, walls)))
     for schedule in ("gpipe", "1f1b", "zb-h1"):
         pipe, step = ours(model, 8, schedule)
@@ -177,8 +150,7 @@ def main() -> None:
         report.append(f"peak activation MiB per rank, {schedule}, chunks=8: "
                       + ", ".join(f"rank {r} {b / 2**20:.1f}" for r, b in enumerate(peaks)))
     report += zero_bubble_report(model, x, y, args.rounds, args.steps)
-    if hvd.rank() == 0:
-        print(f"{header}, messages over {transport}\n" + "\n".join(report), flush=True)
+    bench_common.print_report(hvd.rank(), f"{header}, messages over {transport}", report)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ cycles every HOROVOD_CYCLE_TIME ms, above all) and the processes above it up to 
 launcher: horovodrun's driver and its shell, or mpirun's orted). CPU seconds, unlike wall seconds,
 barely move with the load of a shared box, so they tell a launcher's own cost from other jobs'.
 """
-import argparse
 import collections
 import os
 import time
@@ -22,7 +21,9 @@ import psutil
 import torch
 from torch import nn
 
+import bench_common
 import dualframe.torch as hvd
+from bench_torch import linear_relu
 from dualframe.torch.distributed_pipeline import DistributedPipeline
 
 
@@ -54,16 +55,12 @@ def launcher_seconds() -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--chunks", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=6)
+    parser = bench_common.parser(__doc__, chunks=8, steps=6)
     parser.add_argument("--transport", default="auto", choices=("auto", "mpi", "zmq", "horovod"))
     args = parser.parse_args()
     torch.set_num_threads(1)
     hvd.init()
-    torch.manual_seed(0)
-    layers = [layer for _ in range(12) for layer in (nn.Linear(512, 512), nn.ReLU())]
-    pipe = DistributedPipeline(nn.Sequential(*layers), [12, 12], chunks=args.chunks, loss_fn=nn.MSELoss(),
+    pipe = DistributedPipeline(linear_relu(512, 12), [12, 12], chunks=args.chunks, loss_fn=nn.MSELoss(),
                                transport=args.transport)
     optimizer = torch.optim.SGD(pipe.parameters(), lr=1e-4)
     x, y = torch.randn(2048, 512), torch.randn(2048, 512)

@@ -38,23 +38,18 @@ median of the per-round ratios):
   overlaps the first stage's B even without micro-batches.
   ``--only-zb`` runs part 4 alone; ``--only-ratios`` part 1 alone (what bench_dist_pipeline_launchers.py reads).
 """
-import argparse
-import functools
-import os
 import statistics
-import sys
 
-for name in ("OMP_NUM_THREADS", "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS"):
-    os.environ.setdefault(name, "1")
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import bench_env
+
+bench_env.one_thread_per_process()
 
 import keras  # noqa: E402
-import numpy as np  # noqa: E402
 
+import bench_common  # noqa: E402
 import dualframe.tensorflow as hvd  # noqa: E402
-from dualframe.pipeline.clock import gpipe_bubble, zb_h1_bubble  # noqa: E402
-from dualframe.observe.bench_rounds import bubble_line, interleaved, ratio_line, seconds_line, timed_steps  # noqa: E402
+from bench_keras import random_xy, zb_against_1f1b  # noqa: E402
+from dualframe.observe.bench_rounds import bubble_line, ratio_line  # noqa: E402
 from dualframe.pipeline.walk import pipeline_bubble  # noqa: E402
 from dualframe.tensorflow.distributed_pipeline import DistributedPipeline  # noqa: E402
 
@@ -93,51 +88,20 @@ def memory_line(model, schedule, x, y, chunks, width):
 
 def zero_bubble_report(model, x, y, rounds, steps):
     """Part 4: zb-h1 against 1f1b at chunks=8, interleaved rounds, measured bubbles."""
-    pipes, configs = {}, {}
-    for schedule in ("1f1b", "zb-h1"):
-        pipes[schedule], configs[f"{schedule} m=8"] = ours(model, 8, schedule)
-    for name, step in configs.items():  # warm-up: the eager first step, then the compiled passes' traces
-        step(x, y)
-        step(x, y)
-        pipes[name.split()[0]].records.records = []  # the bubbles below: timed steps only (the first left out)
-    times = interleaved({name: functools.partial(timed_steps, step, (x, y), steps, hvd.barrier) for name, step in configs.items()}, rounds)
-    per_step = {name: [t / steps for t in ts] for name, ts in times.items()}
-    report = [f"zb-h1 against 1f1b, messages over {pipes['zb-h1'].transport}",
-              ratio_line("zb-h1 m=8 / 1f1b m=8", times["1f1b m=8"], times["zb-h1 m=8"]),
-              seconds_line(per_step).replace("step seconds (median)", "seconds per step (median over rounds)")]
-    theory = {"1f1b": gpipe_bubble(2, 8), "zb-h1": zb_h1_bubble(2, 8)}
-    for schedule, pipe in pipes.items():
-        busy, walls, held = zip(*hvd.allgather_object(
-            (pipe.records.mean_busy(), pipe.records.mean_wall(), pipe.peak_live)))
-        report.append(f"bubble {schedule} m=8: measured {pipeline_bubble(busy, walls):.1%}, theory "
-                      f"{theory[schedule]:.1%}; walk {max(walls):.3f} s, computing per stage s: "
-                      f"{' '.join(f'{b:.3f}' for b in busy)}; micro-batches held per rank: {list(held)}")
-    return report
+    transport, report = zb_against_1f1b(lambda m, schedule: ours(model, m, schedule), x, y, 8, rounds, steps)
+    return [f"zb-h1 against 1f1b, messages over {transport}"] + report
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--blocks", type=int, default=12)
-    parser.add_argument("--batch", type=int, default=2048)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--only-zb", action="store_true", help="run part 4 (zb-h1 against 1f1b) alone")
-    parser.add_argument("--only-ratios", action="store_true", help="run part 1 (throughput ratios) alone")
+    parser = bench_common.parser(__doc__, only_parts=True, width=512, blocks=12, batch=2048, rounds=5, steps=2)
     args = parser.parse_args()
-    hvd.init()
-    if hvd.size() != 2:
-        raise SystemExit(f"run with 2 processes (processes: {hvd.size()})")
-    rng = np.random.RandomState(0)
-    x = rng.randn(args.batch, args.width).astype("float32")
-    y = rng.randn(args.batch, args.width).astype("float32")
+    bench_common.init_two_processes(hvd)
+    x, y = random_xy(args.batch, args.width)
     model = build_model(args.width, args.blocks)
-    header = (f"Keras {keras.__version__}: {args.blocks} x (Dense({args.width}), ReLU), batch {args.batch}, 2 stages, "
-              f"1 thread per process, {args.rounds} rounds of {args.steps} steps")
+    model_text = f"Keras {keras.__version__}: {args.blocks} x (Dense({args.width}), ReLU)"
+    header = bench_common.two_stage_header(model_text, args)
     if args.only_zb:
-        report = zero_bubble_report(model, x, y, args.rounds, args.steps)
-        if hvd.rank() == 0:
-            print(header + "\n" + "\n".join(report), flush=True)
+        bench_common.print_report(hvd.rank(), header, zero_bubble_report(model, x, y, args.rounds, args.steps))
         return
     naive, naive_step = ours(model, 1)
     transport = naive.transport
@@ -153,9 +117,7 @@ def main() -> None:
         configs["chunks=8 Horovod broadcasts"] = ours(model, 8, transport="horovod")[1]
     for step in configs.values():  # warm-up, not timed: traces, XLA compilation, shape headers
         step(x, y)
-    times = interleaved({name: functools.partial(timed_steps, step, (x, y), args.steps, hvd.barrier) for name, step in configs.items()},
-                        args.rounds)
-    per_step = {name: [t / args.steps for t in ts] for name, ts in times.items()}
+    times = bench_common.interleaved_steps(configs, (x, y), args.steps, args.rounds, hvd.barrier)
     report = [ratio_line(f"{name} / chunks=1", times["chunks=1"], times[name]) for name in list(configs)[1:6]]
     report.append(ratio_line("chunks=8 / chunks=8 W per micro-batch", times["chunks=8 W per micro-batch"],
                              times["chunks=8"]))
@@ -164,25 +126,18 @@ def main() -> None:
     if "chunks=8 Horovod broadcasts" in times:
         report.append(ratio_line("chunks=8 / chunks=1, Horovod broadcasts", times["chunks=1 Horovod broadcasts"],
                                  times["chunks=8 Horovod broadcasts"]))
-    report.append(seconds_line(per_step).replace("step seconds (median)",
-                                                 "seconds per step (median over rounds, after 1 warm-up step each)"))
+    report.append(bench_common.per_step_line(times, args.steps,
+                                             "seconds per step (median over rounds, after 1 warm-up step each)"))
     if args.only_ratios:
-        if hvd.rank() == 0:
-            print(f"{header}, messages over {transport}\n" + "\n".join(report), flush=True)
+        bench_common.print_report(hvd.rank(), f"{header}, messages over {transport}", report)
         return
-    for m in (1, 2, 4, 8, 16):
-        pipe, step = ours(model, m)
-        for _ in range(args.steps + 1):
-            step(x, y)
-        book = pipe.records
-        walls, busy = zip(*hvd.allgather_object((book.mean_wall(), book.mean_busy())))
+    bubbles = bench_common.bubbles_by_chunks(lambda m: ours(model, m), x, y, args.steps, hvd.allgather_object)
+    for m, busy, walls in bubbles:
         report.append(bubble_line(m, pipeline_bubble(busy, walls))
                       + f"; walk {max(walls):.3f} s, computing {statistics.mean(busy):.3f} s per stage")
     report += [memory_line(model, schedule, x, y, 8, args.width) for schedule in ("gpipe", "1f1b")]
     report += zero_bubble_report(model, x, y, args.rounds, args.steps)
-    if hvd.rank() == 0:
-        print(f"{header}, messages over {transport}")
-        print("\n".join(report), flush=True)
+    bench_common.print_report(hvd.rank(), f"{header}, messages over {transport}", report)
 
 
 if __name__ == "__main__":

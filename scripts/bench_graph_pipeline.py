@@ -13,16 +13,15 @@ stage 1 reads the mask, a model input, and its first step stops there (torch 2.1
 _retrieve_recv_activations expected non-root _RecvInfo but got root arg at index 1`` (only stage 0 may read
 model inputs). So by default a manual split of the same modules stands in (stage 0 returns (h, mask)).
 """
-import argparse
-import functools
 import os
 
 import torch
 from torch import nn
 
+import bench_common
 import dualframe
 import dualframe.torch as hvd
-from dualframe.observe.bench_rounds import interleaved, ratio_line, seconds_line, timed_steps
+from dualframe.observe.bench_rounds import ratio_line, seconds_line
 from dualframe.torch.distributed_pipeline import DistributedPipeline
 from torch_examples.transformer_split import Encoder, synthetic
 
@@ -97,21 +96,12 @@ def torch_gpipe(model, chunks, point, sample, rank, split):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--blocks", type=int, default=4)
-    parser.add_argument("--length", type=int, default=32)
-    parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=3)
+    parser = bench_common.parser(__doc__, dim=64, heads=4, blocks=4, length=32, batch=256, rounds=7, steps=3)
     parser.add_argument("--torch-split", default="manual", choices=["tracer", "manual"],
                         help="how torch.distributed.pipelining cuts (its tracer fails here: see above)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    hvd.init()
-    if hvd.size() != 2:
-        raise SystemExit(f"run with 2 processes (processes: {hvd.size()})")
+    bench_common.init_two_processes(hvd)
     rank, point = dualframe.detect_topology().rank, f"blocks.{args.blocks // 2}"
     batch = synthetic(args.batch, args.length, torch.Generator().manual_seed(1))
     torch.manual_seed(0)
@@ -121,17 +111,15 @@ def main() -> None:
     configs = {"chunks=1": ours(model, 1, point), "chunks=8": ours(model, 8, point), "torch ScheduleGPipe m=8": theirs}
     for step in configs.values():  # warm-up: allocator, autograd, shape headers
         step(*batch)
-    times = interleaved({name: functools.partial(timed_steps, step, batch, args.steps, hvd.barrier) for name, step in configs.items()},
-                        args.rounds)
+    times = bench_common.interleaved_steps(configs, batch, args.steps, args.rounds, hvd.barrier)
     report = [ratio_line(f"{name} / chunks=1", times["chunks=1"], times[name])
               for name in ("chunks=8", "torch ScheduleGPipe m=8")]
     report.append(ratio_line("chunks=8 / torch ScheduleGPipe m=8", times["torch ScheduleGPipe m=8"], times["chunks=8"]))
     report.append(seconds_line(times))
-    if hvd.rank() == 0:
-        print(f"Encoder(dim {args.dim}, heads {args.heads}, {args.blocks} blocks, length {args.length}), batch "
+    header = (f"Encoder(dim {args.dim}, heads {args.heads}, {args.blocks} blocks, length {args.length}), batch "
               f"{args.batch}, cut at {point}, 2 process stages, 1 thread each, {args.rounds} rounds of {args.steps} "
               f"steps; torch.distributed.pipelining: {how}")
-        print("\n".join(report), flush=True)
+    bench_common.print_report(hvd.rank(), header, report)
 
 
 if __name__ == "__main__":

@@ -14,23 +14,15 @@ the measured bubble (1 - mean stage busy / longest stage step) beside its theory
 and W re-runs the nodes that own weights, so it may compute more: ``dualframe.tensorflow.graph_split_backward``)
 and the micro-batches each rank held at once.
 """
-import argparse
-import functools
-import os
-import sys
+import bench_env
 
-for name in ("OMP_NUM_THREADS", "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS"):
-    os.environ.setdefault(name, "1")
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+bench_env.one_thread_per_process()
 
 import keras  # noqa: E402
-import numpy as np  # noqa: E402
 
+import bench_common  # noqa: E402
 import dualframe.tensorflow as hvd  # noqa: E402
-from dualframe.observe.bench_rounds import interleaved, ratio_line, seconds_line, timed_steps  # noqa: E402
-from dualframe.pipeline.clock import gpipe_bubble, zb_h1_bubble  # noqa: E402
-from dualframe.pipeline.walk import pipeline_bubble  # noqa: E402
+from bench_keras import random_xy, zb_against_1f1b  # noqa: E402
 from dualframe.tensorflow.distributed_pipeline import DistributedPipeline  # noqa: E402
 
 
@@ -57,45 +49,16 @@ def ours(model, chunks, schedule):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--blocks", type=int, default=6)
-    parser.add_argument("--batch", type=int, default=2048)
-    parser.add_argument("--chunks", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=2)
-    args = parser.parse_args()
-    hvd.init()
-    if hvd.size() != 2:
-        raise SystemExit(f"run with 2 processes (processes: {hvd.size()})")
-    rng = np.random.RandomState(0)
-    x = rng.randn(args.batch, args.width).astype("float32")
-    y = rng.randn(args.batch, args.width).astype("float32")
-    model, m = build_model(args.width, args.blocks), args.chunks
-    pipes, configs = {}, {}
-    for schedule in ("1f1b", "zb-h1"):
-        pipes[schedule], configs[f"{schedule} m={m}"] = ours(model, m, schedule)
-    for name, step in configs.items():  # warm-up: traces, XLA compilation, shape headers
-        step(x, y)
-        step(x, y)
-        pipes[name.split()[0]].records.records = []  # the bubbles below: timed steps only (the first left out)
-    times = interleaved({name: functools.partial(timed_steps, step, (x, y), args.steps, hvd.barrier) for name, step in configs.items()},
-                        args.rounds)
-    per_step = {name: [t / args.steps for t in ts] for name, ts in times.items()}
-    report = [f"Keras {keras.__version__}: functional model, {args.blocks} x residual (Dense({args.width}), ReLU, "
-              f"Dense({args.width}), Add), batch {args.batch}, 2 graph stages (stages=2), 1 thread per process, "
-              f"{args.rounds} rounds of {args.steps} steps, messages over {pipes['zb-h1'].transport}",
-              ratio_line(f"zb-h1 m={m} / 1f1b m={m}", times[f"1f1b m={m}"], times[f"zb-h1 m={m}"]),
-              seconds_line(per_step).replace("step seconds (median)", "seconds per step (median over rounds)")]
-    theory = {"1f1b": gpipe_bubble(2, m), "zb-h1": zb_h1_bubble(2, m)}
-    for schedule, pipe in pipes.items():
-        busy, walls, held = zip(*hvd.allgather_object(
-            (pipe.records.mean_busy(), pipe.records.mean_wall(), pipe.peak_live)))
-        report.append(f"bubble {schedule} m={m}: measured {pipeline_bubble(busy, walls):.1%}, theory "
-                      f"{theory[schedule]:.1%}; walk {max(walls):.3f} s, computing per stage s: "
-                      f"{' '.join(f'{b:.3f}' for b in busy)}; micro-batches held per rank: {list(held)}")
-    if hvd.rank() == 0:
-        print("\n".join(report), flush=True)
+    args = bench_common.parser(__doc__, width=512, blocks=6, batch=2048, chunks=8, rounds=5, steps=2).parse_args()
+    bench_common.init_two_processes(hvd)
+    x, y = random_xy(args.batch, args.width)
+    model = build_model(args.width, args.blocks)
+    transport, lines = zb_against_1f1b(lambda m, schedule: ours(model, m, schedule), x, y, args.chunks, args.rounds,
+                                       args.steps)
+    model_text = (f"Keras {keras.__version__}: functional model, {args.blocks} x residual (Dense({args.width}), ReLU, "
+                  f"Dense({args.width}), Add)")
+    header = bench_common.two_stage_header(model_text, args, "2 graph stages (stages=2)")
+    bench_common.print_report(hvd.rank(), f"{header}, messages over {transport}", lines)
 
 
 if __name__ == "__main__":

@@ -17,23 +17,19 @@ import os
 import statistics
 import time
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+import bench_env
+
+bench_env.one_thread_per_process(tensorflow=False)
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
+import bench_common  # noqa: E402
 import dualframe.torch as hvd  # noqa: E402
+from bench_torch import linear_relu  # noqa: E402
 from dualframe.observe.timeline import measured_bubble  # noqa: E402
 from dualframe.pipeline.clock import gpipe_bubble# noqa: E402
-
-
-def mlp(width: int, depth: int) -> nn.Sequential:
-    torch.manual_seed(0)
-    layers = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.ReLU()]
-    return nn.Sequential(*layers)
 
 
 def step_time(model: nn.Module, x: torch.Tensor, steps: int, chunks: int = 1) -> "tuple[float, float]":
@@ -47,11 +43,11 @@ def step_time(model: nn.Module, x: torch.Tensor, steps: int, chunks: int = 1) ->
 
 
 def overhead(args: argparse.Namespace) -> None:
-    plain = mlp(args.width, args.depth)
+    plain = linear_relu(args.width, args.depth)
     x = torch.randn(args.batch, args.width)
     half = args.depth  # layers per group: the 2 * depth layers cut in two
     variants = {f"Pipeline(chunks={c}{', overlap_cpu=True' if o else ''})":
-                (hvd.Pipeline(mlp(args.width, args.depth), [half, half], ["cpu", "cpu"], chunks=c,
+                (hvd.Pipeline(linear_relu(args.width, args.depth), [half, half], ["cpu", "cpu"], chunks=c,
                               checkpoint="never", overlap_cpu=o), 1)
                 for c, o in ((1, False), (4, False), (4, True))}
     variants["plain module, 4 micro-batches accumulated"] = (plain, 4)
@@ -98,7 +94,7 @@ def memory(args: argparse.Namespace) -> None:
     activations = 2 * depth * batch * width * 4 / 2 ** 20
     peaks = {}
     for mode in ("never", "always", "except_last"):
-        model = hvd.Pipeline(mlp(width, depth), [depth, depth], ["cpu", "cpu"], chunks=chunks, checkpoint=mode)
+        model = hvd.Pipeline(linear_relu(width, depth), [depth, depth], ["cpu", "cpu"], chunks=chunks, checkpoint=mode)
         model(torch.randn(chunks, width)).sum().backward()  # warm-up: allocates the gradients
         peaks[mode] = step_peak_mib(model, torch.randn(batch, width))
     print(f"[memory] MLP {2 * depth} layers x width {width}, batch {batch}, chunks {chunks}, 2 stages; peak of the "
@@ -148,13 +144,8 @@ def bubble(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--depth", type=int, default=12, help="Linear+ReLU pairs (overhead: half per group)")
-    parser.add_argument("--batch", type=int, default=2048)
-    parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--cell-ms", type=float, default=20.0)
+    parser = bench_common.parser(__doc__, helps={"depth": "Linear+ReLU pairs (overhead: half per group)"},
+                                 width=512, depth=12, batch=2048, steps=2, rounds=7, cell_ms=20.0)
     parser.add_argument("--only", choices=["overhead", "memory", "bubble"])
     args = parser.parse_args()
     torch.set_num_threads(1)

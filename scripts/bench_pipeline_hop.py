@@ -9,24 +9,19 @@ way a pipeline's forward and gradient messages go; interleaved rounds (A B A B .
 median round trip of ``--trips`` trips, then the median over rounds. What the figures isolate from
 ``bench_dist_pipeline.py``: the transport, with no computation in between.
 """
-import argparse
 import statistics
 import time
 
 import torch
 
+import bench_common
 import dualframe.torch as hvd
 from dualframe.pipeline.link import wait_for
 from dualframe.torch.pipeline_transport import TorchWire, point_to_point, process_sets
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=256)
-    parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--trips", type=int, default=50)
-    args = parser.parse_args()
+    args = bench_common.parser(__doc__, rows=256, width=512, rounds=5, trips=50).parse_args()
     torch.set_num_threads(1)
     hvd.init()
     rank, peer = hvd.rank(), 1 - hvd.rank()

@@ -8,20 +8,18 @@ variables, no optimizer) on the same batch; A B rounds interleaved, median ratio
 process CPU time (robust to a loaded machine) and wall time. Beside the Pipeline: the plain model run
 on 4 micro-batches inside one step (what micro-batching itself costs). Goal <= 1.10.
 """
-import argparse
 import os
 import statistics
-import sys
 import time
 
-for name in ("OMP_NUM_THREADS", "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS"):
-    os.environ.setdefault(name, "1")
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import bench_env
+
+bench_env.one_thread_per_process()
 
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+import bench_common  # noqa: E402
 import dualframe.tensorflow as hvd  # noqa: E402
 
 
@@ -53,13 +51,8 @@ def step_time(step, x: tf.Tensor, steps: int) -> "tuple[float, float]":
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--depth", type=int, default=12, help="Dense(width, relu) layers, half per group")
-    parser.add_argument("--batch", type=int, default=2048)
-    parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=7)
-    args = parser.parse_args()
+    args = bench_common.parser(__doc__, helps={"depth": "Dense(width, relu) layers, half per group"},
+                               width=512, depth=12, batch=2048, steps=2, rounds=7).parse_args()
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
     print(f"tensorflow {tf.__version__}, keras {keras.__version__}, {os.cpu_count()} cores, one thread, "

@@ -35,8 +35,10 @@ import sys
 import time
 from typing import Any, Dict, List
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import bench_env
+from bench_env import ROOT
+
+bench_env.repo_on_path()
 
 from dualframe.launch.commands import mpirun_command, thread_env  # noqa: E402
 

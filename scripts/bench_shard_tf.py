@@ -27,8 +27,9 @@ import subprocess
 import sys
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import bench_env
+
+bench_env.repo_on_path()
 
 from dualframe.launch.commands import horovodrun_command, mpirun_command, thread_env  # noqa: E402
 

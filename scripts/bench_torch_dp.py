@@ -24,8 +24,10 @@ import sys
 import time
 from typing import Callable, Dict, List
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import bench_env
+from bench_env import ROOT
+
+bench_env.repo_on_path()
 sys.path.insert(0, str(ROOT / "torch_examples"))
 
 from dualframe.launch.commands import horovodrun_command, mpirun_command, thread_env  # noqa: E402
