@@ -1,8 +1,8 @@
 """The Keras sharded optimizer (ZeRO-1/2, ``DistributedOptimizer(shard=...)``) on 2 ranks: equal to plain data parallelism.
 
-Every rank runs every test. Each compares, to 1e-5, with plain data parallelism's one-process reference
-(rank 0's initial model trained on the concatenation of all ranks' batches, computed inside every rank),
-optimizer state included. The torch twin: mp_torch_shard.py.
+Every rank runs every test. Each compares with plain data parallelism's one-process reference (rank 0's
+initial model trained on the concatenation of all ranks' batches, computed inside every rank) to 1e-5,
+optimizer state included (fp16 compression: 3e-3). The torch twin: mp_torch_shard.py.
 # timeout: 600
 """
 import numpy as np
