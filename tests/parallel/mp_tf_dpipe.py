@@ -7,43 +7,20 @@ import horovod.tensorflow as horovod
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import dualframe.tensorflow as hvd
 from dualframe.errors import BalanceError, ChunksError, ScheduleError, StrategyError
 from dualframe.tensorflow.distributed_pipeline import DistributedPipeline
+# tests/parallel is on sys.path (pytest rootdir import)
+from keras_pipeline_models import assert_weights, batches, mlp, one_process, train_pipeline
 
 STEPS, BATCH, CHUNKS = 4, 10, 4  # micro-batches of 3, 3, 2, 2 rows
 hvd.init()
 
 
-def make_model(seed=7):
-    """The same weights on every rank and in the reference: seeded initializers, built by keras.Input."""
-    init = keras.initializers.GlorotUniform
-    return keras.Sequential([
-        keras.Input((6,)),
-        keras.layers.Dense(16, kernel_initializer=init(seed), bias_initializer=keras.initializers.RandomNormal(seed=seed)),
-        keras.layers.Activation("tanh"),
-        keras.layers.Dense(16, kernel_initializer=init(seed + 1)),
-        keras.layers.Activation("relu"),
-        keras.layers.Dense(3, kernel_initializer=init(seed + 2)),
-    ])
-
-
-def batches():
-    rng = np.random.RandomState(11)
-    return [(rng.randn(BATCH, 6).astype("float32"), rng.randn(BATCH, 3).astype("float32")) for _ in range(STEPS)]
-
-
 def reference(data):
-    """One process trains the whole model on the same batches: losses and final weights."""
-    model, optimizer, losses = make_model(), keras.optimizers.SGD(0.1, momentum=0.9), []
-    for x, y in data:
-        with tf.GradientTape() as tape:
-            loss = keras.losses.MeanSquaredError()(y, model(x))
-        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
-        losses.append(float(loss))
-    return losses, model.get_weights()
+    """One process trains the whole model (the shared MLP, seed 7) on the same batches: losses and final weights."""
+    return one_process(mlp(), data, keras.optimizers.SGD(0.1, momentum=0.9))
 
 
 def test_started_on_two_processes():
@@ -51,7 +28,7 @@ def test_started_on_two_processes():
 
 
 def test_bad_input_is_refused_on_every_rank_before_communication():
-    mse, model = keras.losses.MeanSquaredError(), make_model()
+    mse, model = keras.losses.MeanSquaredError(), mlp()
     with pytest.raises(BalanceError, match=r"balance must sum to the number of layers \(balance: \[2, 2\] = 2 \+ 2 = 4, layers: 5\)"):
         DistributedPipeline(model, [2, 2], chunks=2, loss_fn=mse)
     with pytest.raises(StrategyError, match=r"multiple of the number of stages \(processes: 2, stages: 3\)"):
@@ -68,21 +45,13 @@ def test_bad_input_is_refused_on_every_rank_before_communication():
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
 def test_training_equals_one_process(schedule):
-    data = batches()
+    data = batches(STEPS, BATCH)
     expected_losses, expected_weights = reference(data)
-    pipe = DistributedPipeline(make_model(), balance=[3, 2], chunks=CHUNKS, schedule=schedule,
+    pipe = DistributedPipeline(mlp(), balance=[3, 2], chunks=CHUNKS, schedule=schedule,
                                loss_fn=keras.losses.MeanSquaredError())
     assert len(pipe.trainable_variables) == (4 if hvd.rank() == 0 else 2)
-    optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
-    for step, (x, y) in enumerate(data):
-        # Inputs are read on the first stage, targets on the last: the others pass None.
-        loss = pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None)
-        assert loss == pytest.approx(expected_losses[step], abs=1e-5), f"step {step}"
-        pipe.apply_gradients(optimizer)
-    merged = pipe.gather_weights()
-    assert len(merged) == len(expected_weights)
-    for got, want in zip(merged, expected_weights):
-        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    train_pipeline(pipe, keras.optimizers.SGD(0.1, momentum=0.9), data, expected_losses)
+    assert_weights(pipe.gather_weights(), expected_weights)
     assert pipe.records.records[-1].wall > 0
     # GPipe's steps after the first (eager) one run every micro-batch's W in one pass after the last B.
     tags = [tag for tag, _, _ in pipe.records.records[-1].actions]
@@ -94,11 +63,10 @@ def test_training_equals_one_process(schedule):
 
 
 def test_inference_and_set_weights_take_the_full_model():
-    model, other = make_model(), make_model(seed=99)
+    model, other = mlp(), mlp(seed=99)
     pipe = DistributedPipeline(model, balance=[3, 2], chunks=3, loss_fn="mse")
     pipe.set_weights(other.get_weights())
-    for got, want in zip(pipe.gather_weights(), other.get_weights()):
-        np.testing.assert_array_equal(got, want)
+    assert_weights(pipe.gather_weights(), other.get_weights(), "set vs gathered", atol=0)
     x = np.random.RandomState(3).randn(7, 6).astype("float32")
     out = pipe(x)
     if pipe.is_last:
@@ -108,7 +76,7 @@ def test_inference_and_set_weights_take_the_full_model():
 
 
 def test_bad_batches_are_refused_on_every_rank():
-    pipe = DistributedPipeline(make_model(), balance=[3, 2], chunks=4, loss_fn="mse")
+    pipe = DistributedPipeline(mlp(), balance=[3, 2], chunks=4, loss_fn="mse")
     rng = np.random.RandomState(5)
     with pytest.raises(ChunksError, match=r"the batch is smaller than chunks \(batch: 3, chunks: 4\)"):
         pipe.train_step(rng.randn(3, 6).astype("float32"), rng.randn(3, 3).astype("float32"))
@@ -125,21 +93,21 @@ def test_messages_go_over_mpi_under_mpi_and_over_zeromq_under_gloo(monkeypatch):
     # --gloo: no MPI world, so over ZeroMQ (the training tests above ran that way).
     gloo = "HOROVOD_GLOO_RENDEZVOUS_ADDR" in os.environ
     assert horovod.mpi_enabled() is not gloo
-    assert DistributedPipeline(make_model(), [3, 2], chunks=2, loss_fn="mse").transport == ("zmq" if gloo else "mpi")
+    assert DistributedPipeline(mlp(), [3, 2], chunks=2, loss_fn="mse").transport == ("zmq" if gloo else "mpi")
     monkeypatch.setenv("DUALFRAME_PIPELINE_TRANSPORT", "mpi")
     if gloo:
         with pytest.raises(StrategyError, match=r"=mpi needs mpi point-to-point on every rank \(2 of 2 lack it; "
                                                 r"here: Horovod runs on Gloo"):
-            DistributedPipeline(make_model(), [3, 2], chunks=2, loss_fn="mse")
+            DistributedPipeline(mlp(), [3, 2], chunks=2, loss_fn="mse")
     # transport= wins over the variable: asked for on every rank, taken (zmq: under gloo, mpi: under mpirun).
-    assert DistributedPipeline(make_model(), [3, 2], chunks=2, loss_fn="mse",
+    assert DistributedPipeline(mlp(), [3, 2], chunks=2, loss_fn="mse",
                                transport="zmq" if gloo else "mpi").transport == ("zmq" if gloo else "mpi")
     with pytest.raises(StrategyError, match=r"transport must be one of auto, mpi, zmq, horovod, or None to read "
                                             r"DUALFRAME_PIPELINE_TRANSPORT \(transport: 'gloo'\)"):
-        DistributedPipeline(make_model(), [3, 2], chunks=2, loss_fn="mse", transport="gloo")
+        DistributedPipeline(mlp(), [3, 2], chunks=2, loss_fn="mse", transport="gloo")
     monkeypatch.setenv("DUALFRAME_PIPELINE_TRANSPORT", "zmq")
-    pipe = DistributedPipeline(make_model(), [3, 2], chunks=2, schedule="1f1b", loss_fn="mse", transport="horovod")
+    pipe = DistributedPipeline(mlp(), [3, 2], chunks=2, schedule="1f1b", loss_fn="mse", transport="horovod")
     assert pipe.direct is None and pipe.transport == "horovod"
     # Horovod broadcasts under mpirun too: one step still equals one process.
-    x, y = batches()[0]
+    x, y = batches(STEPS, BATCH)[0]
     assert pipe.train_step(x, y) == pytest.approx(reference([(x, y)])[0][0], abs=1e-5)

@@ -8,11 +8,13 @@ path), packed into one byte message. GPipe, 1F1B and ZB-H1 (its B and W split no
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import dualframe.tensorflow as hvd
 from dualframe.pipeline.graph_walk import edge_values
 from dualframe.tensorflow.distributed_pipeline import DistributedPipeline
+# tests/parallel is on sys.path (pytest rootdir import)
+from keras_pipeline_models import (assert_weights, batches, encoder_batches, make_encoder, one_process,
+                                   train_pipeline)
 
 STEPS, BATCH, CHUNKS = 3, 10, 4
 hvd.init()
@@ -30,39 +32,17 @@ def make_model(seed=7):
     return keras.Model(x, keras.layers.Dense(3, kernel_initializer=init(seed + 99), name="head")(h))
 
 
-def batches():
-    rng = np.random.RandomState(11)
-    return [(rng.randn(BATCH, 6).astype("float32"), rng.randn(BATCH, 3).astype("float32")) for _ in range(STEPS)]
-
-
-def reference(data):
-    model, optimizer, losses = make_model(), keras.optimizers.SGD(0.1, momentum=0.9), []
-    for x, y in data:
-        with tf.GradientTape() as tape:
-            loss = keras.losses.MeanSquaredError()(y, model(x))
-        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
-        losses.append(float(loss))
-    return losses, model.get_weights()
-
-
 @pytest.mark.parametrize("schedule, balance", [("gpipe", [5, 4]), ("1f1b", [5, 4]), ("1f1b", [3, 6]),
                                                ("zb-h1", [5, 4]), ("zb-h1", [3, 6])])
 def test_functional_model_trains_as_one_process(schedule, balance):
-    data = batches()
-    expected_losses, expected_weights = reference(data)
+    data = batches(STEPS, BATCH)
+    expected_losses, expected_weights = one_process(make_model(), data, keras.optimizers.SGD(0.1, momentum=0.9))
     pipe = DistributedPipeline(make_model(), balance=balance, chunks=CHUNKS, schedule=schedule, loss_fn="mse")
     crossing = {(0, 1): ("b0_fc1", "d0") if balance == [3, 6] else ("b0_add",)}  # two values cross at [3, 6]
     assert pipe.role.edge_links.keys() == {1 - pipe.stage_index}
     assert {(0, 1): edge_values(pipe.split, 0, 1)} == crossing
-    optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
-    for step, (x, y) in enumerate(data):
-        loss = pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None)
-        assert loss == pytest.approx(expected_losses[step], abs=1e-5), f"step {step}"
-        pipe.apply_gradients(optimizer)
-    merged = pipe.gather_weights()
-    assert len(merged) == len(expected_weights)
-    for got, want in zip(merged, expected_weights):
-        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    train_pipeline(pipe, keras.optimizers.SGD(0.1, momentum=0.9), data, expected_losses)
+    assert_weights(pipe.gather_weights(), expected_weights)
 
 
 def test_inference_and_set_weights_take_the_full_model():
@@ -75,50 +55,12 @@ def test_inference_and_set_weights_take_the_full_model():
         np.testing.assert_allclose(out.numpy(), other(x).numpy(), atol=1e-6, rtol=0)
 
 
-T, VOCAB = 6, 30
-
-
-def make_encoder():
-    """(tokens, padding mask) -> embedding -> 2 attention blocks reading one attention mask -> logits."""
-    keras.utils.set_random_seed(5)
-    tokens = keras.Input((T,), dtype="int32", name="tokens")
-    mask = keras.Input((T,), dtype="bool", name="mask")
-    attention = keras.layers.Reshape((1, T), name="attention_mask")(mask)
-    h = keras.layers.Embedding(VOCAB, 8, name="embed")(tokens)
-    for b in range(2):
-        a = keras.layers.MultiHeadAttention(2, 4, name=f"b{b}_mha")(h, h, attention_mask=attention)
-        h = keras.layers.LayerNormalization(name=f"b{b}_ln")(keras.layers.Add(name=f"b{b}_add")([h, a]))
-    h = keras.layers.GlobalAveragePooling1D(name="pool")(h)
-    return keras.Model({"tokens": tokens, "mask": mask}, keras.layers.Dense(3, name="head")(h))
-
-
-def encoder_batches():
-    rng = np.random.RandomState(4)
-    out = []
-    for _ in range(STEPS):
-        lengths = rng.randint(2, T + 1, size=BATCH)
-        inputs = {"tokens": rng.randint(1, VOCAB, size=(BATCH, T)).astype("int32"),
-                  "mask": np.arange(T)[None, :] < lengths[:, None]}
-        out.append((inputs, rng.randn(BATCH, 3).astype("float32")))
-    return out
-
-
 @pytest.mark.parametrize("schedule, chunks", [("1f1b", 3), ("zb-h1", 4)])
 def test_encoder_with_two_inputs_and_a_mask_crossing_trains_as_one_process(schedule, chunks):
-    data = encoder_batches()
-    model, optimizer, expected = make_encoder(), keras.optimizers.SGD(0.1), []
-    for x, y in data:
-        with tf.GradientTape() as tape:
-            loss = keras.losses.MeanSquaredError()(y, model(x))
-        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
-        expected.append(float(loss))
+    data = encoder_batches(STEPS, BATCH)
+    expected_losses, expected_weights = one_process(make_encoder(), data, keras.optimizers.SGD(0.1))
     # inputs, mask, embedding, block 0 (3 layers) | block 1, pool, head: the states and the bool mask cross, packed
     pipe = DistributedPipeline(make_encoder(), balance=[7, 5], chunks=chunks, schedule=schedule, loss_fn="mse")
-    optimizer = keras.optimizers.SGD(0.1)
-    for step, (x, y) in enumerate(data):
-        loss = pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None)
-        assert loss == pytest.approx(expected[step], abs=1e-5), f"step {step}"
-        pipe.apply_gradients(optimizer)
+    train_pipeline(pipe, keras.optimizers.SGD(0.1), data, expected_losses)
     assert (pipe._graph_function.weight_pass.tracing_count() > 0) == (schedule == "zb-h1")  # W ran, compiled
-    for got, want in zip(pipe.gather_weights(), model.get_weights()):
-        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    assert_weights(pipe.gather_weights(), expected_weights)

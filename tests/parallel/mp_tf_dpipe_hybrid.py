@@ -10,46 +10,31 @@ import os
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import dualframe.tensorflow as hvd
 import dualframe.tensorflow.keras as hvd_keras
 from dualframe.pipeline.layout import pipeline_process_sets
 from dualframe.tensorflow.distributed_pipeline import DistributedPipeline
+# tests/parallel is on sys.path (pytest rootdir import)
+from keras_pipeline_models import assert_weights, batches, mlp, one_process, replica_feed, train_pipeline
 
 STEPS, GLOBAL_BATCH, CHUNKS = 3, 16, 4  # each replica 8 rows: micro-batches of 2
 # The process sets the pipeline needs, declared at start-up: neighbour pairs, pipelines, stage replicas.
 hvd.init(process_sets=pipeline_process_sets(4, 2))
 
 
-def make_model(seed=3):
-    """The same weights on every rank and in the reference: seeded initializers, built by keras.Input."""
-    init = keras.initializers.GlorotUniform
-    return keras.Sequential([
-        keras.Input((5,)),
-        keras.layers.Dense(12, kernel_initializer=init(seed), bias_initializer=keras.initializers.RandomNormal(seed=seed)),
-        keras.layers.Activation("tanh"),
-        keras.layers.Dense(12, kernel_initializer=init(seed + 1)),
-        keras.layers.Activation("tanh"),
-        keras.layers.Dense(2, kernel_initializer=init(seed + 2)),
-    ])
+def make_model():
+    """The shared MLP in this file's sizes: 5 features, 12 wide, tanh twice, 2 outputs."""
+    return mlp(seed=3, features=5, width=12, outputs=2, second="tanh")
 
 
 def global_batches(steps=STEPS, seed=5):
-    rng = np.random.RandomState(seed)
-    return [(rng.randn(GLOBAL_BATCH, 5).astype("float32"), rng.randn(GLOBAL_BATCH, 2).astype("float32"))
-            for _ in range(steps)]
+    return batches(steps, GLOBAL_BATCH, features=5, outputs=2, seed=seed)
 
 
 def reference(data):
     """One process trains the whole model on the global batches: losses and final weights."""
-    model, optimizer, losses = make_model(), keras.optimizers.SGD(0.2, momentum=0.9), []
-    for x, y in data:
-        with tf.GradientTape() as tape:
-            loss = keras.losses.MeanSquaredError()(y, model(x))
-        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
-        losses.append(float(loss))
-    return losses, model.get_weights()
+    return one_process(make_model(), data, keras.optimizers.SGD(0.2, momentum=0.9))
 
 
 def test_started_on_four_processes():
@@ -66,22 +51,13 @@ def test_hybrid_equals_one_process_on_the_global_batch(schedule, sharding):
     assert (pipe.replica, pipe.stage_index) == divmod(hvd.rank(), 2)
     assert pipe.stage_ranks == [pipe.stage_index, 2 + pipe.stage_index]
     optimizer = pipe.distributed_optimizer(keras.optimizers.SGD(0.2, momentum=0.9), shard=sharding)
-    rows = GLOBAL_BATCH // 2
-    for step, (x, y) in enumerate(data):
-        shard = slice(pipe.replica * rows, (pipe.replica + 1) * rows)  # each replica its half of the global batch
-        loss = pipe.train_step(x[shard], y[shard])
-        pipe.apply_gradients(optimizer)
-        assert loss == pytest.approx(expected_losses[step], abs=1e-5), f"step {step}"
+    train_pipeline(pipe, optimizer, data, expected_losses, feed=replica_feed)  # each replica its half of the batch
     # Each replica's pipeline merges into the full model; both replicas hold the same weights.
-    merged = pipe.gather_weights()
-    assert len(merged) == len(expected_weights)
-    for got, want in zip(merged, expected_weights):
-        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    assert_weights(pipe.gather_weights(), expected_weights)
     if sharding:  # the stage's state was cut between its two replicas
         assert optimizer.sharded_for() == 2 and optimizer.reduction.process_set is pipe.stage_process_set
     replicas = hvd.allgather_object(pipe.get_weights(), name=f"hybrid.{schedule}.{sharding}.weights")
-    for got, want in zip(replicas[pipe.stage_index], replicas[2 + pipe.stage_index]):
-        np.testing.assert_array_equal(got, want)
+    assert_weights(replicas[pipe.stage_index], replicas[2 + pipe.stage_index], "replica 0 vs replica 1", atol=0)
 
 
 RESUME_STEPS, SAVE_AFTER = 4, 2
@@ -99,17 +75,9 @@ def hybrid_run(seed=0):
 
 
 def hybrid_step(pipe, optimizer, x, y):
-    rows = GLOBAL_BATCH // 2
-    shard = slice(pipe.replica * rows, (pipe.replica + 1) * rows)
-    loss = pipe.train_step(x[shard], y[shard])
+    loss = pipe.train_step(*replica_feed(pipe, x, y))
     pipe.apply_gradients(optimizer)
     return loss
-
-
-def assert_weights(got, want, what, atol):
-    assert len(got) == len(want), what
-    for i, (a, b) in enumerate(zip(got, want)):
-        np.testing.assert_allclose(a, b, atol=atol, rtol=0, err_msg=f"rank {hvd.rank()}: {what}, weight {i}")
 
 
 def test_hybrid_stage_checkpoint_resume_and_merge(tmp_path):

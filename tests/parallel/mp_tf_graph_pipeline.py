@@ -15,6 +15,8 @@ import tensorflow as tf
 import dualframe.tensorflow as hvd
 from dualframe.pipeline.layout import pipeline_process_sets
 from dualframe.tensorflow.distributed_pipeline import DistributedPipeline
+# tests/parallel is on sys.path (pytest rootdir import)
+from keras_pipeline_models import assert_weights, one_process, train_pipeline
 
 STEPS, BATCH, CHUNKS = 3, 10, 4
 # The neighbour pairs, plus every skip pair (graph=True): stage 0 sends to stage 2 directly.
@@ -70,22 +72,11 @@ def test_edges_skip_the_stage_that_does_not_read():
                                            ("zb-h1", {"split_points": SPLIT_POINTS})])
 def test_training_equals_one_process(schedule, cut):
     data = batches()
-    model, optimizer, expected = make_model(), keras.optimizers.SGD(0.1, momentum=0.9), []
-    for x, y in data:
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x))
-        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
-        expected.append(float(loss))
+    expected_losses, expected_weights = one_process(make_model(), data, keras.optimizers.SGD(0.1, momentum=0.9),
+                                                    loss_fn)
     pipe = DistributedPipeline(make_model(), chunks=CHUNKS, schedule=schedule, loss_fn=loss_fn, **cut)
-    optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
-    for step, (x, y) in enumerate(data):
-        loss = pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None)
-        assert loss == pytest.approx(expected[step], abs=1e-5), f"step {step}"
-        pipe.apply_gradients(optimizer)
-    merged = pipe.gather_weights()
-    assert len(merged) == len(model.get_weights())
-    for got, want in zip(merged, model.get_weights()):
-        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    train_pipeline(pipe, keras.optimizers.SGD(0.1, momentum=0.9), data, expected_losses)
+    assert_weights(pipe.gather_weights(), expected_weights)
 
 
 def test_inference_returns_the_model_outputs_on_the_last_stage():

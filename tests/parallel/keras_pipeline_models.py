@@ -1,0 +1,103 @@
+"""Seeded Keras models, batches and one-process references shared by the Keras pipeline worker files (mp_tf_*).
+
+Not a worker file itself (no ``mp_`` prefix: test_launchers.py does not launch it); the worker files import
+it by name, tests/parallel being on sys.path under pytest's rootdir import. Every model is seeded, so each
+rank and the one-process reference build the same weights.
+"""
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import dualframe.tensorflow as hvd
+
+T, VOCAB = 6, 30  # the encoder's tokens per row and vocabulary
+
+
+def mlp(seed=7, features=6, width=16, outputs=3, second="relu"):
+    """Dense -> tanh -> Dense -> ``second`` -> Dense (5 layers), seeded initializers, built by keras.Input."""
+    init = keras.initializers.GlorotUniform
+    return keras.Sequential([
+        keras.Input((features,)),
+        keras.layers.Dense(width, kernel_initializer=init(seed), bias_initializer=keras.initializers.RandomNormal(seed=seed)),
+        keras.layers.Activation("tanh"),
+        keras.layers.Dense(width, kernel_initializer=init(seed + 1)),
+        keras.layers.Activation(second),
+        keras.layers.Dense(outputs, kernel_initializer=init(seed + 2)),
+    ])
+
+
+def batches(steps, rows, features=6, outputs=3, seed=11):
+    """``steps`` (inputs, targets) pairs of ``rows`` rows, the same on every rank."""
+    rng = np.random.RandomState(seed)
+    return [(rng.randn(rows, features).astype("float32"), rng.randn(rows, outputs).astype("float32"))
+            for _ in range(steps)]
+
+
+def make_encoder(outputs=3, token_dtype="int32"):
+    """(tokens, padding mask) -> embedding -> 2 attention blocks reading one attention mask -> logits."""
+    keras.utils.set_random_seed(5)
+    tokens = keras.Input((T,), dtype=token_dtype, name="tokens")
+    mask = keras.Input((T,), dtype="bool", name="mask")
+    attention = keras.layers.Reshape((1, T), name="attention_mask")(mask)
+    h = keras.layers.Embedding(VOCAB, 8, name="embed")(tokens)
+    for b in range(2):
+        a = keras.layers.MultiHeadAttention(2, 4, name=f"b{b}_mha")(h, h, attention_mask=attention)
+        h = keras.layers.LayerNormalization(name=f"b{b}_ln")(keras.layers.Add(name=f"b{b}_add")([h, a]))
+    h = keras.layers.GlobalAveragePooling1D(name="pool")(h)
+    return keras.Model({"tokens": tokens, "mask": mask}, keras.layers.Dense(outputs, name="head")(h))
+
+
+def encoder_batches(steps, rows, outputs=3, token_dtype="int32"):
+    """({tokens, mask}, targets) pairs: each row's mask is True on its first 2..T tokens."""
+    rng = np.random.RandomState(4)
+    out = []
+    for _ in range(steps):
+        lengths = rng.randint(2, T + 1, size=rows)
+        inputs = {"tokens": rng.randint(1, VOCAB, size=(rows, T)).astype(token_dtype),
+                  "mask": np.arange(T)[None, :] < lengths[:, None]}
+        out.append((inputs, rng.randn(rows, outputs).astype("float32")))
+    return out
+
+
+def one_process(model, data, optimizer, loss_fn=None):
+    """One process trains the whole ``model`` on the batches: its loss at each step and its final weights."""
+    loss_fn = loss_fn or keras.losses.MeanSquaredError()
+    losses = []
+    for x, y in data:
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x))
+        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+        losses.append(float(loss))
+    return losses, model.get_weights()
+
+
+def stage_feed(pipe, x, y):
+    """Inputs are read on the first stage, targets on the last: the other stages pass None."""
+    return x if pipe.is_first else None, y if pipe.is_last else None
+
+
+def replica_feed(pipe, x, y, replicas=2):
+    """In a hybrid each replica takes its share of the global batch (arrays or a dict of them), on every stage."""
+    rows = len(y) // replicas
+    shard = slice(pipe.replica * rows, (pipe.replica + 1) * rows)
+    return ({k: v[shard] for k, v in x.items()} if isinstance(x, dict) else x[shard]), y[shard]
+
+
+def train_pipeline(pipe, optimizer, data, expected_losses, feed=stage_feed):
+    """Steps ``pipe`` through ``data``; each step's loss must be the one-process loss to 1e-5.
+
+    The check comes after ``apply_gradients``, so a rank whose loss is off still reaches that step's collectives.
+    """
+    for step, (x, y) in enumerate(data):
+        loss = pipe.train_step(*feed(pipe, x, y))
+        pipe.apply_gradients(optimizer)
+        assert loss == pytest.approx(expected_losses[step], abs=1e-5), \
+            f"rank {hvd.rank()} step {step}: loss {loss}, one process {expected_losses[step]}"
+
+
+def assert_weights(got, want, what="merged vs one process", atol=1e-5):
+    """The same number of weights, each within ``atol`` (0: bitwise equal)."""
+    assert len(got) == len(want), f"rank {hvd.rank()}: {what}: {len(got)} weights, want {len(want)}"
+    for i, (a, b) in enumerate(zip(got, want)):
+        np.testing.assert_allclose(a, b, atol=atol, rtol=0, err_msg=f"rank {hvd.rank()}: {what}, weight {i}")
