@@ -25,6 +25,8 @@ NODES=${DUALFRAME_CLUSTER_NODES:-2}
 NET=${DUALFRAME_CLUSTER_NET:-10.203.7}
 CPUS=${DUALFRAME_CLUSTER_CPUS:-4}
 STATE=/run/dualframe-cluster
+# This checkout: the nodes run its .venv and tests at the same path.
+CHECKOUT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)
 HUB=dfhub
 PACKAGES=(openssh-server slurmd slurmctld slurm-client munge iproute2 util-linux)
 
@@ -35,11 +37,18 @@ node_names() { local i; for ((i = 1; i <= NODES; i++)); do echo "dfn$i"; done; }
 current_nodes() { if [ -f "$STATE/nodes" ]; then cat "$STATE/nodes"; else node_names; fi; }
 
 # Run "$@" on node $1: its network namespace, its /etc/hosts, its host name, its own /tmp (as on real
-# nodes: Slurm's PMIx and Open MPI keep per-node files there), the cluster's ssh and Slurm.
+# nodes: Slurm's PMIx and Open MPI keep per-node files there), the cluster's ssh and Slurm. A checkout
+# under /tmp (mktemp -d) stays at its path there: held at $STATE/checkout while the node's /tmp is
+# mounted, then bound back over an empty folder of the same name (mounts private to the node's process).
 on_node() {
   local node=$1; shift
+  mkdir -p "$STATE/checkout"
   ip netns exec "$node" unshare --uts --mount env PATH="$STATE/bin:$PATH" SLURM_CONF="$STATE/slurm/slurm.conf" \
-    sh -c 'mount --bind "$1" /tmp && hostname "$0" && shift && exec "$@"' "$node" "$STATE/tmp/$node" "$@"
+    sh -c 'set -e
+      case "$2/" in /tmp/*) mount --bind "$2" "$3" ;; esac
+      mount --bind "$1" /tmp
+      case "$2/" in /tmp/*) mkdir -p "$2" && mount --bind "$3" "$2" ;; esac
+      hostname "$0"; shift 3; exec "$@"' "$node" "$STATE/tmp/$node" "$CHECKOUT" "$STATE/checkout" "$@"
 }
 
 need_root() {
@@ -198,15 +207,15 @@ cmd_up() {
   [[ $NODES =~ ^[0-9]+$ ]] && [ "$NODES" -ge 2 ] && [ "$NODES" -le 8 ] \
     || die "DUALFRAME_CLUSTER_NODES must be 2..8 (DUALFRAME_CLUSTER_NODES=$NODES)"
   [ -z "$(missing_packages)" ] || die "missing packages: $(missing_packages); run: bash scripts/cluster.sh install"
-  local root; root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)
-  case "$root/" in /tmp/*) die "this checkout is under /tmp ($root), which each node replaces with its own /tmp, so \
-the nodes cannot run its .venv or tests; clone it elsewhere (e.g. /root or /work)" ;; esac
   if [ -d "$STATE" ]; then
-    if cmd_status >/dev/null 2>&1 && [ "$(cat "$STATE/nodes")" = "$(node_names)" ]; then say "already up"; return 0; fi
+    # The daemons were started from one checkout (its path bound in their mounts when under /tmp).
+    if cmd_status >/dev/null 2>&1 && [ "$(cat "$STATE/nodes")" = "$(node_names)" ] \
+        && [ "$(cat "$STATE/checkout_path" 2>/dev/null)" = "$CHECKOUT" ]; then say "already up"; return 0; fi
     say "a partial or different cluster is there: taking it down first"; cmd_down
   fi
   mkdir -p "$STATE/work"; chmod 755 "$STATE"; chmod 1777 "$STATE/work"   # work: shared by all nodes
   node_names > "$STATE/nodes"
+  echo "$CHECKOUT" > "$STATE/checkout_path"
   ip netns add "$HUB"
   ip -n "$HUB" link add br0 type bridge
   ip -n "$HUB" link set br0 up
