@@ -21,6 +21,9 @@ HOROVOD_SHA256=92a43f5a94c43907a56805bad15f19700c62ffc83b7ca483f9e104e229f67ef0
 HOROVOD_PATCH_LEVEL=1
 TORCH_SPEC=${DUALFRAME_TORCH_SPEC:-torch==2.13.0}
 TF_SPEC=${DUALFRAME_TF_SPEC:-tensorflow-cpu==2.21.0}
+# The real clients the tests split (models built from small configs, nothing downloaded).
+TRANSFORMERS_SPEC=transformers==5.24.0
+KERAS_HUB_SPEC=keras-hub==0.32.0
 CACHE=${DUALFRAME_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/dualframe}
 STAMP="$VENV/.dualframe-bootstrap"
 GPU_OPS=${HOROVOD_GPU_OPERATIONS:-none}
@@ -29,8 +32,9 @@ say() { echo "[bootstrap] $*" >&2; }
 die() { echo "[bootstrap] error: $*" >&2; exit 1; }
 
 wanted_stamp() {
-  printf 'horovod=%s.%s torch=%s tf=%s gpu=%s setup=%s\n' "$HOROVOD_VERSION" "$HOROVOD_PATCH_LEVEL" \
-    "$TORCH_SPEC" "$TF_SPEC" "$GPU_OPS" "$(cat "$ROOT/setup.cfg" 2>/dev/null | sha256sum | cut -c1-16)"
+  printf 'horovod=%s.%s torch=%s tf=%s gpu=%s clients=%s,%s setup=%s\n' "$HOROVOD_VERSION" "$HOROVOD_PATCH_LEVEL" \
+    "$TORCH_SPEC" "$TF_SPEC" "$GPU_OPS" "$TRANSFORMERS_SPEC" "$KERAS_HUB_SPEC" \
+    "$(cat "$ROOT/setup.cfg" 2>/dev/null | sha256sum | cut -c1-16)"
 }
 
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$(wanted_stamp)" ] && [ -x "$PY" ] \
@@ -79,6 +83,15 @@ has "$TORCH_SPEC" || { say "installing $TORCH_SPEC"; pip install "$TORCH_SPEC"; 
 has "$TF_SPEC" || { say "installing $TF_SPEC"; pip install "$TF_SPEC"; }
 has mpi4py || { say "installing mpi4py"; pip install mpi4py; }
 has pyzmq || { say "installing pyzmq"; pip install pyzmq; }  # pipeline point-to-point under horovodrun --gloo
+# Hugging Face transformers and keras-hub for the tests that split their models. keras-hub without its
+# dependencies: its tensorflow-text would pull the full tensorflow wheel over tensorflow-cpu, and keras_hub
+# imports without it; the few packages it does import come next.
+has "$TRANSFORMERS_SPEC" || { say "installing $TRANSFORMERS_SPEC"; pip install "$TRANSFORMERS_SPEC"; }
+if ! has "$KERAS_HUB_SPEC"; then
+  say "installing $KERAS_HUB_SPEC (without tensorflow-text)"
+  pip install --no-deps "$KERAS_HUB_SPEC"
+  pip install absl-py regex rich kagglehub sentencepiece tokenizers
+fi
 say "installing dualframe (editable) with its test tools"
 pip install -e "$ROOT[test]"
 
