@@ -11,6 +11,7 @@ import sys
 from typing import Any, ContextManager, Dict, Generic, List, Optional, Sequence, TypeVar, Union
 
 from dualframe.errors import NotInitializedError, StrategyError, TopologyError
+from dualframe.launch.mpi_world import start_mpi
 from dualframe.launch.topology import detect
 from dualframe.reliability.checkpoint import split_gathered
 from dualframe.strategy import REDUCE_OPS
@@ -123,6 +124,8 @@ class HorovodCollectives(Generic[T]):
         arguments = {"process_sets": check_process_sets(self.hvd, process_sets, world_size)}
         if comm is not None:
             arguments["comm"] = comm
+        else:
+            start_mpi()  # MPI owned by mpi4py: a rank that finishes first no longer finalizes it under the others
         self.hvd.init(**arguments)
 
     def is_initialized(self) -> bool:

@@ -8,6 +8,7 @@ nodes); 2 ranks,
 from __future__ import annotations
 
 import re
+import sys
 
 import pytest
 
@@ -52,3 +53,18 @@ def test_strategies_across_nodes_equal_one_process(case):
     ranks = 4 if CASES[case][0] else 2
     passed = re.findall(r"(\d+) passed", output)
     assert passed == [str(CASES[case][1])] * ranks, f"{case}: per-rank passes {passed}:\n{output[-4000:]}"
+
+
+@pytest.mark.parametrize("first", ["last", "first"])
+def test_pipeline_script_ends_cleanly_under_srun(first):
+    """tests/parallel/dpipe_workers/exit_unbalanced.py, one stage per node: both ranks exit 0 whichever leaves first."""
+    worker = ROOT / "tests" / "parallel" / "dpipe_workers" / "exit_unbalanced.py"
+    env = worker_env(DPIPE_FIRST=first)
+    line = ["srun", "--mpi=pmix", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+            sys.executable, str(worker)]
+    code, output, _ = on_node("dfn1", line, env, TIMEOUT)
+    assert code == 0 and "signal 11" not in output and "Segmentation" not in output, f"exit {code}:\n{output[-6000:]}"
+    assert sorted(re.findall(r"rank (\d): balance \[\d+, \d+\]: 3 losses equal one process", output)) == \
+        ["0", "0", "1", "1"], output[-6000:]
+    light = "1" if first == "last" else "0"
+    assert re.search(rf"rank {light}: leaving first", output), output[-6000:]

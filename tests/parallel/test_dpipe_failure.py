@@ -12,30 +12,20 @@ import os
 import pathlib
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
-from dualframe.launch.commands import horovodrun_command, mpirun_command, thread_env
+from jobs import two_rank_job
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 WORKERS = {"torch": ROOT / "tests" / "parallel" / "dpipe_workers" / "neighbour_dies.py",
            "tf": ROOT / "tests" / "parallel" / "dpipe_workers" / "neighbour_dies_tf.py"}
-BIN = pathlib.Path(sys.executable).parent
 
 
 def launch(framework: str, launcher: str, fault: str) -> tuple:
     """Run the framework's worker; return (exit status, output, seconds from the fault to the end)."""
-    program = [sys.executable, str(WORKERS[framework])]
-    if launcher == "horovodrun":
-        command = horovodrun_command(2, program, horovodrun=str(BIN / "horovodrun"))
-    else:
-        command = mpirun_command(2, program, oversubscribe=True,
-                                 export=("PATH", "PYTHONPATH", "DPIPE_FAULT", "DPIPE_TIMEOUT", "TF_CPP_MIN_LOG_LEVEL",
-                                         *thread_env(1)))
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", DPIPE_FAULT=fault, DPIPE_TIMEOUT="10",
-               TF_CPP_MIN_LOG_LEVEL="2", PATH=f"{BIN}:{os.environ['PATH']}", **thread_env(2, cores=2))
+    command, env = two_rank_job(WORKERS[framework], launcher, ROOT, DPIPE_FAULT=fault, DPIPE_TIMEOUT="10")
     process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, start_new_session=True)
     lines, fault_time = [], None
@@ -70,5 +60,7 @@ def test_stage_stops_with_a_clear_error_within_60_s(framework, launcher, fault):
     assert seconds < 60, f"the job ran {seconds:.0f} s after stage 1 {fault}d:\n{output[-4000:]}"
     clear = ("PeerLostError" in output or "exited with non-zero status" in output)
     assert clear, f"no clear error after stage 1 {fault}d:\n{output[-4000:]}"
+    corrupted = [word for word in ("Segmentation fault", "signal 11", "corrupted", "double free") if word in output]
+    assert not corrupted, f"the surviving stage crashed ({corrupted}) after stage 1 {fault}d:\n{output[-4000:]}"
     if fault == "hang":  # nobody died: our own bounded wait must be what stopped it
         assert "PeerLostError after" in output and "nothing arrived within 10 s" in output, output[-4000:]

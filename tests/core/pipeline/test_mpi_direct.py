@@ -1,4 +1,8 @@
-"""dualframe.pipeline.mpi_direct in one process: why a rank lacks MPI point-to-point, the bounded poll, the handles."""
+"""dualframe.pipeline.mpi_direct in one process: why a rank lacks MPI point-to-point, the bounded poll, the handles,
+and the requests cancelled or kept when a transport closes."""
+import gc
+
+from dualframe.pipeline import mpi_direct
 from dualframe.pipeline.mpi_direct import MPIDirect, missing, poll
 
 
@@ -14,11 +18,15 @@ def test_poll_is_bounded():
 
 
 class Request:
-    def __init__(self):
-        self.finished = False
+    def __init__(self, cancellable=True):
+        self.finished, self.cancelled, self.cancellable = False, False, cancellable
 
     def Test(self):  # noqa: N802 (mpi4py's name)
         return self.finished
+
+    def Cancel(self):  # noqa: N802
+        self.cancelled = True
+        self.finished = self.cancellable  # a receive ends cancelled; a send to nobody does not
 
 
 class Comm:
@@ -29,7 +37,7 @@ class Comm:
 
     def Isend(self, data, dest, tag):  # noqa: N802
         self.calls.append(("send", data, dest, tag))
-        return Request()
+        return Request(cancellable=False)
 
     def Irecv(self, data, source, tag):  # noqa: N802
         self.calls.append(("recv", data, source, tag))
@@ -43,6 +51,29 @@ def test_handles_carry_the_buffers_and_read_back_the_received_tensor():
     received = direct.receive("y", source=0, tag=7)
     assert comm.calls == [("send", "bytes of x", 1, 6), ("recv", "buffer y", 0, 7)]
     assert direct.done(received, timeout=0.01) is False
-    received[0].finished = True
+    received.request.finished = True
     assert direct.done(received, timeout=0.01) and direct.result(received) == "tensor y"
     assert direct.result(sent) == "x" and direct.stopped(RuntimeError()) is None
+
+
+def test_close_cancels_posted_receives_and_keeps_what_mpi_may_still_read():
+    direct = MPIDirect(Comm(), outgoing=lambda t: bytearray(4), incoming=lambda b: (bytearray(4), lambda: b))
+    done = direct.receive("a", source=0, tag=1)
+    done.request.finished = True
+    assert direct.done(done, timeout=0.01)  # completed: no longer in flight
+    posted, stuck = direct.receive("b", source=0, tag=2), direct.send("c", dest=1, tag=3)
+    kept = len(mpi_direct._KEPT)
+    direct.in_flight.cancel(timeout=0.01)
+    assert posted.request.cancelled and not done.request.cancelled
+    assert not stuck.request.cancelled  # sends are never cancelled: the peer may still take them
+    assert mpi_direct._KEPT[kept:] == [stuck]  # its buffer lives on with it
+    assert direct.in_flight.requests == {}
+    del mpi_direct._KEPT[kept:]
+
+
+def test_a_collected_transport_cancels_its_receives():
+    direct = MPIDirect(Comm(), outgoing=lambda t: t, incoming=lambda b: (bytearray(4), lambda: b))
+    posted = direct.receive("b", source=0, tag=2)
+    del direct
+    gc.collect()
+    assert posted.request.cancelled
