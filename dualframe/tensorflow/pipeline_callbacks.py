@@ -5,8 +5,9 @@ LearningRateScheduler, ModelCheckpoint, BackupAndRestore, History, yours) on the
 shares, so they decide alike; the ones that only write (ProgbarLogger, TensorBoard, CSVLogger,
 RemoteMonitor) run on one rank, the reporter (the last stage of replica 0), and the others' messages
 are silenced. Callbacks see a ``PipelineModel``: the stage's weights and optimizer, ``save`` and
-``save_weights`` writing the merged full model once, and BackupAndRestore's backup written as stage
-checkpoints (``dualframe.tensorflow.stage_checkpoint``: every stage its variables and optimizer state).
+``save_weights`` writing the merged full model once (ModelCheckpoint), and BackupAndRestore's backup
+written as stage checkpoints (``dualframe.tensorflow.stage_checkpoint``: every stage its variables,
+optimizer state and RNG states).
 """
 from __future__ import annotations
 
@@ -41,8 +42,10 @@ class PipelineModel:
         >>> keras.callbacks.ModelCheckpoint("best.keras").set_model(model)  # doctest: +SKIP
     """
 
-    def __init__(self, pipe: Any) -> None:
+    def __init__(self, pipe: Any, callbacks: Sequence[Any] = ()) -> None:
         self.pipe = pipe
+        #: BackupAndRestore files: saved and loaded as stage checkpoints.
+        self.backups = {c._weights_path for c in callbacks if isinstance(c, keras.callbacks.BackupAndRestore)}
         self.stop_training = False
         self.history: Any = None
         self.built = True
@@ -89,40 +92,19 @@ class PipelineModel:
             model.save(filepath, overwrite=overwrite, **kwargs)
 
     def save_weights(self, filepath: str, overwrite: bool = True, **kwargs: Any) -> None:
-        """The full model's weights as a ``.weights.h5`` file, written by rank 0 (every rank calls it)."""
+        """The full model's weights as a ``.weights.h5`` file, written by rank 0 (every rank calls it).
+
+        A BackupAndRestore's file (``backups``) is a marker instead: every stage saves its variables,
+        optimizer state and RNG states into ``filepath + ".stages"`` and rank 0 writes the marker.
+        """
+        if filepath in self.backups:
+            self._save_stages(filepath)
+            return
         model = self._full_model()
         if hvd.rank() == 0:
             model.save_weights(filepath, overwrite=overwrite, **kwargs)
 
-
-class BackupModel(PipelineModel):
-    """BackupAndRestore's view: its backup file is a marker, the state lives in stage checkpoints beside it.
-
-    ``save_weights(path)`` saves every stage (variables, optimizer state, RNG) into ``path + ".stages"``
-    and rank 0 writes ``path`` naming it; ``load_weights(path)`` loads the newest step every stage holds.
-    The epoch BackupAndRestore resumes at goes to the ``PipelineModel`` that ``fit`` reads.
-    """
-
-    def __init__(self, pipe: Any, main: PipelineModel) -> None:  # noqa: super().__init__ would reset main's epoch
-        self.pipe, self.main, self.built, self.history = pipe, main, True, None
-
-    @property
-    def _initial_epoch(self) -> Optional[int]:  # type: ignore[override]
-        return self.main._initial_epoch
-
-    @_initial_epoch.setter
-    def _initial_epoch(self, epoch: Optional[int]) -> None:
-        self.main._initial_epoch = epoch
-
-    @property
-    def stop_training(self) -> bool:  # type: ignore[override]
-        return self.main.stop_training
-
-    @stop_training.setter
-    def stop_training(self, stop: bool) -> None:
-        self.main.stop_training = stop
-
-    def save_weights(self, filepath: str, overwrite: bool = True, **kwargs: Any) -> None:
+    def _save_stages(self, filepath: str) -> None:
         from dualframe.tensorflow.stage_checkpoint import save_stage_checkpoint  # it imports distributed_pipeline
 
         folder = f"{filepath}.stages"
@@ -133,14 +115,39 @@ class BackupModel(PipelineModel):
                 json.dump({"stage_checkpoints": os.path.basename(folder), "step": step}, marker)
 
     def load_weights(self, filepath: str, **kwargs: Any) -> None:
+        """Load a BackupAndRestore's stage checkpoints (the newest step every stage holds)."""
         from dualframe.tensorflow.stage_checkpoint import load_stage_checkpoint
 
+        if filepath not in self.backups:
+            raise StrategyError(f"a pipeline loads the stage checkpoints of a BackupAndRestore only ({filepath}); "
+                                f"load a merged file with hvd.load_stage_checkpoint")
         load_stage_checkpoint(f"{filepath}.stages", self.pipe, self.pipe.optimizer)
 
 
 def is_reporter(pipe: Any) -> bool:
     """Whether this rank prints and writes: the last stage of replica 0."""
     return bool(pipe.is_last and pipe.replica == 0)
+
+
+def follow_saves(callback: Any) -> None:
+    """Off rank 0, a checkpoint callback decides as on rank 0 but only joins the save's collectives.
+
+    ModelCheckpoint and BackupAndRestore create folders, copy and write files from every process
+    that runs them (``os.makedirs`` without ``exist_ok``: ranks racing to create one folder fail);
+    rank 0 does that, the other ranks take part in the gather or the stage save only.
+    """
+    if isinstance(callback, keras.callbacks.ModelCheckpoint):
+        def save(epoch: int, batch: Optional[int], logs: Any) -> None:
+            filepath = callback._get_file_path(epoch, batch, logs)
+            if callback._should_save_model(epoch, batch, logs, filepath):  # updates ``best`` as on rank 0
+                if callback.save_weights_only:
+                    callback.model.save_weights(filepath)
+                else:
+                    callback.model.save(filepath)
+        callback._save_model = save
+    elif isinstance(callback, keras.callbacks.BackupAndRestore):
+        callback._save_model = lambda: callback.model.save_weights(callback._weights_path)
+        callback.delete_checkpoint = False  # rank 0 removes the backup at the end
 
 
 def rank_callbacks(pipe: Any, model: PipelineModel, callbacks: Optional[Sequence[Any]]) -> List[Any]:
@@ -151,7 +158,8 @@ def rank_callbacks(pipe: Any, model: PipelineModel, callbacks: Optional[Sequence
             continue
         if not is_reporter(pipe) and isinstance(getattr(callback, "verbose", None), int):
             callback.verbose = 0
-        callback.set_model(BackupModel(pipe, model) if isinstance(callback, keras.callbacks.BackupAndRestore) else model)
+        if hvd.rank() != 0:
+            follow_saves(callback)
         mine.append(callback)
     return mine
 

@@ -180,7 +180,7 @@ class KerasFit:
         return (x if pipe.is_first else None), (y if pipe.is_last else None), rows
 
     def _callbacks(self, callbacks: Any, verbose: int, epochs: int, steps: Optional[int]) -> Tuple[Any, PipelineModel]:
-        model = PipelineModel(self)
+        model = PipelineModel(self, list(callbacks or []))
         mine = rank_callbacks(self, model, callbacks)
         listed = keras.callbacks.CallbackList(mine, add_history=True, add_progbar=verbose != 0 and is_reporter(self),
                                               model=model, verbose=verbose, epochs=epochs, steps=steps)

@@ -105,3 +105,47 @@ def test_bad_input_is_refused_on_every_rank_before_any_step():
     with pytest.raises(DataError, match="refused on rank 1"):
         pipe.fit(x, y, batch_size=16, validation_split=2.0 if rank else 0.25, verbose=0)
     assert_weights(pipe.get_weights(), before, "weights after refused fits", atol=0)
+
+
+class Interrupt(keras.callbacks.Callback):
+    """Stops a run after epoch ``epoch`` with an error, as a crash would (on every rank alike)."""
+
+    def __init__(self, epoch):
+        super().__init__()
+        self.epoch = epoch
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == self.epoch:
+            raise RuntimeError("interrupted")
+
+
+def test_backup_and_restore_resumes_at_the_epoch_with_the_optimizer_state(tmp_path):
+    """A dataset of unknown length, Adam, a learning-rate schedule; a run cut after epoch 2 resumes there."""
+    import tensorflow as tf
+
+    folder = shared_folder(tmp_path)
+    x, y = data(64, 6)
+    known = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+    dataset = known.filter(lambda *_: True)  # unknown cardinality: the ranks agree after each batch
+    schedule = lambda: keras.callbacks.LearningRateScheduler(lambda epoch, lr: 0.02 * 0.5 ** epoch)  # noqa: E731
+    reference = make_model()
+    reference.compile(keras.optimizers.Adam(), loss="mse")
+    # Keras 3.15 itself steps its optimizer 20 times in 4 epochs of 4 batches of unknown cardinality: its
+    # reference reads the same batches with their number known.
+    want = reference.fit(known, epochs=4, callbacks=[schedule()], verbose=0).history["loss"]
+
+    backup = os.path.join(folder, "backup")
+    pipe = hvd.DistributedPipeline(make_model(), chunks=2, **LAYOUTS["2 x 2"])
+    pipe.compile(keras.optimizers.Adam(), loss="mse")
+    with pytest.raises(RuntimeError, match="interrupted"):
+        pipe.fit(dataset, epochs=4, verbose=0, callbacks=[keras.callbacks.BackupAndRestore(backup), schedule(),
+                                                          Interrupt(1)])
+    pipe = hvd.DistributedPipeline(make_model(), chunks=2, **LAYOUTS["2 x 2"])  # a fresh start, weights from scratch
+    pipe.compile(keras.optimizers.Adam(), loss="mse")
+    log = os.path.join(folder, f"log-{hvd.rank()}.csv")
+    got = pipe.fit(dataset, epochs=4, verbose=0, callbacks=[keras.callbacks.BackupAndRestore(backup), schedule(),
+                                                            keras.callbacks.CSVLogger(log)]).history
+    assert got["loss"] == pytest.approx(want[2:], abs=1e-5), "epochs 3 and 4 after resuming"
+    assert_weights(pipe.gather_weights(), reference.get_weights(), "resumed vs keras fit")
+    written = hvd.allgather_object(os.path.exists(log), name="fit.csv")
+    assert written == [False, True, False, False], "CSVLogger writes on the last stage of replica 0 only"
