@@ -20,6 +20,7 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 from dualframe.errors import DataError, DualframeError, StrategyError
 from dualframe.pipeline.fit_plan import check_same
 from dualframe.tensorflow.collectives import hvd
+from dualframe.tensorflow.functions import broadcast_variables
 from dualframe.tensorflow.graph_stage_work import GraphStageFunction
 from dualframe.tensorflow.pipeline_callbacks import (PipelineModel, agree_stop, decides_per_batch, is_reporter,
                                                      rank_callbacks)
@@ -172,6 +173,16 @@ class KerasFit:
             data.check(pipe.grid.replicas, pipe.chunks, what)
         return datas
 
+    def _same_start(self) -> None:
+        """Replicas of a stage start from replica 0's weights, as Horovod's BroadcastGlobalVariablesCallback does.
+
+        So a script need not seed its model alike on every rank: each stage's layers are its own, and
+        the replicas of a stage get the same ones here (a broadcast among the stage's replicas).
+        """
+        pipe: Any = self
+        if pipe.grid.replicas > 1:
+            broadcast_variables(pipe.variables, root_rank=pipe.stage_ranks[0], process_set=pipe.stage_process_set)
+
     def _share(self, batch: Tuple[Any, Any], what: str) -> Tuple[Any, Any, int]:
         """This rank's part of a global batch: its replica's rows, inputs on the first stage, targets on the last."""
         pipe: Any = self
@@ -228,6 +239,7 @@ class KerasFit:
 
         datas = self._plan("fit", build, {"epochs": epochs, "initial_epoch": initial_epoch,
                                           "validation_freq": validation_freq})
+        self._same_start()
         listed, model = self._callbacks(callbacks, _verbose(verbose), epochs, datas[0].num_batches)
         per_batch = decides_per_batch(callbacks)
         listed.on_train_begin()
