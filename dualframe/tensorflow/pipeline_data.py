@@ -10,6 +10,7 @@ agrees after each batch whether every rank still has one.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import keras
@@ -94,7 +95,9 @@ class PipelineData:
             order = np.random.RandomState((self.seed + epoch) % 2 ** 32).permutation(int(self.samples or 0))
             iterator = self._keras_iterator(_take(self.x, order), _take(self.y, order))
         unknown = self.num_batches is None
-        with iterator.catch_stop_iteration():
+        with warnings.catch_warnings(), iterator.catch_stop_iteration():
+            # An input of unknown length ends by running out, every epoch: Keras's warning says nothing new.
+            warnings.filterwarnings("ignore", message="Your input ran out of data")
             for _, _, buffer in iterator:
                 if unknown and not self.agree(True):
                     return
