@@ -39,8 +39,9 @@ def data(rows, seed):
 
 
 def callbacks(path):
-    """EarlyStopping that stops after epoch 2 (no gain of 10), and the best model saved whole."""
-    return [keras.callbacks.EarlyStopping(monitor="loss", min_delta=10.0, patience=1),
+    """EarlyStopping that stops after epoch 3 (no gain of 10), the learning rate halved after epoch 2, the best model saved."""
+    return [keras.callbacks.EarlyStopping(monitor="loss", min_delta=10.0, patience=2),
+            keras.callbacks.ReduceLROnPlateau(monitor="loss", min_delta=10.0, patience=1, factor=0.5),
             keras.callbacks.ModelCheckpoint(path, monitor="val_loss", save_best_only=True)]
 
 
@@ -64,7 +65,8 @@ def test_fit_equals_keras_fit_of_the_unsplit_model(layout, optimizer, tmp_path):
     pipe.compile(OPTIMIZERS[optimizer](), loss="mse", metrics=["mae"])  # dualframe: same compile
     got = pipe.fit(x, y, callbacks=callbacks(os.path.join(folder, "pipe.keras")), **arguments)
 
-    assert len(want.history["loss"]) == 2, "EarlyStopping should stop the reference after epoch 2"
+    assert len(want.history["loss"]) == 3, "EarlyStopping should stop the reference after epoch 3"
+    assert want.history["learning_rate"][-1] == pytest.approx(want.history["learning_rate"][0] / 2)
     histories = hvd.allgather_object(got.history, name=f"fit.{layout}.{optimizer}.history")
     assert all(h == histories[0] for h in histories), f"histories differ between ranks: {histories}"
     assert sorted(got.history) == sorted(want.history), (got.history, want.history)
@@ -89,6 +91,22 @@ def test_evaluate_and_predict_equal_the_unsplit_model():
     np.testing.assert_allclose(outputs, reference.predict(x, batch_size=12, verbose=0), atol=1e-5)
     last = pipe.predict(x, batch_size=12, verbose=0)
     assert (last is not None) == pipe.is_last
+
+
+class StopHere(keras.callbacks.Callback):
+    """Asks to stop after batch 1 on one rank only: fit must stop every rank there."""
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 1 and hvd.rank() == 2:
+            self.model.stop_training = True
+
+
+def test_a_stop_asked_on_one_rank_stops_every_rank_at_that_batch():
+    pipe = hvd.DistributedPipeline(make_model(), chunks=2, **LAYOUTS["2 x 2"])
+    pipe.compile("sgd", loss="mse")
+    history = pipe.fit(*data(64, 7), batch_size=8, epochs=3, verbose=0, callbacks=[StopHere()])
+    steps = hvd.allgather_object((len(history.history["loss"]), pipe._compiled.steps), name="fit.stop")
+    assert steps == [(1, 2)] * 4, f"epochs and steps per rank: {steps}"
 
 
 def test_bad_input_is_refused_on_every_rank_before_any_step():
