@@ -1,8 +1,9 @@
 """Keras process pipelines trained the Keras way (compile, fit, evaluate, predict) on 4 processes, against ``fit`` of the unsplit model.
 
 A functional model split over 4 processes (4 stages) and over 2 replicas x 2 stages: per-epoch losses,
-validation logs, EarlyStopping's stop, ModelCheckpoint's saved model and the final weights equal
-``keras.Model.fit`` in one process (float32, 1e-5), with SGD and Adam; logs equal on every rank;
+metrics and validation logs, EarlyStopping's stop, ReduceLROnPlateau's rate, ModelCheckpoint's saved
+model and the final weights equal ``keras.Model.fit`` in one process (float32, 1e-5), with SGD and
+Adam; logs equal on every rank; one rank's stop stops all; BackupAndRestore resumes at the epoch;
 bad input refused on every rank before any step.
 """
 import os
