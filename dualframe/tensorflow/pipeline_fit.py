@@ -17,7 +17,7 @@ import numpy as np
 import tensorflow as tf
 from keras.src.trainers.data_adapters import data_adapter_utils
 
-from dualframe.errors import DataError, DualframeError, StrategyError
+from dualframe.errors import DataError, StrategyError
 from dualframe.pipeline.fit_plan import check_same
 from dualframe.tensorflow.collectives import hvd
 from dualframe.tensorflow.functions import broadcast_variables
@@ -147,21 +147,23 @@ class KerasFit:
         raise DataError(f"the input ran out on ranks {[r for r, f in enumerate(flags) if not f]} but not on ranks "
                         f"{[r for r, f in enumerate(flags) if f]}: every rank must pass data of the same length")
 
-    def _plan(self, what: str, build: Callable[[int], List[PipelineData]], extra: Dict[str, Any]) -> List[PipelineData]:
+    def _plan(self, what: str, build: Callable[[], List[PipelineData]], extra: Dict[str, Any]) -> List[PipelineData]:
         """Build the inputs on every rank and agree on them before any step (one allgather).
 
         A rank whose arguments fail to build tells the others through the same allgather, so every
         rank raises the same error instead of waiting.
         """
         pipe: Any = self
-        seed = int(np.random.randint(2 ** 31 - 1))  # rank 0's shuffles on every rank
+        seed = 0
         described: Dict[str, Any] = {"call": what, **extra}
         datas: List[PipelineData] = []
         try:
-            datas = build(seed)
+            datas = build()
+            if any(d.shuffle for d in datas):  # rank 0's draw shuffles on every rank (numpy's stream, as Keras's)
+                seed = int(np.random.randint(2 ** 31 - 1))
             described.update((f"{i}.{k}", v) for i, d in enumerate(datas) for k, v in d.describe().items())
             error = None
-        except (DualframeError, ValueError, TypeError) as failure:
+        except Exception as failure:  # whatever Keras's adapters raise: every rank must hear of it
             error = f"{type(failure).__name__}: {failure}"
         gathered = hvd.allgather_object((error, described, seed), name=self._name("plan"))
         for rank, (refusal, _, _) in enumerate(gathered):
@@ -226,11 +228,11 @@ class KerasFit:
         """
         compiled = self._needs_compile("fit")
 
-        def build(seed: int) -> List[PipelineData]:
+        def build() -> List[PipelineData]:
             train, val = (x, y), validation_data
             if validation_split and validation_data is None:
                 train, val = split_validation(x, y, validation_split)
-            datas = [PipelineData(*train, batch_size, steps_per_epoch, shuffle, seed, self._agree_has)]
+            datas = [PipelineData(*train, batch_size, steps_per_epoch, shuffle, 0, self._agree_has)]
             if val is not None:
                 vx, vy, _ = data_adapter_utils.unpack_x_y_sample_weight(val)
                 datas.append(PipelineData(vx, vy, validation_batch_size or batch_size, validation_steps, False, 0,
@@ -278,7 +280,7 @@ class KerasFit:
                  return_dict: bool = False) -> Any:
         """The loss and metrics over the data, as ``keras.Model.evaluate``, equal on every rank."""
         self._needs_compile("evaluate")
-        datas = self._plan("evaluate", lambda seed: [PipelineData(x, y, batch_size, steps, False, 0, self._agree_has)],
+        datas = self._plan("evaluate", lambda: [PipelineData(x, y, batch_size, steps, False, 0, self._agree_has)],
                            {})
         listed, _ = self._callbacks(callbacks, _verbose(verbose), 1, datas[0].num_batches)
         logs = self._evaluate(datas[0], listed)
@@ -331,7 +333,7 @@ class KerasFit:
         gathered back in order.
         """
         pipe: Any = self
-        datas = self._plan("predict", lambda seed: [PipelineData(x, None, batch_size, steps, False, 0,
+        datas = self._plan("predict", lambda: [PipelineData(x, None, batch_size, steps, False, 0,
                                                                  self._agree_has)], {"all_ranks": all_ranks})
         listed, _ = self._callbacks(callbacks, _verbose(verbose), 1, datas[0].num_batches)
         listed.on_predict_begin()
