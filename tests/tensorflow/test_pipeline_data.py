@@ -52,3 +52,12 @@ def test_validation_split_takes_the_last_rows_of_arrays_only():
     np.testing.assert_array_equal(vy, Y[8:])
     with pytest.raises(DataError, match="validation_split works on arrays only"):
         split_validation(tf.data.Dataset.from_tensor_slices((X, Y)), None, 0.2)
+
+
+def test_a_python_generator_is_an_input_of_unknown_length_too():
+    asked = []
+    batches = (((X[k:k + 5], Y[k:k + 5])) for k in (0, 5))
+    data = PipelineData(batches, None, None, None, True, 0, lambda has: asked.append(has) or has)
+    got = [y for _, y in data.epoch(0)]
+    np.testing.assert_array_equal(np.concatenate(got), Y)
+    assert asked == [True, True, False]
