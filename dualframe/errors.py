@@ -51,3 +51,7 @@ class SplitPointError(BalanceError):
 
 class TraceError(DualframeError, TypeError):
     """A model cannot be captured as a graph; the message says why and what to do."""
+
+
+class DataError(DualframeError, ValueError):
+    """The data given to a pipeline's ``fit``, ``evaluate`` or ``predict`` cannot be split across its ranks."""

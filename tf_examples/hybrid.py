@@ -1,4 +1,4 @@
-"""Hybrid data x pipeline parallelism in Keras: replicas of a 2-stage process pipeline, gradients averaged per stage.
+"""Hybrid data x pipeline parallelism in Keras: replicas of a 2-stage process pipeline trained with fit, gradients averaged per stage.
 
     mpirun -np 4 python tf_examples/hybrid.py                               # 2 replicas x 2 stages
     horovodrun -np 2 -H localhost:2 --gloo python tf_examples/hybrid.py     # 1 replica x 2 stages
@@ -24,7 +24,8 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=4)
     parser.add_argument("--global-batch", type=int, default=512)
     parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=12, help="global batches per epoch")
+    parser.add_argument("--epochs", type=int, default=2)
     args = parser.parse_args()
 
     hvd.init(process_sets=pipeline_process_sets(dualframe.detect_topology().size, STAGES))  # dualframe: stage pairs, stage replicas
@@ -34,27 +35,23 @@ def main() -> None:
         layer for _ in range(3) for layer in (keras.layers.Dense(args.width), keras.layers.ReLU())
     ] + [keras.layers.Dense(1)])
     pipe = hvd.DistributedPipeline(model, [4, 3], chunks=args.chunks, schedule=args.schedule,  # dualframe:
-                                   loss_fn="mse", data_parallel=replicas)
-    # dualframe: averages each stage's gradients among that stage's replicas only (its process set)
-    optimizer = pipe.distributed_optimizer(keras.optimizers.SGD(0.01))
+                                   data_parallel=replicas)
+    # dualframe: each stage's gradients are averaged among that stage's replicas only (its process set)
+    pipe.compile(keras.optimizers.SGD(0.01), loss="mse")
 
     rng = np.random.RandomState(1)
-    x = rng.randn(args.global_batch, args.width).astype("float32")
+    x = rng.randn(args.global_batch * args.steps, args.width).astype("float32")
     y = np.cos(x[:, :1])
-    rows = args.global_batch // replicas
-    shard = slice(pipe.replica * rows, (pipe.replica + 1) * rows)  # dualframe: each replica its share
     start = time.perf_counter()
-    for step in range(args.steps):
-        loss = pipe.train_step(x[shard], y[shard])  # dualframe: mean loss over the global batch
-        pipe.apply_gradients(optimizer)
-        if hvd.rank() == 0 and step % 5 == 0:
-            print(f"step {step:3d}  loss {loss:.5f}", flush=True)
+    # dualframe: every rank passes the global batches; each replica trains on its share of each
+    history = pipe.fit(x, y, batch_size=args.global_batch, epochs=args.epochs, verbose=2)
     elapsed = time.perf_counter() - start
+    loss = history.history["loss"][-1]  # the mean over the global batches, the same on every rank
 
     timings = pipe.timings()  # dualframe: every stage's line (a collective)
     if hvd.rank() == 0:
         print(f"{replicas} replicas x {STAGES} stages, {args.schedule}, chunks {args.chunks}: "
-              f"{args.steps * args.global_batch / elapsed:.0f} samples/s, final loss {loss:.5f}")
+              f"{args.epochs * len(x) / elapsed:.0f} samples/s, final loss {loss:.5f}")
         for line in timings:
             print("  " + line)
         theory = table_bubble(clock_table(rank_schedule(args.schedule, STAGES, args.chunks)))

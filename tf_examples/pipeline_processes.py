@@ -1,4 +1,4 @@
-"""A pipeline whose stages are processes: rank j holds stage j of a list of Keras layers (GPipe or 1F1B).
+"""A pipeline whose stages are processes: rank j holds stage j of a Keras model, trained with compile and fit.
 
     mpirun -np 2 python tf_examples/pipeline_processes.py
     horovodrun -np 2 -H localhost:2 --gloo python tf_examples/pipeline_processes.py --schedule 1f1b
@@ -29,7 +29,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=512)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--blocks", type=int, default=6)
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=12, help="batches per epoch")
+    parser.add_argument("--epochs", type=int, default=2)
     args = parser.parse_args()
 
     hvd.init()  # dualframe:
@@ -37,26 +38,23 @@ def main() -> None:
     model = build_model(args.width, args.blocks)
     per_stage, extra = divmod(len(model.layers), stages)
     balance = [per_stage + (1 if j < extra else 0) for j in range(stages)]
-    pipe = hvd.DistributedPipeline(model, balance, chunks=args.chunks, schedule=args.schedule,  # dualframe:
-                                   loss_fn=keras.losses.MeanSquaredError())
-    optimizer = keras.optimizers.SGD(0.01)  # applied to the local stage's variables only
+    pipe = hvd.DistributedPipeline(model, balance, chunks=args.chunks, schedule=args.schedule)  # dualframe:
+    pipe.compile(keras.optimizers.SGD(0.01), loss="mse")  # the optimizer steps the local stage's variables
 
     rng = np.random.RandomState(1)
-    x = rng.randn(args.batch, args.width).astype("float32")
+    x = rng.randn(args.batch * args.steps, args.width).astype("float32")
     y = np.sin(x[:, :1])
     start = time.perf_counter()
-    for step in range(args.steps):
-        loss = pipe.train_step(x, y)  # dualframe: inputs read on stage 0, targets on the last stage
-        pipe.apply_gradients(optimizer)  # dualframe: the stage's gradients, summed over micro-batches
-        if hvd.rank() == 0 and step % 5 == 0:
-            print(f"step {step:3d}  loss {loss:.5f}", flush=True)
+    # dualframe: every rank calls fit alike; stage 0 reads x, the last stage y; one progress bar (the last stage)
+    history = pipe.fit(x, y, batch_size=args.batch, epochs=args.epochs, verbose=2)
     elapsed = time.perf_counter() - start
+    loss = history.history["loss"][-1]  # the same History on every rank
 
     timings = pipe.timings()  # dualframe: every stage's line (a collective), printed on rank 0
     if hvd.rank() == 0:
         theory = table_bubble(clock_table(rank_schedule(args.schedule, stages, args.chunks)))
         print(f"{args.schedule}, {stages} stages {balance}, chunks {args.chunks}: "
-              f"{args.steps * args.batch / elapsed:.0f} samples/s (first step's tracing included), final loss {loss:.5f}")
+              f"{args.epochs * len(x) / elapsed:.0f} samples/s (first step's tracing included), final loss {loss:.5f}")
         for line in timings:
             print("  " + line)
         print(f"  bubble in theory (n-1)/(m+n-1) = {theory:.1%}")

@@ -55,6 +55,11 @@ class GraphStage:
     def weights(self) -> List[Any]:
         return [v for layer in self.layers for v in layer.weights]
 
+    @property
+    def variables(self) -> List[Any]:
+        """Every variable of the stage's layers (seed generators too): what its stage checkpoint holds."""
+        return [v for layer in self.layers for v in layer.variables]
+
     def get_weights(self) -> List[Any]:
         return [w for layer in self.layers for w in layer.get_weights()]
 

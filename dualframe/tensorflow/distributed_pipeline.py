@@ -30,6 +30,7 @@ from dualframe.pipeline.graph import GraphSplit, stage_count
 from dualframe.tensorflow.graph import KerasGraph, capture
 from dualframe.tensorflow.distributed_graph import process_stages
 from dualframe.tensorflow.graph_stage_work import GraphStageFunction, TFGraphStageWork
+from dualframe.tensorflow.pipeline_fit import KerasFit, keras_loss
 
 _LOG = logging.getLogger(__name__)
 
@@ -51,15 +52,6 @@ def _graph_of(layers: Any) -> Optional[KerasGraph]:
     return None
 
 
-def _loss_of(loss_fn: Any) -> Any:
-    if not isinstance(loss_fn, str):
-        return loss_fn
-    try:
-        return keras.losses.get(loss_fn)
-    except ValueError:
-        raise StrategyError(f"unknown Keras loss {loss_fn!r}; use a name such as 'mse' or a callable") from None
-
-
 def _draws_random_numbers(layers: Sequence[Any]) -> bool:
     """Whether a stage holds a layer with a Keras seed generator (Dropout, GaussianNoise, random augmentation ...).
 
@@ -78,7 +70,7 @@ def _draws_random_numbers(layers: Sequence[Any]) -> bool:
     return False
 
 
-class DistributedPipeline(StageView):
+class DistributedPipeline(KerasFit, StageView):
     """Keras layers whose stages are processes: rank j of each pipeline holds stage j.
 
     Every rank builds the same full model (same seed); each keeps its stage. ``train_step`` runs one
@@ -135,7 +127,7 @@ class DistributedPipeline(StageView):
         if not isinstance(jit_compile, bool):
             raise StrategyError(f"jit_compile must be True or False (jit_compile: {jit_compile!r})")
         captured = _graph_of(layers)
-        loss_fn = _loss_of(loss_fn)
+        loss_fn = keras_loss(loss_fn)
         world = BACKEND.collectives.world_size()
         self.captured = captured
         self.split: Optional[GraphSplit] = None
@@ -165,6 +157,8 @@ class DistributedPipeline(StageView):
         self.layer_indices = ranges[j]
         self.layers = [all_layers[index] for index in ranges[j]]
         self._all_layers = all_layers
+        #: The model given (saved whole by ``fit``'s checkpoints), None for a list of layers.
+        self.keras_model = layers if isinstance(layers, keras.Model) else None
         # One trace per training flag and (relaxed) input shape, kept across steps (see pipeline_work,
         # graph_stage_work): each micro-batch's pass is one compiled call.
         jit_compile = jit_compile and not _draws_random_numbers(self.layers)

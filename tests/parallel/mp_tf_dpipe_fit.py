@@ -1,0 +1,172 @@
+"""Keras process pipelines trained the Keras way (compile, fit, evaluate, predict) on 4 processes, against ``fit`` of the unsplit model.
+
+A functional model split over 4 processes (4 stages) and over 2 replicas x 2 stages: per-epoch losses,
+metrics and validation logs, EarlyStopping's stop, ReduceLROnPlateau's rate, ModelCheckpoint's saved
+model and the final weights equal ``keras.Model.fit`` in one process (float32, 1e-5), with SGD and
+Adam; logs equal on every rank; one rank's stop stops all; BackupAndRestore resumes at the epoch;
+bad input refused on every rank before any step.
+"""
+import os
+# np: 4
+# timeout: 400
+import keras
+import numpy as np
+import pytest
+
+import dualframe.tensorflow as hvd
+from dualframe.errors import ChunksError, DataError
+from dualframe.pipeline.layout import pipeline_process_sets
+# tests/parallel is on sys.path (pytest rootdir import)
+from keras_pipeline_models import assert_weights
+
+SETS = pipeline_process_sets(4, 4, graph=True)
+hvd.init(process_sets=SETS + [s for s in pipeline_process_sets(4, 2) if s not in SETS])
+LAYOUTS = {"4 stages": dict(split_points=["t1", "d2", "d3"]), "2 x 2": dict(split_points=["d2"], data_parallel=2)}
+OPTIMIZERS = {"sgd": lambda: keras.optimizers.SGD(0.1, momentum=0.9), "adam": lambda: keras.optimizers.Adam(0.01)}
+
+
+def make_model():
+    """A seeded functional MLP: d1 -> tanh -> d2 -> relu -> d3 (5 features in, 2 out)."""
+    keras.utils.set_random_seed(3)
+    x = keras.Input((5,), name="x")
+    h = keras.layers.Activation("tanh", name="t1")(keras.layers.Dense(12, name="d1")(x))
+    h = keras.layers.Activation("relu", name="t2")(keras.layers.Dense(12, name="d2")(h))
+    return keras.Model(x, keras.layers.Dense(2, name="d3")(h))
+
+
+def data(rows, seed):
+    rng = np.random.RandomState(seed)
+    return rng.randn(rows, 5).astype("float32"), rng.randn(rows, 2).astype("float32")
+
+
+def callbacks(path):
+    """EarlyStopping that stops after epoch 3 (no gain of 10), the learning rate halved after epoch 2, the best model saved."""
+    return [keras.callbacks.EarlyStopping(monitor="loss", min_delta=10.0, patience=2),
+            keras.callbacks.ReduceLROnPlateau(monitor="loss", min_delta=10.0, patience=1, factor=0.5),
+            keras.callbacks.ModelCheckpoint(path, monitor="val_loss", save_best_only=True)]
+
+
+def shared_folder(tmp_path):
+    return hvd.broadcast_object(str(tmp_path), 0, name="fit.folder")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_fit_equals_keras_fit_of_the_unsplit_model(layout, optimizer, tmp_path):
+    folder = shared_folder(tmp_path)
+    (x, y), validation = data(64, 1), data(32, 2)
+    arguments = dict(batch_size=16, epochs=5, shuffle=False, validation_data=validation, verbose=0)
+    reference = make_model()
+    reference.compile(OPTIMIZERS[optimizer](), loss="mse", metrics=["mae"])
+    want = reference.fit(x, y, callbacks=callbacks(os.path.join(folder, f"one-{hvd.rank()}.keras")), **arguments)
+
+    pipe = hvd.DistributedPipeline(make_model(), chunks=4, **LAYOUTS[layout])  # dualframe: the split
+    for variable in pipe.trainable_variables if pipe.replica == 1 else []:  # fit starts from replica 0's weights
+        variable.assign(variable + 1.0)
+    pipe.compile(OPTIMIZERS[optimizer](), loss="mse", metrics=["mae"])  # dualframe: same compile
+    got = pipe.fit(x, y, callbacks=callbacks(os.path.join(folder, "pipe.keras")), **arguments)
+
+    assert len(want.history["loss"]) == 3, "EarlyStopping should stop the reference after epoch 3"
+    assert want.history["learning_rate"][-1] == pytest.approx(want.history["learning_rate"][0] / 2)
+    histories = hvd.allgather_object(got.history, name=f"fit.{layout}.{optimizer}.history")
+    assert all(h == histories[0] for h in histories), f"histories differ between ranks: {histories}"
+    assert sorted(got.history) == sorted(want.history), (got.history, want.history)
+    for key, values in want.history.items():
+        assert got.history[key] == pytest.approx(values, abs=1e-5), f"rank {hvd.rank()}: {key}"
+    assert_weights(pipe.gather_weights(), reference.get_weights(), "final weights vs keras fit")
+    saved = keras.models.load_model(os.path.join(folder, "pipe.keras"))  # written once, by rank 0
+    best = keras.models.load_model(os.path.join(folder, f"one-{hvd.rank()}.keras"))
+    assert_weights(saved.get_weights(), best.get_weights(), "ModelCheckpoint's model vs keras fit's")
+
+
+def test_evaluate_and_predict_equal_the_unsplit_model():
+    x, y = data(48, 4)
+    reference = make_model()
+    reference.compile("sgd", loss="mse", metrics=["mae"])
+    pipe = hvd.DistributedPipeline(make_model(), chunks=2, **LAYOUTS["2 x 2"])
+    pipe.compile("sgd", loss="mse", metrics=["mae"])
+    want = reference.evaluate(x, y, batch_size=12, verbose=0, return_dict=True)
+    got = pipe.evaluate(x, y, batch_size=12, verbose=0, return_dict=True)
+    assert got == pytest.approx(want, abs=1e-5)
+    outputs = pipe.predict(x, batch_size=12, verbose=0, all_ranks=True)  # every rank, replicas' shares in order
+    np.testing.assert_allclose(outputs, reference.predict(x, batch_size=12, verbose=0), atol=1e-5)
+    last = pipe.predict(x, batch_size=12, verbose=0)
+    assert (last is not None) == pipe.is_last
+
+
+class StopHere(keras.callbacks.Callback):
+    """Asks to stop after batch 1 on one rank only: fit must stop every rank there."""
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 1 and hvd.rank() == 2:
+            self.model.stop_training = True
+
+
+def test_a_stop_asked_on_one_rank_stops_every_rank_at_that_batch():
+    pipe = hvd.DistributedPipeline(make_model(), chunks=2, **LAYOUTS["2 x 2"])
+    pipe.compile("sgd", loss="mse")
+    history = pipe.fit(*data(64, 7), batch_size=8, epochs=3, verbose=0, callbacks=[StopHere()])
+    steps = hvd.allgather_object((len(history.history["loss"]), pipe._compiled.steps), name="fit.stop")
+    assert steps == [(1, 2)] * 4, f"epochs and steps per rank: {steps}"
+
+
+def test_bad_input_is_refused_on_every_rank_before_any_step():
+    pipe = hvd.DistributedPipeline(make_model(), chunks=4, **LAYOUTS["2 x 2"])
+    pipe.compile("sgd", loss="mse")
+    before = pipe.get_weights()
+    x, y = data(64 if hvd.rank() != 3 else 48, 5)  # rank 3's input is shorter
+    with pytest.raises(DataError, match="every rank must pass the same data"):
+        pipe.fit(x, y, batch_size=16, verbose=0)
+    x, y = data(64, 5)
+    with pytest.raises(ChunksError, match="fewer than chunks=4"):  # 8-row batches: 4 rows per replica, the last 2
+        pipe.fit(x[:60], y[:60], batch_size=8, verbose=0)
+    with pytest.raises(DataError, match="validation_split"):
+        pipe.fit(x, y, batch_size=16, validation_split=0.99, verbose=0)  # no training rows left
+    rank = hvd.rank() == 1  # one rank's bad argument fails everywhere
+    with pytest.raises(DataError, match="refused on rank 1"):
+        pipe.fit(x, y, batch_size=16, validation_split=2.0 if rank else 0.25, verbose=0)
+    assert_weights(pipe.get_weights(), before, "weights after refused fits", atol=0)
+
+
+class Interrupt(keras.callbacks.Callback):
+    """Stops a run after epoch ``epoch`` with an error, as a crash would (on every rank alike)."""
+
+    def __init__(self, epoch):
+        super().__init__()
+        self.epoch = epoch
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == self.epoch:
+            raise RuntimeError("interrupted")
+
+
+def test_backup_and_restore_resumes_at_the_epoch_with_the_optimizer_state(tmp_path):
+    """A dataset of unknown length, Adam, a learning-rate schedule; a run cut after epoch 2 resumes there."""
+    import tensorflow as tf
+
+    folder = shared_folder(tmp_path)
+    x, y = data(64, 6)
+    known = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+    dataset = known.filter(lambda *_: True)  # unknown cardinality: the ranks agree after each batch
+    schedule = lambda: keras.callbacks.LearningRateScheduler(lambda epoch, lr: 0.02 * 0.5 ** epoch)  # noqa: E731
+    reference = make_model()
+    reference.compile(keras.optimizers.Adam(), loss="mse")
+    # Keras 3.15 itself steps its optimizer 20 times in 4 epochs of 4 batches of unknown cardinality: its
+    # reference reads the same batches with their number known.
+    want = reference.fit(known, epochs=4, callbacks=[schedule()], verbose=0).history["loss"]
+
+    backup = os.path.join(folder, "backup")
+    pipe = hvd.DistributedPipeline(make_model(), chunks=2, **LAYOUTS["2 x 2"])
+    pipe.compile(keras.optimizers.Adam(), loss="mse")
+    with pytest.raises(RuntimeError, match="interrupted"):
+        pipe.fit(dataset, epochs=4, verbose=0, callbacks=[keras.callbacks.BackupAndRestore(backup), schedule(),
+                                                          Interrupt(1)])
+    pipe = hvd.DistributedPipeline(make_model(), chunks=2, **LAYOUTS["2 x 2"])  # a fresh start, weights from scratch
+    pipe.compile(keras.optimizers.Adam(), loss="mse")
+    log = os.path.join(folder, f"log-{hvd.rank()}.csv")
+    got = pipe.fit(dataset, epochs=4, verbose=0, callbacks=[keras.callbacks.BackupAndRestore(backup), schedule(),
+                                                            keras.callbacks.CSVLogger(log)]).history
+    assert got["loss"] == pytest.approx(want[2:], abs=1e-5), "epochs 3 and 4 after resuming"
+    assert_weights(pipe.gather_weights(), reference.get_weights(), "resumed vs keras fit")
+    written = hvd.allgather_object(os.path.exists(log), name="fit.csv")
+    assert written == [False, True, False, False], "CSVLogger writes on the last stage of replica 0 only"
