@@ -1,0 +1,193 @@
+"""Who a pipeline's ZeroMQ sockets hear: the one address they listen on, and a keyed MAC on every message.
+
+``zmq_direct`` binds each rank's PULL socket to ``listen_address()`` (the loopback when every rank of
+the job is on this host, else the address the hosts reach each other at; never every interface) and
+seals every message with ``MessageSeal``: HMAC-SHA256, under a secret rank 0 makes for the pipeline
+and shares in the allgather that exchanges the addresses, over the sender, the receiver, the tag, a
+per-receiver counter, the length and the bytes. A receiver opens a message only when all of that
+checks out and its counter is newer than the sender's last one (a replay is dropped); anything else
+is dropped and counted (``MessageSeal.dropped``), with one warning per pipeline, never delivered.
+"""
+from __future__ import annotations
+
+import collections
+import hashlib
+import hmac
+import os
+import secrets
+import socket
+import struct
+import warnings
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
+
+from dualframe.errors import StrategyError
+from dualframe.launch.topology import detect
+
+#: Set to the address this host's ranks listen on and are reached at (it must be one of this host's).
+ADDRESS_VARIABLE = "DUALFRAME_PIPELINE_ADDRESS"
+#: The pipeline's secret: 32 random bytes from rank 0.
+SECRET_BYTES = 32
+#: A message's first frame: sender rank, receiver rank, tag, counter, body bytes (little-endian), then the MAC.
+_FIELDS = struct.Struct("<qqqQQ")
+_DIGEST = "sha256"
+DIGEST_BYTES = hashlib.new(_DIGEST).digest_size
+HEAD_BYTES = _FIELDS.size + DIGEST_BYTES
+_WILDCARDS = ("*", "0.0.0.0", "::", "[::]", "")
+
+
+def host_address(environ: Optional[Mapping[str, str]] = None) -> str:
+    """The address other hosts reach this one at: horovodrun's Gloo interface, else this host's name resolved.
+
+    ``DUALFRAME_PIPELINE_ADDRESS`` wins when set; ``HOROVOD_GLOO_IFACE`` (set by ``horovodrun --gloo``,
+    the interface every host shares) is read through psutil (a Horovod requirement); then
+    ``HOROVOD_HOSTNAME`` (the host's name in ``-H``) or this host's name, resolved.
+
+    Example:
+        >>> host_address({"DUALFRAME_PIPELINE_ADDRESS": "10.0.0.7"})
+        '10.0.0.7'
+    """
+    env = os.environ if environ is None else environ
+    if env.get(ADDRESS_VARIABLE):
+        return env[ADDRESS_VARIABLE].strip()
+    interface = env.get("HOROVOD_GLOO_IFACE")
+    if interface:
+        try:
+            import psutil
+
+            for address in psutil.net_if_addrs().get(interface, []):
+                if address.family == socket.AF_INET:
+                    return str(address.address)
+        except ImportError:
+            pass
+    name = env.get("HOROVOD_HOSTNAME") or socket.gethostname()
+    try:
+        return socket.gethostbyname(name)
+    except OSError:
+        return name
+
+
+def listen_address(environ: Optional[Mapping[str, str]] = None) -> str:
+    """Where this rank's pipeline socket listens, and is reached: one address, never every interface.
+
+    ``DUALFRAME_PIPELINE_ADDRESS`` when set; else the loopback when the launcher put every rank on
+    this host (its local size is the job's size); else ``host_address``.
+
+    Example:
+        >>> listen_address({"HOROVOD_RANK": "1", "HOROVOD_SIZE": "2", "HOROVOD_LOCAL_SIZE": "2"})
+        '127.0.0.1'
+        >>> listen_address({"HOROVOD_RANK": "1", "HOROVOD_SIZE": "2", "HOROVOD_LOCAL_SIZE": "1",
+        ...                 "DUALFRAME_PIPELINE_ADDRESS": "10.0.0.7"})
+        '10.0.0.7'
+
+    Raises:
+        StrategyError: ``DUALFRAME_PIPELINE_ADDRESS`` names every interface (``*``, ``0.0.0.0``, ``::``).
+    """
+    env = os.environ if environ is None else environ
+    if ADDRESS_VARIABLE in env:
+        chosen = env[ADDRESS_VARIABLE].strip()
+        if chosen in _WILDCARDS:
+            raise StrategyError(f"{ADDRESS_VARIABLE} must be one address of this host that the other hosts reach, "
+                                f"not every interface ({ADDRESS_VARIABLE}={env[ADDRESS_VARIABLE]!r}); "
+                                "unset it to use the launcher's interface")
+        return chosen
+    topology = detect(env)
+    if topology.local_size == topology.size:
+        return "127.0.0.1"
+    return host_address(env)
+
+
+def new_secret() -> bytes:
+    """A pipeline's secret (``SECRET_BYTES`` random bytes), made by rank 0 and shared with the addresses."""
+    return secrets.token_bytes(SECRET_BYTES)
+
+
+def job_secret(entries: Sequence[Sequence[Any]]) -> bytes:
+    """The secret in rank 0's entry of the address allgather (the last item of each entry)."""
+    secret = bytes(entries[0][-1])
+    if len(secret) != SECRET_BYTES:
+        raise StrategyError(f"rank 0 shared a pipeline secret of {len(secret)} bytes where {SECRET_BYTES} were "
+                            "expected (every rank must run the same dualframe)")
+    return secret
+
+
+def _bytes(frame: Any) -> memoryview:
+    return memoryview(frame.buffer if hasattr(frame, "buffer") else frame).cast("B")
+
+
+class MessageSeal:
+    """Seals this rank's pipeline messages and opens the ones it receives, with the pipeline's secret.
+
+    Args:
+        secret: the pipeline's ``SECRET_BYTES`` (rank 0's ``new_secret``, shared by the allgather).
+        rank: this process's rank; ``size``: how many ranks the job has.
+
+    Example:
+        >>> key = new_secret()
+        >>> sender, receiver = MessageSeal(key, 0, 2), MessageSeal(key, 1, 2)
+        >>> head = sender.seal(dest=1, tag=6, body=b"abc")
+        >>> receiver.open([head, b"abc"]), receiver.open([head, b"abc"]), receiver.dropped
+        ((0, 6, b'abc'), None, 1)
+    """
+
+    def __init__(self, secret: bytes, rank: int, size: int) -> None:
+        if len(secret) != SECRET_BYTES:
+            raise ValueError(f"a pipeline secret has {SECRET_BYTES} bytes (secret: {len(secret)} bytes)")
+        self.secret, self.rank, self.size = bytes(secret), rank, size
+        self._sent: Dict[int, int] = collections.defaultdict(int)  # receiver -> last counter sent
+        self._heard: Dict[int, int] = collections.defaultdict(int)  # sender -> last counter opened
+        self.reasons: Dict[str, int] = collections.Counter()
+        self._warned = False
+
+    @property
+    def dropped(self) -> int:
+        """How many received messages were dropped (not from this pipeline's ranks, or replayed)."""
+        return sum(self.reasons.values())
+
+    def _mac(self, fields: bytes, body: memoryview) -> bytes:
+        mac = hmac.new(self.secret, fields, _DIGEST)
+        mac.update(body)
+        return mac.digest()
+
+    def seal(self, dest: int, tag: int, body: Any) -> bytes:
+        """The first frame of a message to rank ``dest`` whose second frame is ``body`` (bytes-like)."""
+        data = _bytes(body)
+        self._sent[dest] += 1
+        fields = _FIELDS.pack(self.rank, dest, tag, self._sent[dest], data.nbytes)
+        return fields + self._mac(fields, data)
+
+    def open(self, frames: Sequence[Any]) -> Optional[Tuple[int, int, Any]]:
+        """(sender, tag, body) of a received message when it is a genuine new one of this pipeline, else None (counted)."""
+        reason = self._refusal(frames)
+        if reason:
+            self._drop(reason)
+            return None
+        sender, _, tag, counter, _ = _FIELDS.unpack_from(_bytes(frames[0]))
+        self._heard[sender] = counter
+        return sender, tag, frames[1]
+
+    def _refusal(self, frames: Sequence[Any]) -> str:
+        """Why ``frames`` are not a genuine new message to this rank ("" when they are)."""
+        if len(frames) != 2:
+            return "not two frames"
+        head, data = _bytes(frames[0]), _bytes(frames[1])
+        if head.nbytes != HEAD_BYTES:
+            return "a header of another size"
+        fields = head[:_FIELDS.size].tobytes()
+        sender, receiver, _, counter, length = _FIELDS.unpack(fields)
+        if length != data.nbytes:  # before the MAC: a stranger's wrong sizes cost no hashing
+            return "a body of another length than its header says"
+        if not hmac.compare_digest(self._mac(fields, data), head[_FIELDS.size:].tobytes()):
+            return "a MAC that does not match"
+        if receiver != self.rank or not 0 <= sender < self.size:
+            return "another rank's message"
+        if counter <= self._heard[sender]:
+            return "a replayed message"
+        return ""
+
+    def _drop(self, reason: str) -> None:
+        self.reasons[reason] += 1
+        if not self._warned:
+            self._warned = True
+            warnings.warn(f"rank {self.rank}'s pipeline socket dropped a message that is not from this job's ranks "
+                          f"({reason}); something else is sending to it. Dropped messages are counted in "
+                          "the pipeline's direct.dropped; this warning is not repeated", RuntimeWarning, stacklevel=4)
