@@ -30,7 +30,7 @@ from typing import Any, Callable, Deque, Dict, Generic, List, Optional, Sequence
 
 from dualframe.errors import StrategyError
 from dualframe.pipeline.layout import PeerLostError
-from dualframe.pipeline.zmq_auth import MessageSeal, job_secret, listen_address, new_secret
+from dualframe.pipeline.zmq_auth import MessageSeal, job_seal, listen_address, rank_0_share
 
 T = TypeVar("T")
 
@@ -234,10 +234,12 @@ def open_zmq(rank: int, gather: Callable[[Any], List[Any]], outgoing: Callable[[
     allgather, so every rank raises alike.
 
     Raises:
-        StrategyError: a rank could not listen on its address (``zmq_auth.listen_address``).
+        StrategyError: a rank could not listen on its address (``zmq_auth.listen_address``), or a bad
+            ``DUALFRAME_PIPELINE_MAC`` (before the allgather).
     """
     import zmq
 
+    share = rank_0_share(rank)  # a bad DUALFRAME_PIPELINE_MAC is refused here, on every rank
     inbox = _context().socket(zmq.PULL)
     inbox.setsockopt(zmq.RCVHWM, 0)  # take everything a peer sends; the link bounds it
     inbox.setsockopt(zmq.LINGER, 0)
@@ -247,11 +249,10 @@ def open_zmq(rank: int, gather: Callable[[Any], List[Any]], outgoing: Callable[[
         port = inbox.bind_to_random_port(f"tcp://{address}")
     except (zmq.ZMQError, StrategyError) as error:
         failure = str(error)
-    everyone = [tuple(entry) for entry in gather((address, int(port), failure, new_secret() if rank == 0 else b""))]
+    everyone = [tuple(entry) for entry in gather((address, int(port), failure, share))]
     failed = [f"rank {r}: {entry[2]} (address {entry[0]!r})" for r, entry in enumerate(everyone) if entry[2]]
     if failed:
         inbox.close(linger=0)
         raise StrategyError(f"a pipeline's ZeroMQ socket could not listen ({'; '.join(failed)}); set "
                             f"DUALFRAME_PIPELINE_ADDRESS to an address of each host that the others reach")
-    seal = MessageSeal(job_secret(everyone), rank, len(everyone))
-    return ZMQDirect(rank, inbox, endpoints(everyone), outgoing, incoming, seal)
+    return ZMQDirect(rank, inbox, endpoints(everyone), outgoing, incoming, job_seal(everyone, rank))

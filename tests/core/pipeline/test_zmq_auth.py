@@ -7,17 +7,17 @@ import warnings
 import pytest
 
 from dualframe.errors import StrategyError
-from dualframe.pipeline.zmq_auth import (HEAD_BYTES, SECRET_BYTES, MessageSeal, host_address, job_secret,
-                                         listen_address, new_secret)
+from dualframe.pipeline.zmq_auth import (HEAD_BYTES, SECRET_BYTES, MessageSeal, host_address, job_seal,
+                                         listen_address, mac_scope, new_secret, rank_0_share)
 
 FIELDS = struct.Struct("<qqqQQ")  # sender, receiver, tag, counter, length: written here as a stranger would
 
 
-@pytest.fixture()
-def ranks():
-    """Rank 0 and rank 1 of a 3-rank job, sharing one secret."""
+@pytest.fixture(params=[False, True], ids=["header", "message"])
+def ranks(request):
+    """Rank 0 and rank 1 of a 3-rank job, sharing one secret; the MAC over the header, or the whole message."""
     secret = new_secret()
-    return MessageSeal(secret, 0, 3), MessageSeal(secret, 1, 3)
+    return MessageSeal(secret, 0, 3, whole=request.param), MessageSeal(secret, 1, 3, whole=request.param)
 
 
 def quiet(seal, frames):
@@ -50,13 +50,14 @@ def test_forged_and_malformed_frames_are_dropped_each_for_its_reason(ranks):
     sender, receiver = ranks
     head = sender.seal(1, 3, b"x" * 16)
     tampered_head = head[:16] + struct.pack("<q", 4) + head[24:]  # another tag under the same MAC
-    stranger = MessageSeal(new_secret(), 0, 3).seal(1, 3, b"x" * 16)
+    stranger = MessageSeal(new_secret(), 0, 3, whole=sender.whole).seal(1, 3, b"x" * 16)
     cases = {
         "not two frames": [[head], [head, b"x" * 16, b""], []],
         "a header of another size": [[head[:-1], b"x" * 16], [struct.pack("<qq", 0, 3), b"x" * 16]],
         "a body of another length than its header says": [[head, b"x" * 15], [b"\0" * HEAD_BYTES, b"x"]],
-        "a MAC that does not match": [[head, b"y" * 16], [tampered_head, b"x" * 16], [stranger, b"x" * 16],
-                                      [FIELDS.pack(0, 1, 3, 9, 16) + b"\0" * 32, b"x" * 16]],
+        "a MAC that does not match": [[tampered_head, b"x" * 16], [stranger, b"x" * 16],
+                                      [FIELDS.pack(0, 1, 3, 9, 16) + b"\0" * 32, b"x" * 16]]
+        + ([[head, b"y" * 16]] if sender.whole else []),  # other bytes under the header: only "message" sees them
     }
     with pytest.warns(RuntimeWarning, match=r"rank 1's pipeline socket dropped .* \(not two frames\)") as caught:
         for reason, frame_lists in cases.items():
@@ -64,24 +65,32 @@ def test_forged_and_malformed_frames_are_dropped_each_for_its_reason(ranks):
                 assert receiver.open(frames) is None, (reason, frames)
     assert len(caught) == 1  # warned once, however many were dropped
     assert receiver.reasons == {reason: len(frame_lists) for reason, frame_lists in cases.items()}
-    assert receiver.dropped == 11 and receiver.open([head, b"x" * 16]) == (0, 3, b"x" * 16)  # the genuine one still opens
+    assert receiver.dropped == 10 + sender.whole and receiver.open([head, b"x" * 16]) == (0, 3, b"x" * 16)  # the genuine one still opens
 
 
 def test_another_ranks_message_is_not_taken(ranks):
     sender, receiver = ranks
     to_rank_2 = sender.seal(2, 0, b"z")  # genuine, but for rank 2: a copy sent to rank 1 is dropped
-    outsider = MessageSeal(sender.secret, 5, 6).seal(1, 0, b"z")  # a sender beyond the job's 3 ranks
+    outsider = MessageSeal(sender.secret, 5, 6, whole=sender.whole).seal(1, 0, b"z")  # a sender beyond the job's 3 ranks
     assert quiet(receiver, [to_rank_2, b"z"]) is None and quiet(receiver, [outsider, b"z"]) is None
     assert receiver.reasons == {"another rank's message": 2}
 
 
-def test_a_secret_has_its_size():
+def test_rank_0_shares_the_secret_and_the_scope_every_rank_seals_with():
     assert len(new_secret()) == SECRET_BYTES and new_secret() != new_secret()
     with pytest.raises(ValueError, match="a pipeline secret has 32 bytes"):
         MessageSeal(b"short", 0, 2)
-    assert job_secret([("127.0.0.1", 1, "", b"k" * 32), ("127.0.0.1", 2, "", b"")]) == b"k" * 32
-    with pytest.raises(StrategyError, match="rank 0 shared a pipeline secret of 0 bytes"):
-        job_secret([("127.0.0.1", 1, "", b"")])
+    assert rank_0_share(1, {"DUALFRAME_PIPELINE_MAC": "message"}) == (b"", "")
+    shared = rank_0_share(0, {"DUALFRAME_PIPELINE_MAC": "message"})
+    seal = job_seal([("127.0.0.1", 1, "", shared), ("127.0.0.1", 2, "", rank_0_share(1, {}))], rank=1)
+    assert (seal.secret, seal.whole, seal.rank, seal.size) == (shared[0], True, 1, 2)  # rank 0's scope wins
+    assert job_seal([("a", 1, "", rank_0_share(0, {}))], rank=0).whole is False  # the header by default
+    with pytest.raises(StrategyError, match="rank 0 shared a pipeline secret of 0 bytes and MAC scope ''"):
+        job_seal([("127.0.0.1", 1, "", (b"", ""))], rank=0)
+    assert mac_scope({}) == "header"
+    with pytest.raises(StrategyError, match=r"DUALFRAME_PIPELINE_MAC must be one of header, message "
+                                            r"\(DUALFRAME_PIPELINE_MAC: 'body'\)"):
+        rank_0_share(1, {"DUALFRAME_PIPELINE_MAC": "body"})  # refused on every rank, rank 0 or not
 
 
 def test_one_host_listens_on_the_loopback_and_several_on_their_address():

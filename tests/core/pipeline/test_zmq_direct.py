@@ -33,7 +33,7 @@ def pair():
     def gather_for(rank):
         def gather(entry):
             entries.append(entry)
-            return list(entries) if rank == 1 else [entry, ("10.9.9.9", 1, "", b"")]
+            return list(entries) if rank == 1 else [entry, ("10.9.9.9", 1, "", (b"", ""))]
         return gather
 
     first = open_zmq(0, gather_for(0), byte_view, receive_into)
@@ -95,7 +95,8 @@ def test_closed_pipelines_do_not_make_a_live_peer_look_gone():
 
 
 def test_endpoints_are_the_addresses_the_ranks_listen_on():
-    assert endpoints([("127.0.0.1", 1, "", b"k"), ("10.0.0.2", 2, "", b"")]) == ["tcp://127.0.0.1:1", "tcp://10.0.0.2:2"]
+    assert endpoints([("127.0.0.1", 1, "", (b"k", "header")), ("10.0.0.2", 2, "", (b"", ""))]) == \
+        ["tcp://127.0.0.1:1", "tcp://10.0.0.2:2"]
     assert host_address({"DUALFRAME_PIPELINE_ADDRESS": "192.168.1.5", "HOROVOD_HOSTNAME": "x"}) == "192.168.1.5"
     assert host_address({"HOROVOD_HOSTNAME": "localhost"}) == "127.0.0.1"
 
@@ -107,8 +108,11 @@ def test_a_job_on_one_host_listens_on_the_loopback_only():
         assert endpoint.startswith("tcp://127.0.0.1:"), endpoint
 
 
-def test_strangers_messages_are_dropped_and_counted_and_the_ranks_still_talk():
+@pytest.mark.parametrize("scope", ["header", "message"])
+def test_strangers_messages_are_dropped_and_counted_and_the_ranks_still_talk(scope, monkeypatch):
+    monkeypatch.setenv("DUALFRAME_PIPELINE_MAC", scope)
     first, second = pair()
+    assert first.seal.whole == second.seal.whole == (scope == "message")
     stranger = zmq.Context.instance().socket(zmq.PUSH)
     stranger.connect(second.peers[1])
     forged = [[b"garbage"], [struct.pack("<qq", 0, 0), b"\0" * 7],  # one frame; the old unsealed header
@@ -136,10 +140,10 @@ def test_a_rank_that_cannot_listen_raises_on_every_rank(monkeypatch):
     monkeypatch.setenv("DUALFRAME_PIPELINE_ADDRESS", "192.0.2.1")  # TEST-NET-1: no interface of this host
     with pytest.raises(StrategyError, match=r"could not listen \(rank 0: .*address '192.0.2.1'\).*set "
                                             "DUALFRAME_PIPELINE_ADDRESS"):
-        open_zmq(0, lambda entry: [entry, ("127.0.0.1", 1, "", b"")], byte_view, receive_into)
+        open_zmq(0, lambda entry: [entry, ("127.0.0.1", 1, "", (b"", ""))], byte_view, receive_into)
     monkeypatch.setenv("DUALFRAME_PIPELINE_ADDRESS", "127.0.0.1")  # this rank can; rank 1 could not: the same error
     with pytest.raises(StrategyError, match=r"rank 1: no such address \(address '10.0.0.9'\)"):
-        open_zmq(0, lambda entry: [entry, ("10.0.0.9", 0, "no such address", b"")], byte_view, receive_into)
+        open_zmq(0, lambda entry: [entry, ("10.0.0.9", 0, "no such address", (b"", ""))], byte_view, receive_into)
 
 
 def test_open_direct_opens_what_every_rank_agreed_on(monkeypatch):
