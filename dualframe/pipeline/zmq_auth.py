@@ -105,6 +105,26 @@ def listen_address(environ: Optional[Mapping[str, str]] = None) -> str:
     return host_address(env)
 
 
+def unreachable(entries: Sequence[Sequence[Any]]) -> str:
+    """Why some rank cannot reach another's socket: one listens on a loopback address while the job spans hosts ("" if none).
+
+    Args:
+        entries: every rank's (address, port, failure, host name, ...) from the address allgather.
+
+    Example:
+        >>> unreachable([("127.0.0.1", 5, "", "a"), ("127.0.0.1", 6, "", "a")])
+        ''
+        >>> unreachable([("127.0.0.1", 5, "", "a"), ("10.0.0.2", 6, "", "b")])
+        'rank 0 listens on 127.0.0.1 (host a), which ranks on b cannot reach'
+    """
+    hosts = sorted({str(entry[3]) for entry in entries})
+    for rank, (address, _, _, host, *_) in enumerate(entries):
+        if len(hosts) > 1 and (address.startswith("127.") or address in ("::1", "localhost")):
+            others = ", ".join(h for h in hosts if h != host)
+            return f"rank {rank} listens on {address} (host {host}), which ranks on {others} cannot reach"
+    return ""
+
+
 def new_secret() -> bytes:
     """A pipeline's secret (``SECRET_BYTES`` random bytes), made by rank 0 and shared with the addresses."""
     return secrets.token_bytes(SECRET_BYTES)

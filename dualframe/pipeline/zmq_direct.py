@@ -24,13 +24,14 @@ import atexit
 import collections
 import itertools
 import os
+import socket
 import time
 import weakref
 from typing import Any, Callable, Deque, Dict, Generic, List, Optional, Sequence, Tuple, TypeVar
 
 from dualframe.errors import StrategyError
 from dualframe.pipeline.layout import PeerLostError
-from dualframe.pipeline.zmq_auth import MessageSeal, job_seal, listen_address, rank_0_share
+from dualframe.pipeline.zmq_auth import MessageSeal, job_seal, listen_address, rank_0_share, unreachable
 
 T = TypeVar("T")
 
@@ -249,10 +250,11 @@ def open_zmq(rank: int, gather: Callable[[Any], List[Any]], outgoing: Callable[[
         port = inbox.bind_to_random_port(f"tcp://{address}")
     except (zmq.ZMQError, StrategyError) as error:
         failure = str(error)
-    everyone = [tuple(entry) for entry in gather((address, int(port), failure, share))]
-    failed = [f"rank {r}: {entry[2]} (address {entry[0]!r})" for r, entry in enumerate(everyone) if entry[2]]
-    if failed:
+    everyone = [tuple(entry) for entry in gather((address, int(port), failure, socket.gethostname(), share))]
+    failed = "; ".join(f"rank {r}: {entry[2]} (address {entry[0]!r})" for r, entry in enumerate(everyone) if entry[2])
+    if failed or unreachable(everyone):
         inbox.close(linger=0)
-        raise StrategyError(f"a pipeline's ZeroMQ socket could not listen ({'; '.join(failed)}); set "
-                            f"DUALFRAME_PIPELINE_ADDRESS to an address of each host that the others reach")
+        raise StrategyError(f"a pipeline's ZeroMQ socket could not listen where its peers reach it "
+                            f"({failed or unreachable(everyone)}); set DUALFRAME_PIPELINE_ADDRESS to an "
+                            "address of each host that the others reach")
     return ZMQDirect(rank, inbox, endpoints(everyone), outgoing, incoming, job_seal(everyone, rank))

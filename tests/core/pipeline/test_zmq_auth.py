@@ -8,7 +8,7 @@ import pytest
 
 from dualframe.errors import StrategyError
 from dualframe.pipeline.zmq_auth import (HEAD_BYTES, SECRET_BYTES, MessageSeal, host_address, job_seal,
-                                         listen_address, mac_scope, new_secret, rank_0_share)
+                                         listen_address, mac_scope, new_secret, rank_0_share, unreachable)
 
 FIELDS = struct.Struct("<qqqQQ")  # sender, receiver, tag, counter, length: written here as a stranger would
 
@@ -82,11 +82,11 @@ def test_rank_0_shares_the_secret_and_the_scope_every_rank_seals_with():
         MessageSeal(b"short", 0, 2)
     assert rank_0_share(1, {"DUALFRAME_PIPELINE_MAC": "message"}) == (b"", "")
     shared = rank_0_share(0, {"DUALFRAME_PIPELINE_MAC": "message"})
-    seal = job_seal([("127.0.0.1", 1, "", shared), ("127.0.0.1", 2, "", rank_0_share(1, {}))], rank=1)
+    seal = job_seal([("127.0.0.1", 1, "", "a", shared), ("127.0.0.1", 2, "", "a", rank_0_share(1, {}))], rank=1)
     assert (seal.secret, seal.whole, seal.rank, seal.size) == (shared[0], True, 1, 2)  # rank 0's scope wins
-    assert job_seal([("a", 1, "", rank_0_share(0, {}))], rank=0).whole is False  # the header by default
+    assert job_seal([("a", 1, "", "a", rank_0_share(0, {}))], rank=0).whole is False  # the header by default
     with pytest.raises(StrategyError, match="rank 0 shared a pipeline secret of 0 bytes and MAC scope ''"):
-        job_seal([("127.0.0.1", 1, "", (b"", ""))], rank=0)
+        job_seal([("127.0.0.1", 1, "", "a", (b"", ""))], rank=0)
     assert mac_scope({}) == "header"
     with pytest.raises(StrategyError, match=r"DUALFRAME_PIPELINE_MAC must be one of header, message "
                                             r"\(DUALFRAME_PIPELINE_MAC: 'body'\)"):
@@ -102,6 +102,13 @@ def test_one_host_listens_on_the_loopback_and_several_on_their_address():
     assert listen_address(two_hosts) == host_address(two_hosts) == "127.0.0.1"  # localhost resolved
     assert listen_address(dict(two_hosts, DUALFRAME_PIPELINE_ADDRESS="10.0.0.7")) == "10.0.0.7"
     assert listen_address(dict(one_host, DUALFRAME_PIPELINE_ADDRESS="10.0.0.7")) == "10.0.0.7"  # asked for: taken
+
+
+def test_a_loopback_address_is_refused_when_the_job_spans_hosts():
+    assert unreachable([("127.0.0.1", 5, "", "a"), ("127.0.0.1", 6, "", "a")]) == ""
+    assert unreachable([("10.0.0.1", 5, "", "a"), ("10.0.0.2", 6, "", "b")]) == ""
+    assert unreachable([("10.0.0.1", 5, "", "a"), ("127.0.1.1", 6, "", "b"), ("10.0.0.3", 7, "", "c")]) == \
+        "rank 1 listens on 127.0.1.1 (host b), which ranks on a, c cannot reach"  # /etc/hosts' 127.0.1.1 too
 
 
 @pytest.mark.parametrize("everywhere", ["*", "0.0.0.0", "::", " "])

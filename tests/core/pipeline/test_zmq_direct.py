@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import array
 import gc
+import socket
 import struct
 import time
 
@@ -33,7 +34,7 @@ def pair():
     def gather_for(rank):
         def gather(entry):
             entries.append(entry)
-            return list(entries) if rank == 1 else [entry, ("10.9.9.9", 1, "", (b"", ""))]
+            return list(entries) if rank == 1 else [entry, ("127.0.0.1", 1, "", socket.gethostname(), (b"", ""))]
         return gather
 
     first = open_zmq(0, gather_for(0), byte_view, receive_into)
@@ -95,7 +96,7 @@ def test_closed_pipelines_do_not_make_a_live_peer_look_gone():
 
 
 def test_endpoints_are_the_addresses_the_ranks_listen_on():
-    assert endpoints([("127.0.0.1", 1, "", (b"k", "header")), ("10.0.0.2", 2, "", (b"", ""))]) == \
+    assert endpoints([("127.0.0.1", 1, "", "a", (b"k", "header")), ("10.0.0.2", 2, "", "b", (b"", ""))]) == \
         ["tcp://127.0.0.1:1", "tcp://10.0.0.2:2"]
     assert host_address({"DUALFRAME_PIPELINE_ADDRESS": "192.168.1.5", "HOROVOD_HOSTNAME": "x"}) == "192.168.1.5"
     assert host_address({"HOROVOD_HOSTNAME": "localhost"}) == "127.0.0.1"
@@ -138,12 +139,18 @@ def test_strangers_messages_are_dropped_and_counted_and_the_ranks_still_talk(sco
 
 def test_a_rank_that_cannot_listen_raises_on_every_rank(monkeypatch):
     monkeypatch.setenv("DUALFRAME_PIPELINE_ADDRESS", "192.0.2.1")  # TEST-NET-1: no interface of this host
-    with pytest.raises(StrategyError, match=r"could not listen \(rank 0: .*address '192.0.2.1'\).*set "
-                                            "DUALFRAME_PIPELINE_ADDRESS"):
-        open_zmq(0, lambda entry: [entry, ("127.0.0.1", 1, "", (b"", ""))], byte_view, receive_into)
+    here = socket.gethostname()
+    with pytest.raises(StrategyError, match=r"could not listen where its peers reach it \(rank 0: .*address "
+                                            r"'192.0.2.1'\)\); set DUALFRAME_PIPELINE_ADDRESS"):
+        open_zmq(0, lambda entry: [entry, ("127.0.0.1", 1, "", here, (b"", ""))], byte_view, receive_into)
     monkeypatch.setenv("DUALFRAME_PIPELINE_ADDRESS", "127.0.0.1")  # this rank can; rank 1 could not: the same error
     with pytest.raises(StrategyError, match=r"rank 1: no such address \(address '10.0.0.9'\)"):
-        open_zmq(0, lambda entry: [entry, ("10.0.0.9", 0, "no such address", (b"", ""))], byte_view, receive_into)
+        open_zmq(0, lambda entry: [entry, ("10.0.0.9", 0, "no such address", here, (b"", ""))], byte_view,
+                 receive_into)
+    # The launcher's variables said one host, the host names say two: the loopback would not reach.
+    with pytest.raises(StrategyError, match=rf"rank 0 listens on 127.0.0.1 \(host {here}\), which ranks on "
+                                            r"elsewhere cannot reach"):
+        open_zmq(0, lambda entry: [entry, ("10.0.0.9", 5, "", "elsewhere", (b"", ""))], byte_view, receive_into)
 
 
 def test_open_direct_opens_what_every_rank_agreed_on(monkeypatch):
