@@ -2,12 +2,15 @@
 
 Shaped like ``dualframe.pipeline.mpi_direct.MPIDirect`` (the core's ``PointToPoint``): the adapter
 hands in a byte view of a tensor to send and a writable byte buffer to receive into. pyzmq moves the
-bytes: each rank binds one PULL socket per pipeline on a free TCP port, the ranks exchange their
-addresses in one Horovod allgather when the pipeline is built (``open_zmq``), and a rank connects a
-PUSH socket to a peer the first time it talks to it. ZeroMQ's own I/O thread moves the bytes, so a
-send returns at once (the bytes are copied into ZeroMQ's queue) and no Horovod cycle sits between two
-stages. A message is two frames, ``(sender rank, tag)`` then the bytes; a receive matches the
-oldest message of its (rank, tag), as MPI's matching does.
+bytes: each rank binds one PULL socket per pipeline on a free TCP port of one address (the loopback
+when the job is on one host, else the launcher's interface: ``zmq_auth.listen_address``), the ranks
+exchange their addresses and rank 0's secret in one Horovod allgather when the pipeline is built
+(``open_zmq``), and a rank connects a PUSH socket to a peer the first time it talks to it. ZeroMQ's
+own I/O thread moves the bytes, so a send returns at once (the bytes are copied into ZeroMQ's queue)
+and no Horovod cycle sits between two stages. A message is two frames, a header sealed with the
+secret (``zmq_auth.MessageSeal``: sender, receiver, tag, counter, length, HMAC-SHA256) then the
+bytes; a message that does not open is dropped and counted (``ZMQDirect.dropped``), and a receive
+matches the oldest genuine message of its (rank, tag), as MPI's matching does.
 
 A wait polls the PULL socket (the caller's thread sleeps in ZeroMQ's poll, not in a busy loop), and
 a socket monitor on each peer's PUSH socket tells when that peer's connection dropped or is refused
@@ -22,17 +25,16 @@ import collections
 import itertools
 import os
 import socket
-import struct
 import time
 import weakref
 from typing import Any, Callable, Deque, Dict, Generic, List, Optional, Sequence, Tuple, TypeVar
 
+from dualframe.errors import StrategyError
 from dualframe.pipeline.layout import PeerLostError
+from dualframe.pipeline.zmq_auth import MessageSeal, job_seal, listen_address, rank_0_share, unreachable
 
 T = TypeVar("T")
 
-#: The first frame of a message: the sender's rank and the message's tag (two little-endian int64).
-_HEAD = struct.Struct("<qq")
 #: How long (ms) a closing rank keeps trying to deliver messages still queued to a peer that is alive.
 LINGER_MS = 10_000
 #: How long (s) a wait goes on after a peer's connection dropped: its last messages travel on another connection.
@@ -53,48 +55,17 @@ def _context() -> Any:
     return _CONTEXT[0]
 
 
-def host_address(environ: Optional[Dict[str, str]] = None) -> str:
-    """The address other hosts reach this one at: horovodrun's Gloo interface, else this host's name resolved.
-
-    ``DUALFRAME_PIPELINE_ADDRESS`` wins when set; ``HOROVOD_GLOO_IFACE`` (set by ``horovodrun --gloo``,
-    the interface every host shares) is read through psutil (a Horovod requirement); then
-    ``HOROVOD_HOSTNAME`` (the host's name in ``-H``) or this host's name, resolved.
-
-    Example:
-        >>> host_address({"DUALFRAME_PIPELINE_ADDRESS": "10.0.0.7"})
-        '10.0.0.7'
-    """
-    env = os.environ if environ is None else environ
-    if env.get("DUALFRAME_PIPELINE_ADDRESS"):
-        return env["DUALFRAME_PIPELINE_ADDRESS"]
-    interface = env.get("HOROVOD_GLOO_IFACE")
-    if interface:
-        try:
-            import psutil
-
-            for address in psutil.net_if_addrs().get(interface, []):
-                if address.family == socket.AF_INET:
-                    return str(address.address)
-        except ImportError:
-            pass
-    name = env.get("HOROVOD_HOSTNAME") or socket.gethostname()
-    try:
-        return socket.gethostbyname(name)
-    except OSError:
-        return name
-
-
-def endpoints(mine: Tuple[str, str, int], everyone: Sequence[Tuple[str, str, int]]) -> List[str]:
-    """Where this rank reaches each rank's PULL socket: the loopback on its own host, else the advertised address.
+def endpoints(everyone: Sequence[Sequence[Any]]) -> List[str]:
+    """Where this rank reaches each rank's PULL socket: the address that rank listens on.
 
     Args:
-        mine: this rank's (host name, address, port); ``everyone``: every rank's, in rank order.
+        everyone: every rank's (address, port, ...) from the allgather, in rank order.
 
     Example:
-        >>> endpoints(("a", "10.0.0.1", 5), [("a", "10.0.0.1", 5), ("a", "10.0.0.1", 6), ("b", "10.0.0.2", 7)])
-        ['tcp://127.0.0.1:5', 'tcp://127.0.0.1:6', 'tcp://10.0.0.2:7']
+        >>> endpoints([("127.0.0.1", 5, b""), ("10.0.0.2", 7, b"")])
+        ['tcp://127.0.0.1:5', 'tcp://10.0.0.2:7']
     """
-    return [f"tcp://{'127.0.0.1' if host == mine[0] else address}:{port}" for host, address, port in everyone]
+    return [f"tcp://{address}:{port}" for address, port, *_ in everyone]
 
 
 class _Message:
@@ -122,6 +93,7 @@ class ZMQDirect(Generic[T]):
         rank: this process's rank; ``inbox``: its bound PULL socket; ``peers``: each rank's endpoint.
         outgoing: the adapter's byte view of a tensor to send.
         incoming: the adapter's writable buffer for a receive, and how to read the tensor back.
+        seal: seals what this rank sends and opens what it receives (the pipeline's secret).
 
     Example:
         >>> direct = open_zmq(rank, gather, outgoing=byte_view, incoming=receive_buffer)  # doctest: +SKIP
@@ -131,10 +103,10 @@ class ZMQDirect(Generic[T]):
     name = "zmq"
 
     def __init__(self, rank: int, inbox: Any, peers: Sequence[str], outgoing: Callable[[Any], Any],
-                 incoming: Callable[[Any], Tuple[Any, Callable[[], Any]]]) -> None:
+                 incoming: Callable[[Any], Tuple[Any, Callable[[], Any]]], seal: MessageSeal) -> None:
         import zmq
 
-        self.zmq, self.rank, self.inbox, self.peers = zmq, rank, inbox, list(peers)
+        self.zmq, self.rank, self.inbox, self.peers, self.seal = zmq, rank, inbox, list(peers), seal
         self.outgoing, self.incoming = outgoing, incoming
         self._outboxes: Dict[int, Tuple[Any, Any]] = {}  # rank -> (PUSH socket, its monitor)
         self._posted: Dict[Tuple[int, int], Deque[_Message]] = collections.defaultdict(collections.deque)
@@ -164,7 +136,7 @@ class ZMQDirect(Generic[T]):
 
     def send(self, tensor: T, dest: int, tag: int) -> Any:
         data = self.outgoing(tensor)
-        self._outbox(dest).send_multipart([_HEAD.pack(self.rank, tag), data], copy=True)
+        self._outbox(dest).send_multipart([self.seal.seal(dest, tag, data), data], copy=True)
         return _Message(None, lambda: tensor, True)  # copied into ZeroMQ's queue: done
 
     def receive(self, buffer: T, source: int, tag: int) -> Any:
@@ -178,14 +150,23 @@ class ZMQDirect(Generic[T]):
             self._posted[(source, tag)].append(message)
         return message
 
+    @property
+    def dropped(self) -> int:
+        """How many messages this rank's socket dropped: not from the pipeline's ranks (forged, malformed) or replayed."""
+        return self.seal.dropped
+
     def _drain(self) -> None:
         zmq = self.zmq
         while True:
             try:
-                head, body = self.inbox.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = self.inbox.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            key = _HEAD.unpack(head.bytes)
+            opened = self.seal.open(frames)  # None: not this pipeline's (dropped and counted)
+            if opened is None:
+                continue
+            source, tag, body = opened
+            key = (source, tag)
             waiting = self._posted.get(key)
             if waiting:
                 waiting.popleft().fill(body)
@@ -248,15 +229,32 @@ def missing() -> Optional[str]:
 
 def open_zmq(rank: int, gather: Callable[[Any], List[Any]], outgoing: Callable[[Any], Any],
              incoming: Callable[[Any], Tuple[Any, Callable[[], Any]]]) -> ZMQDirect[Any]:
-    """Bind this rank's PULL socket, exchange every rank's address (``gather``: the adapter's allgather of an object).
+    """Bind this rank's PULL socket, exchange every rank's address and rank 0's secret (``gather``: the adapter's allgather of an object).
 
-    A collective over every rank: call it on all of them.
+    A collective over every rank: call it on all of them. A rank that cannot bind says why in the
+    allgather, so every rank raises alike.
+
+    Raises:
+        StrategyError: a rank could not listen on its address (``zmq_auth.listen_address``), or a bad
+            ``DUALFRAME_PIPELINE_MAC`` (before the allgather).
     """
     import zmq
 
+    share = rank_0_share(rank)  # a bad DUALFRAME_PIPELINE_MAC is refused here, on every rank
     inbox = _context().socket(zmq.PULL)
     inbox.setsockopt(zmq.RCVHWM, 0)  # take everything a peer sends; the link bounds it
     inbox.setsockopt(zmq.LINGER, 0)
-    port = inbox.bind_to_random_port("tcp://*")
-    mine = (socket.gethostname(), host_address(), int(port))
-    return ZMQDirect(rank, inbox, endpoints(mine, [tuple(entry) for entry in gather(mine)]), outgoing, incoming)
+    address, port, failure = "", 0, ""
+    try:
+        address = listen_address()
+        port = inbox.bind_to_random_port(f"tcp://{address}")
+    except (zmq.ZMQError, StrategyError) as error:
+        failure = str(error)
+    everyone = [tuple(entry) for entry in gather((address, int(port), failure, socket.gethostname(), share))]
+    failed = "; ".join(f"rank {r}: {entry[2]} (address {entry[0]!r})" for r, entry in enumerate(everyone) if entry[2])
+    if failed or unreachable(everyone):
+        inbox.close(linger=0)
+        raise StrategyError(f"a pipeline's ZeroMQ socket could not listen where its peers reach it "
+                            f"({failed or unreachable(everyone)}); set DUALFRAME_PIPELINE_ADDRESS to an "
+                            "address of each host that the others reach")
+    return ZMQDirect(rank, inbox, endpoints(everyone), outgoing, incoming, job_seal(everyone, rank))

@@ -1,8 +1,10 @@
-"""dualframe.pipeline.zmq_direct and .direct in one process: two ranks' ZMQDirect over the loopback, matching, the choice."""
+"""dualframe.pipeline.zmq_direct and .direct in one process: two ranks' ZMQDirect over the loopback, matching, strangers, the choice."""
 from __future__ import annotations
 
 import array
 import gc
+import socket
+import struct
 import time
 
 import pytest
@@ -11,7 +13,8 @@ from dualframe.errors import StrategyError
 from dualframe.pipeline import direct as direct_module
 from dualframe.pipeline.layout import PeerLostError
 from dualframe.pipeline.link import wait_for
-from dualframe.pipeline.zmq_direct import endpoints, host_address, open_zmq
+from dualframe.pipeline.zmq_auth import HEAD_BYTES, host_address
+from dualframe.pipeline.zmq_direct import endpoints, open_zmq
 
 zmq = pytest.importorskip("zmq")
 
@@ -31,7 +34,7 @@ def pair():
     def gather_for(rank):
         def gather(entry):
             entries.append(entry)
-            return list(entries) if rank == 1 else [entry, ("elsewhere", "10.9.9.9", 1)]
+            return list(entries) if rank == 1 else [entry, ("127.0.0.1", 1, "", socket.gethostname(), (b"", ""))]
         return gather
 
     first = open_zmq(0, gather_for(0), byte_view, receive_into)
@@ -92,11 +95,62 @@ def test_closed_pipelines_do_not_make_a_live_peer_look_gone():
     assert first.done(waiting, timeout=3.0) is False  # silent but alive: the bounded wait, no PeerLostError
 
 
-def test_endpoints_use_the_loopback_on_the_same_host_and_the_address_elsewhere():
-    assert endpoints(("h", "10.0.0.1", 1), [("h", "10.0.0.1", 1), ("g", "10.0.0.2", 2)]) == \
+def test_endpoints_are_the_addresses_the_ranks_listen_on():
+    assert endpoints([("127.0.0.1", 1, "", "a", (b"k", "header")), ("10.0.0.2", 2, "", "b", (b"", ""))]) == \
         ["tcp://127.0.0.1:1", "tcp://10.0.0.2:2"]
     assert host_address({"DUALFRAME_PIPELINE_ADDRESS": "192.168.1.5", "HOROVOD_HOSTNAME": "x"}) == "192.168.1.5"
     assert host_address({"HOROVOD_HOSTNAME": "localhost"}) == "127.0.0.1"
+
+
+def test_a_job_on_one_host_listens_on_the_loopback_only():
+    first, second = pair()
+    for side in (first, second):
+        endpoint = side.inbox.getsockopt(zmq.LAST_ENDPOINT).decode()
+        assert endpoint.startswith("tcp://127.0.0.1:"), endpoint
+
+
+@pytest.mark.parametrize("scope", ["header", "message"])
+def test_strangers_messages_are_dropped_and_counted_and_the_ranks_still_talk(scope, monkeypatch):
+    monkeypatch.setenv("DUALFRAME_PIPELINE_MAC", scope)
+    first, second = pair()
+    assert first.seal.whole == second.seal.whole == (scope == "message")
+    stranger = zmq.Context.instance().socket(zmq.PUSH)
+    stranger.connect(second.peers[1])
+    forged = [[b"garbage"], [struct.pack("<qq", 0, 0), b"\0" * 7],  # one frame; the old unsealed header
+              [b"\0" * HEAD_BYTES, b"\0" * 32],  # a header of the right size, its length wrong
+              [struct.pack("<qqqQQ", 0, 1, 0, 1, 32) + b"\1" * (HEAD_BYTES - 40), b"\0" * 32],  # right shape, no key
+              [b"a", b"b", b"c"], [b"", b""]]
+    for frames in forged:
+        stranger.send_multipart(frames)
+    first.send(array.array("d", [2.0] * 4), dest=1, tag=0)
+    with pytest.warns(RuntimeWarning, match="dropped a message that is not from this job's ranks") as caught:
+        got = second.receive(array.array("d", [0.0] * 4), source=0, tag=0)
+        assert second.done(got, timeout=5.0) and list(second.result(got)) == [2.0] * 4
+        idle = second.receive(array.array("d", [0.0]), source=0, tag=99)  # nothing comes: drains the rest
+        deadline = time.monotonic() + 5
+        while second.dropped < len(forged) and time.monotonic() < deadline:
+            second.done(idle, timeout=0.1)
+    assert second.dropped == len(forged) and first.dropped == 0 and len(caught) == 1  # one warning
+    got = second.receive(array.array("d", [0.0] * 4), source=0, tag=0)  # the genuine messages still come through
+    first.send(array.array("d", [3.0] * 4), dest=1, tag=0)
+    assert second.done(got, timeout=5.0) and list(second.result(got)) == [3.0] * 4
+    stranger.close(linger=0)
+
+
+def test_a_rank_that_cannot_listen_raises_on_every_rank(monkeypatch):
+    monkeypatch.setenv("DUALFRAME_PIPELINE_ADDRESS", "192.0.2.1")  # TEST-NET-1: no interface of this host
+    here = socket.gethostname()
+    with pytest.raises(StrategyError, match=r"could not listen where its peers reach it \(rank 0: .*address "
+                                            r"'192.0.2.1'\)\); set DUALFRAME_PIPELINE_ADDRESS"):
+        open_zmq(0, lambda entry: [entry, ("127.0.0.1", 1, "", here, (b"", ""))], byte_view, receive_into)
+    monkeypatch.setenv("DUALFRAME_PIPELINE_ADDRESS", "127.0.0.1")  # this rank can; rank 1 could not: the same error
+    with pytest.raises(StrategyError, match=r"rank 1: no such address \(address '10.0.0.9'\)"):
+        open_zmq(0, lambda entry: [entry, ("10.0.0.9", 0, "no such address", here, (b"", ""))], byte_view,
+                 receive_into)
+    # The launcher's variables said one host, the host names say two: the loopback would not reach.
+    with pytest.raises(StrategyError, match=rf"rank 0 listens on 127.0.0.1 \(host {here}\), which ranks on "
+                                            r"elsewhere cannot reach"):
+        open_zmq(0, lambda entry: [entry, ("10.0.0.9", 5, "", "elsewhere", (b"", ""))], byte_view, receive_into)
 
 
 def test_open_direct_opens_what_every_rank_agreed_on(monkeypatch):
