@@ -183,7 +183,7 @@ def group_memory(profile: ModelProfile, layers: range, training: Training, chunk
     if checkpoint not in CHECKPOINTS:
         raise StrategyError(f"unknown checkpoint {checkpoint!r}; choose one of {', '.join(CHECKPOINTS)}")
     group = [profile.layers[j] for j in layers]
-    trainable = sum(layer.parameters for layer in group)
+    trainable = sum(layer.parameters for layer in group) + profile.copies(layers.start, layers.stop)
     frozen = sum(layer.frozen for layer in group)
     size = training.parameter_bytes
     micro_batch = math.ceil(training.batch_size / chunks)
