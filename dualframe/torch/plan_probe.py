@@ -16,7 +16,7 @@ core's plain ``ModelProfile``.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import AbstractSet, Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
@@ -78,7 +78,7 @@ def block_lists(model: nn.Module) -> Set[str]:
     return set(lists) if lists and 2 * held >= sum(p.numel() for p in model.parameters()) else set()
 
 
-def graph_nodes(model: nn.Module, prefix: str = "", lists: Set[str] = frozenset()) -> List[Tuple[str, nn.Module]]:
+def graph_nodes(model: nn.Module, prefix: str = "", lists: AbstractSet[str] = frozenset()) -> List[Tuple[str, nn.Module]]:
     """Submodules where a stage may begin, by qualified name: children, looking inside containers and block holders."""
     found: List[Tuple[str, nn.Module]] = []
     for name, child in model.named_children():
@@ -219,8 +219,9 @@ def profile_module(model: nn.Module, input_shape: Sequence[int], input_dtype: st
     chain = isinstance(model, nn.Sequential) or not list(model.children())
     lists = set() if chain else block_lists(model)
     named = top_level_layers(model) if chain else graph_nodes(model, lists=lists)
-    if getattr(getattr(model, "config", None), "use_cache", False):
-        model.config.use_cache = False   # training keeps no key/value cache
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False):
+        setattr(config, "use_cache", False)   # training keeps no key/value cache
     inputs = model_call(model, input_shape, input_dtype, input_names)
     recorder, flow = _run(to_meta(model), named, inputs)
     ran = recorder.order + [j for j in range(len(named)) if j not in recorder.order]
@@ -245,10 +246,10 @@ def _parameters(model: nn.Module, named: Sequence[Tuple[str, nn.Module]], ran: S
     """
     readers: Dict[int, Tuple[torch.Tensor, Set[int]]] = {}
     for position, j in enumerate(ran):
-        for tensor in named[j][1].parameters():
-            readers.setdefault(id(tensor), (tensor, set()))[1].add(position)
-    for key, (tensor, read) in flow.reads.items():
-        readers.setdefault(key, (tensor, set()))[1].update(read)
+        for parameter in named[j][1].parameters():
+            readers.setdefault(id(parameter), (parameter, set()))[1].add(position)
+    for key, (read_tensor, read) in flow.reads.items():
+        readers.setdefault(key, (read_tensor, set()))[1].update(read)
     counts = [[0, 0] for _ in ran]
     shared = []
     for tensor, read in readers.values():
