@@ -43,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="keyword inputs, each of --input-shape, e.g. input_ids,attention_mask (a name with "
                              "'mask' in it is a mask of ones); default: input_ids and attention_mask for int "
                              "inputs when forward takes input_ids (transformers), a Keras model's own input names")
-    parser.add_argument("--framework", choices=FRAMEWORKS, default="auto", help="default: from what the model imports")
+    parser.add_argument("--framework", choices=FRAMEWORKS, default="auto", help="default: from what the module loads, else from the built model's classes")
     parser.add_argument("--batch-size", type=int, default=32, help="rows per replica per step (default 32)")
     parser.add_argument("--optimizer", choices=tuple(OPTIMIZER_SLOTS), default="adam")
     parser.add_argument("--dtype", choices=tuple(DTYPE_BYTES), default=None,
