@@ -225,8 +225,12 @@ class StageCodec(Protocol):
 class PlanProbe(Protocol):
     """The planner's measuring of one framework's model (``dualframe.torch.plan_probe`` / ``tensorflow.plan_probe``)."""
 
-    def profile(self, target: Any, input_shape: Tuple[int, ...], input_dtype: str, source: str) -> Any:
-        """The ModelProfile of ``target`` (a builder, a model or a saved model's path); None if not this framework's."""
+    def profile(self, target: Any, input_shape: Tuple[int, ...], input_dtype: str, source: str,
+                input_names: Tuple[str, ...] = ()) -> Any:
+        """The ModelProfile of ``target`` (a builder, a model or a saved model's path); None if not this framework's.
+
+        ``input_names``: keyword inputs, each of ``input_shape`` (empty: as the model's signature implies).
+        """
 
     def visible_devices(self) -> List[Dict[str, Any]]:
         """The devices this process can see, as the planner's hardware records."""

@@ -12,11 +12,12 @@ from dualframe.plan.hardware import Hardware, detect as detect_hardware, format_
 from dualframe.plan.memory import Memory, Training, group_memory
 from dualframe.plan.probe import ModelSpec, ProbeError, measure
 from dualframe.plan.cuts import checkpoint_starts, stage_starts
-from dualframe.plan.profile import LayerProfile, ModelProfile, Value
+from dualframe.plan.profile import LayerProfile, ModelProfile, Shared, Value
+from dualframe.plan.units import merge_units
 from dualframe.plan.report import render, to_json
 
 __all__ = [
     "Option", "Plan", "advise", "bubble", "options", "pipeline_chunks", "Hardware", "detect_hardware",
     "format_bytes", "parse_bytes", "Memory", "Training", "group_memory", "ModelSpec", "ProbeError",
-    "measure", "LayerProfile", "ModelProfile", "Value", "checkpoint_starts", "stage_starts", "render", "to_json",
+    "measure", "LayerProfile", "ModelProfile", "Shared", "Value", "merge_units", "checkpoint_starts", "stage_starts", "render", "to_json",
 ]

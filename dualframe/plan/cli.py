@@ -24,13 +24,26 @@ def shape(text: str) -> Tuple[int, ...]:
     return tuple(int(p) for p in parts)
 
 
+def names(text: str) -> Tuple[str, ...]:
+    """``"input_ids,attention_mask"`` as a tuple of names."""
+    parts = tuple(p for p in re.split(r"[,\s]+", text.strip()) if p)
+    if not parts or not all(p.isidentifier() for p in parts):
+        raise argparse.ArgumentTypeError(f"input names are identifiers separated by commas, e.g. "
+                                         f"input_ids,attention_mask (got {text!r})")
+    return parts
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``plan`` subcommand's arguments."""
     parser.add_argument("model", help="module:function or file.py:function building a torch or Keras model, "
                                       "or a saved Keras model (.keras, .h5, SavedModel folder)")
     parser.add_argument("--input-shape", type=shape, required=True, help="one sample's shape, e.g. 3,224,224")
     parser.add_argument("--input-dtype", default="float32", help="float32, or int64 (torch) / int32 (Keras) token ids")
-    parser.add_argument("--framework", choices=FRAMEWORKS, default="auto", help="default: from what the model imports")
+    parser.add_argument("--input-names", type=names, default=(),
+                        help="keyword inputs, each of --input-shape, e.g. input_ids,attention_mask (a name with "
+                             "'mask' in it is a mask of ones); default: input_ids and attention_mask for int "
+                             "inputs when forward takes input_ids (transformers), a Keras model's own input names")
+    parser.add_argument("--framework", choices=FRAMEWORKS, default="auto", help="default: from what the module loads, else from the built model's classes")
     parser.add_argument("--batch-size", type=int, default=32, help="rows per replica per step (default 32)")
     parser.add_argument("--optimizer", choices=tuple(OPTIMIZER_SLOTS), default="adam")
     parser.add_argument("--dtype", choices=tuple(DTYPE_BYTES), default=None,
@@ -50,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     """Measure, plan, print. Exit 0 with a recommendation, 1 when nothing fits, 2 on bad input."""
     try:
-        spec = ModelSpec(args.model, args.input_shape, args.input_dtype, args.framework)
+        spec = ModelSpec(args.model, args.input_shape, args.input_dtype, args.framework, args.input_names)
         # Checked before the (slow) probe; rebuilt after it with the model's own dtype.
         training = Training(args.batch_size, args.optimizer, args.dtype or "float32", args.mixed_precision)
         (profile,), devices = measure([spec])

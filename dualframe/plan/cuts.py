@@ -38,6 +38,7 @@ class StageCosts:
             raise StrategyError(f"stage costs are for splits and pipelines: checkpoint must be never, always or "
                                 f"except_last (checkpoint: {checkpoint!r})")
         self.count = profile.num_layers
+        self.profile = profile
         self.micro_batch = math.ceil(training.batch_size / chunks)
         self.batch, self.checkpoint, self.replicas, self.training = training.batch_size, checkpoint, replicas, training
         self.trainable, self.frozen, self.saved = [0], [0], [0.0]
@@ -55,8 +56,8 @@ class StageCosts:
                 self.largest[a][b] = running
 
     def parameters(self, a: int, b: int) -> int:
-        """Trainable parameters of nodes a..b-1."""
-        return self.trainable[b] - self.trainable[a]
+        """Trainable parameters of nodes a..b-1, with the copies of shared parameters they read."""
+        return self.trainable[b] - self.trainable[a] + self.profile.copies(a, b)
 
     def total(self, a: int, b: int) -> float:
         """Bytes of the device holding nodes a..b-1 (see ``group_memory``); 0 for no nodes."""

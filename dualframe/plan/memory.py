@@ -146,9 +146,9 @@ def _activations(profile: ModelProfile, layers: range, batch: int, micro_batch: 
         starts = list(cuts) or [layers.start + run.start for run in sequential_segments(len(saved), segments)]
         runs = segment_runs(starts, layers.stop)
         kept = [sum(profile.layers[j].activations for j in run) for run in runs]
-        # Checkpointed runs keep the values live across their starts; the last run keeps everything;
-        # one run is recomputed at a time.
-        return (kept_at(profile, starts[:-1]) + kept[-1] + max(kept[:-1], default=0)) * batch
+        # Checkpointed runs keep the values live across their starts; the last run keeps everything
+        # until its backward is done; then one run at a time is recomputed.
+        return (kept_at(profile, starts[:-1]) + max(kept)) * batch
     # GPipe: each micro-batch keeps only what enters the stage; one micro-batch is recomputed at a time.
     return profile.live()[layers.start] * batch + sum(saved) * micro_batch
 
@@ -183,7 +183,7 @@ def group_memory(profile: ModelProfile, layers: range, training: Training, chunk
     if checkpoint not in CHECKPOINTS:
         raise StrategyError(f"unknown checkpoint {checkpoint!r}; choose one of {', '.join(CHECKPOINTS)}")
     group = [profile.layers[j] for j in layers]
-    trainable = sum(layer.parameters for layer in group)
+    trainable = sum(layer.parameters for layer in group) + profile.copies(layers.start, layers.stop)
     frozen = sum(layer.frozen for layer in group)
     size = training.parameter_bytes
     micro_batch = math.ceil(training.batch_size / chunks)

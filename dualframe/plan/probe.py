@@ -26,6 +26,9 @@ from dualframe.plan.profile import ModelProfile
 PROBES = {"torch": "dualframe.torch.plan_probe", "keras": "dualframe.tensorflow.plan_probe"}
 FRAMEWORKS = ("auto",) + tuple(PROBES)
 _ROOTS = {"torch": "torch", "keras": "keras", "tensorflow": "keras"}
+#: Libraries whose models are one framework's: loading them says which probe builds the model.
+_LIBRARIES = {"transformers": "torch", "timm": "torch", "torchvision": "torch", "keras_hub": "keras",
+              "keras_nlp": "keras", "keras_cv": "keras"}
 
 
 class ProbeError(DualframeError, RuntimeError):
@@ -46,6 +49,7 @@ class ModelSpec:
     input_shape: Tuple[int, ...]
     input_dtype: str = "float32"
     framework: str = "auto"
+    input_names: Tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.framework not in FRAMEWORKS:
@@ -54,6 +58,11 @@ class ModelSpec:
         if not shape or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in shape):
             raise ProbeError(f"input shape must be one or more ints >= 1, without the batch (input_shape: {shape})")
         object.__setattr__(self, "input_shape", shape)
+        names = tuple(self.input_names)
+        if any(not isinstance(n, str) or not n.isidentifier() for n in names) or len(set(names)) < len(names):
+            raise ProbeError(f"input names are distinct identifiers, e.g. input_ids,attention_mask "
+                             f"(input_names: {list(names)})")
+        object.__setattr__(self, "input_names", names)
         if not is_saved_model(self.source) and ":" not in self.source:
             raise ProbeError(f"a model is 'module:function', 'file.py:function' or a saved Keras model "
                              f"(.keras, .h5, SavedModel folder) (model: {self.source!r})")
@@ -106,7 +115,17 @@ def _module(path: str) -> ModuleType:
 
 
 def _loaded() -> set:
-    return {_ROOTS[name] for name in _ROOTS if name in sys.modules}
+    known = {**_ROOTS, **_LIBRARIES}
+    return {known[name] for name in known if name in sys.modules}
+
+
+def framework_of(model: Any) -> Optional[str]:
+    """``"torch"`` or ``"keras"`` by the classes ``model`` is an instance of (a transformers model is a torch one)."""
+    for cls in type(model).__mro__:
+        root = cls.__module__.split(".")[0]
+        if root in _ROOTS:
+            return _ROOTS[root]
+    return None
 
 
 def _target(spec: ModelSpec) -> Tuple[str, Any]:
@@ -122,14 +141,19 @@ def _target(spec: ModelSpec) -> Tuple[str, Any]:
     loaded = _loaded()
     if len(loaded) == 1:
         return loaded.pop(), builder
-    if loaded:
-        raise ProbeError(f"{path} imports both torch and Keras; pass --framework torch or --framework keras")
-    model = builder()  # imports its framework lazily: what it returns decides
-    root = type(model).__module__.split(".")[0]
-    if root not in _ROOTS:
+    model = _build(builder, loaded)  # loads its framework lazily, or the file loads both: what it returns decides
+    framework = framework_of(model)
+    if framework is None:
         raise ProbeError(f"{spec.source} returned a {type(model).__module__}.{type(model).__name__}, "
                          "not a torch.nn.Module or a keras.Model")
-    return _ROOTS[root], model
+    return framework, model
+
+
+def _build(builder: Any, loaded: set) -> Any:
+    """Call ``builder``; on torch's ``meta`` device when torch is installed and Keras not loaded (no weights allocated)."""
+    if "keras" in loaded or importlib.util.find_spec("torch") is None:
+        return builder()
+    return importlib.import_module(PROBES["torch"]).build_on_meta(builder)
 
 
 def _measure_one(spec: ModelSpec, used: List[str]) -> Dict[str, Any]:
@@ -138,7 +162,7 @@ def _measure_one(spec: ModelSpec, used: List[str]) -> Dict[str, Any]:
         raise ProbeError(f"one probe measures one framework ({used[0]} already, {spec.source} is {framework})")
     used.append(framework)
     probe = importlib.import_module(PROBES[framework])
-    profile = probe.profile(target, spec.input_shape, spec.input_dtype, spec.source)
+    profile = probe.profile(target, spec.input_shape, spec.input_dtype, spec.source, spec.input_names)
     if profile is None:
         raise ProbeError(f"{spec.source} did not give a {framework} model")
     return dict(profile.to_dict())
@@ -149,7 +173,8 @@ def main() -> int:
     try:
         request = json.loads(sys.stdin.read())
         used: List[str] = []
-        specs = [ModelSpec(m["source"], tuple(m["input_shape"]), m["input_dtype"], m["framework"])
+        specs = [ModelSpec(m["source"], tuple(m["input_shape"]), m["input_dtype"], m["framework"],
+                           tuple(m.get("input_names", ())))
                  for m in request["models"]]
         profiles = [_measure_one(spec, used) for spec in specs]
         devices = importlib.import_module(PROBES[used[0]]).visible_devices() if used else []

@@ -98,6 +98,33 @@ class Value:
 
 
 @dataclass(frozen=True)
+class Shared:
+    """A trainable parameter several nodes read (a tied embedding and output head): counted once.
+
+    The first reader's ``LayerProfile.parameters`` counts it; a device holding other readers but
+    not the first holds a copy too (a split keeps one on every stage that reads it).
+
+    Example:
+        >>> Shared(elements=51_470_336, readers=(0, 23)).readers
+        (0, 23)
+    """
+
+    elements: int
+    readers: Tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        readers = tuple(sorted(set(int(r) for r in self.readers)))
+        if len(readers) < 2 or readers[0] < 0 or self.elements < 0:
+            raise StrategyError(f"a shared parameter has elements >= 0 and two or more readers >= 0 "
+                                f"(elements: {self.elements}, readers: {list(self.readers)})")
+        object.__setattr__(self, "readers", readers)
+
+    def copied_into(self, a: int, b: int) -> bool:
+        """True when nodes a..b-1 read it but its first reader (which counts it) is not among them."""
+        return not a <= self.readers[0] < b and any(a <= r < b for r in self.readers)
+
+
+@dataclass(frozen=True)
 class ModelProfile:
     """A whole model: its layers in order, the input it was measured with, and where it came from.
 
@@ -115,8 +142,12 @@ class ModelProfile:
     dtype: str = "float32"
     notes: Sequence[str] = field(default_factory=tuple)
     values: Sequence[Value] = field(default_factory=tuple)
+    shared: Sequence[Shared] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "shared", tuple(self.shared))
+        if any(s.readers[-1] >= len(self.layers) for s in self.shared):
+            raise StrategyError(f"a shared parameter is read by a node past the last of {len(self.layers)}")
         if not self.layers:
             raise StrategyError(f"the model from {self.source!r} has no layers to plan with")
         dtype_bytes(self.dtype)
@@ -175,6 +206,10 @@ class ModelProfile:
         """Trainable parameters of the whole model."""
         return sum(layer.parameters for layer in self.layers)
 
+    def copies(self, a: int, b: int) -> int:
+        """Trainable elements of shared parameters nodes a..b-1 hold a copy of (not counted by their layers)."""
+        return sum(s.elements for s in self.shared if s.copied_into(a, b))
+
     def layer_inputs(self) -> List[float]:
         """Per-sample elements entering each layer: the model input, then each layer's output."""
         return [self.input_elements] + [layer.output for layer in self.layers[:-1]]
@@ -186,6 +221,7 @@ class ModelProfile:
         data["layers"] = [asdict(layer) for layer in self.layers]
         data["notes"] = list(self.notes)
         data["values"] = [[v.producer, v.last_reader, v.elements] for v in self.values]
+        data["shared"] = [[s.elements, list(s.readers)] for s in self.shared]
         return data
 
     @classmethod
@@ -195,6 +231,7 @@ class ModelProfile:
             layers = [LayerProfile(**layer) for layer in data["layers"]]
             return cls(data["framework"], data["source"], tuple(data["input_shape"]), layers,
                        float(data.get("input_elements", 0.0)), data.get("dtype", "float32"),
-                       tuple(data.get("notes", ())), [Value(int(p), int(r), float(e)) for p, r, e in data.get("values", ())])
+                       tuple(data.get("notes", ())), [Value(int(p), int(r), float(e)) for p, r, e in data.get("values", ())],
+                       [Shared(int(e), tuple(r)) for e, r in data.get("shared", ())])
         except (KeyError, TypeError) as error:
             raise StrategyError(f"not a model profile ({error}); keys: {sorted(data)}") from None

@@ -5,7 +5,10 @@ One training step (forward, loss, ``GradientTape`` gradients) is traced into a T
 Each top-level layer's ``call`` is wrapped while tracing, so those tensors and the layer's output
 shape are attributed to the layer that made them. The layers are the nodes, in the order they ran;
 for a functional (graph) model the forward ops' inputs say which values cross from one layer to a
-later one (skip connections, masks). Weights are built (Keras has no meta device).
+later one (skip connections, masks). A model built around a stack of repeated blocks (a keras_hub
+backbone's ``transformer_layer_N``) is merged into one node per block, the units its split counts.
+A model with named inputs (a dict: ``token_ids``, ``padding_mask``) is traced with one tensor per
+name. Weights are built (Keras has no meta device).
 """
 from __future__ import annotations
 
@@ -18,7 +21,9 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from dualframe.plan.hardware import nvidia_smi_memory  # noqa: E402
+from dualframe.pipeline.units import block_units  # noqa: E402
 from dualframe.plan.profile import LayerProfile, ModelProfile, Value  # noqa: E402
+from dualframe.plan.units import merge_units  # noqa: E402
 
 #: The trace uses a batch of this many rows and divides, so per-sample figures are exact.
 PROBE_BATCH = 2
@@ -60,23 +65,71 @@ def _wrap_calls(layers: Sequence[Any], marks: Dict[int, Tuple[int, int, float]])
     return originals
 
 
-def _trace(model: Any, input_shape: Sequence[int], input_dtype: str) -> tf.Graph:
+def input_specs(model: Any, input_shape: Sequence[int], input_dtype: str, input_names: Sequence[str] = ()) -> Any:
+    """The traced batch as the model is called: one ``TensorSpec``, or a dict of them for named inputs.
+
+    A model built on a dict of inputs (keras_hub: ``token_ids``, ``padding_mask``) gets each name
+    with ``input_shape`` and the dtype the model declares; ``input_names`` name them otherwise
+    (a name with ``mask`` in it is an int32 mask).
+    """
+    declared = getattr(model, "_inputs_struct", None)
+    declared = declared if isinstance(declared, dict) else {}
+    names = list(input_names) or list(declared)
+    shape = [PROBE_BATCH, *input_shape]
+    if not names:
+        return tf.TensorSpec(shape, getattr(tf, input_dtype))
+
+    def dtype(name: str) -> Any:
+        if name in declared and getattr(declared[name], "dtype", None):
+            return tf.as_dtype(declared[name].dtype)
+        return tf.int32 if "mask" in name else getattr(tf, input_dtype)
+
+    return {name: tf.TensorSpec(shape, dtype(name)) for name in names}
+
+
+def _trace(model: Any, spec: Any) -> tf.Graph:
     @tf.function
-    def step(batch: tf.Tensor) -> Any:
+    def step(batch: Any) -> Any:
         with tf.GradientTape() as tape:
             output = model(batch, training=True)
             loss = tf.add_n([tf.reduce_mean(tf.cast(t, tf.float32)) for t in tf.nest.flatten(output)])
         return tape.gradient(loss, model.trainable_variables)
 
-    spec = tf.TensorSpec([PROBE_BATCH, *input_shape], getattr(tf, input_dtype))
     return step.get_concrete_function(spec).graph
+
+
+def _blocks(model: Any, layers: Sequence[Any]) -> List[bool]:
+    """Per layer (in run order): is it one of a functional model's stack of repeated blocks?
+
+    As the Keras split counts units (``dualframe.tensorflow.graph.block_units``): two or more layers
+    of one class that hold layers, with no other layer holding weights between the first and the
+    last. A Sequential is a chain: each layer its own unit.
+    """
+    found: Dict[type, List[int]] = {}
+    for k, layer in enumerate(layers):
+        if _holds_layers(layer):
+            found.setdefault(type(layer), []).append(k)
+    blocks: set = set()
+    for ks in found.values():
+        between = range(ks[0], ks[-1] + 1)
+        if len(ks) >= 2 and all(k in ks or not layers[k].weights for k in between):
+            blocks.update(ks)
+    chain = isinstance(model, keras.Sequential)
+    return [not chain and k in blocks for k in range(len(layers))]
+
+
+def _holds_layers(layer: Any) -> bool:
+    if isinstance(layer, keras.Model):   # a nested model runs whole: never a block
+        return False
+    return any(True for _ in layer._flatten_layers(include_self=False, recursive=False))
 
 
 def _saved_by_gradients(graph: tf.Graph) -> Set[str]:
     return {t.name for op in graph.get_operations() if op.name.startswith("gradient_tape/") for t in op.inputs}
 
 
-def profile_model(model: Any, input_shape: Sequence[int], input_dtype: str = "float32", source: str = "") -> ModelProfile:
+def profile_model(model: Any, input_shape: Sequence[int], input_dtype: str = "float32", source: str = "",
+                  input_names: Sequence[str] = ()) -> ModelProfile:
     """Profile a built (or buildable) Keras model with one traced training step.
 
     Args:
@@ -85,16 +138,18 @@ def profile_model(model: Any, input_shape: Sequence[int], input_dtype: str = "fl
         input_shape: one sample's shape (without the batch dimension).
         input_dtype: ``"float32"``, or ``"int32"``/``"int64"`` for token ids.
         source: where the model came from, for the report.
+        input_names: named inputs (see ``input_specs``).
 
     Returns:
-        The ModelProfile (per-sample activation elements, parameter counts per layer, and for a
-        functional model the values between its layers).
+        The ModelProfile (per-sample activation elements, parameter counts per layer or block, and
+        for a functional model the values between its layers).
     """
     layers = top_level_layers(model)
     marks: Dict[int, Tuple[int, int, float]] = {}
     originals = _wrap_calls(layers, marks)
     try:
-        graph = _trace(model, input_shape, input_dtype)
+        spec = input_specs(model, input_shape, input_dtype, input_names)
+        graph = _trace(model, spec)
     finally:
         for layer, original in zip(layers, originals):
             layer.call = original
@@ -108,7 +163,7 @@ def profile_model(model: Any, input_shape: Sequence[int], input_dtype: str = "fl
                 for t in op.outputs if t.name in saved]
         profiles.append(LayerProfile(layer.name, _count(layer.trainable_weights), _count(layer.non_trainable_weights),
                                      sum(kept), output / PROBE_BATCH, max(kept + [output / PROBE_BATCH])))
-    elements = float(tf.TensorShape(list(input_shape)).num_elements() or 0)
+    elements = float(tf.TensorShape(list(input_shape)).num_elements() or 0) * len(tf.nest.flatten(spec))
     inputs_kept = any(op.type == "Placeholder" and op.outputs[0].name in saved and op.outputs[0].dtype.is_floating
                       for op in operations)
     if inputs_kept:  # the first layer's weight gradient reads the batch itself
@@ -119,7 +174,9 @@ def profile_model(model: Any, input_shape: Sequence[int], input_dtype: str = "fl
     values = _values(operations, [marks.get(index, (0, 0, 0.0))[:2] for index in order])
     if isinstance(model, keras.Sequential) or len(layers) == 1:
         values = []  # a chain: the core derives its values from the outputs
-    return ModelProfile("keras", source, tuple(input_shape), profiles, elements, dtype, values=values)
+    profile = ModelProfile("keras", source, tuple(input_shape), profiles, elements, dtype, values=values)
+    ran = [layers[index] for index in order]
+    return merge_units(profile, block_units([layer.name for layer in ran], _blocks(model, ran)))
 
 
 def _values(operations: Sequence[Any], ranges: Sequence[Tuple[int, int]]) -> List[Value]:
@@ -159,7 +216,7 @@ def visible_devices() -> List[Dict[str, Any]]:
 
 
 def profile(target: Any, input_shape: Sequence[int], input_dtype: str = "float32",
-            source: str = "") -> Optional[ModelProfile]:
+            source: str = "", input_names: Sequence[str] = ()) -> Optional[ModelProfile]:
     """Profile a saved model path, a builder or a built model; None if it is not a Keras model."""
     if isinstance(target, (str, os.PathLike)):
         model = keras.saving.load_model(target, compile=False)
@@ -169,4 +226,4 @@ def profile(target: Any, input_shape: Sequence[int], input_dtype: str = "float32
         model = target
     if not isinstance(model, keras.layers.Layer):
         return None
-    return profile_model(model, input_shape, input_dtype, source)
+    return profile_model(model, input_shape, input_dtype, source, input_names)

@@ -4,26 +4,35 @@ The model is built under ``torch.device("meta")``; one forward pass on a meta ba
 node, what autograd saves for the backward pass (``saved_tensors_hooks``) and the size of its
 output. A ``Sequential`` is a chain whose children are the nodes. Any other model is a graph: its
 nodes are its submodules where a stage may begin (top-level children, and the children of
-``Sequential``/``ModuleList``/``ModuleDict`` containers, recursively), in the order they run, and a
-``TorchFunctionMode`` follows every tensor from the node that makes it to the last node that reads
-it (skip tensors, masks, the glue code of the model's ``forward``). The result is the core's plain
-``ModelProfile``.
+``Sequential``/``ModuleList``/``ModuleDict`` containers, recursively, and inside the modules that
+hold a model's stack of repeated blocks), in the order they run, and a ``TorchFunctionMode``
+follows every tensor from the node that makes it to the last node that reads it (skip tensors,
+masks, the glue code of the model's ``forward``) and every parameter to the nodes that read it (a
+tied embedding and head: counted once, shared). A model with blocks (``transformer.h.0`` ..) is
+then merged into one node per block, the units its split counts. A model whose ``forward`` takes
+``input_ids`` is called as one: ``input_ids=`` and ``attention_mask=`` keywords. The result is the
+core's plain ``ModelProfile``.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+import inspect
+from typing import AbstractSet, Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from dualframe.plan.profile import LayerProfile, ModelProfile, Value
+from dualframe.pipeline.units import block_units
+from dualframe.plan.profile import LayerProfile, ModelProfile, Shared, Value
+from dualframe.plan.units import merge_units
 
 #: The probe runs a batch of this many rows and divides, so BatchNorm and friends see a real batch.
 PROBE_BATCH = 2
 #: Containers a stage may begin inside: they only hold modules, their parent's forward calls them.
 CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+#: Reading a tensor's value (transformers asks whether a mask is all ones to skip it).
+_VALUE_READS = (torch.Tensor.item, torch.Tensor.__bool__)
 
 
 def build_on_meta(builder: Callable[[], Any]) -> Any:
@@ -32,21 +41,72 @@ def build_on_meta(builder: Callable[[], Any]) -> Any:
         return builder()
 
 
+def to_meta(model: nn.Module) -> nn.Module:
+    """``model`` on ``meta``, its tied parameters still one tensor (``Module.to`` would make a copy per holder)."""
+    if all(t.is_meta for t in list(model.parameters()) + list(model.buffers())):
+        return model
+    holders: Dict[int, List[Tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, parameter in module._parameters.items():
+            if parameter is not None:
+                holders.setdefault(id(parameter), []).append((module, name))
+    model.to("meta")
+    for tied in holders.values():
+        first, name = tied[0]
+        for module, other in tied[1:]:
+            setattr(module, other, getattr(first, name))
+    return model
+
+
 def top_level_layers(model: nn.Module) -> List[Tuple[str, nn.Module]]:
     """The layers a ``balance`` counts: a Sequential's children, else the model's direct children."""
     children = list(model.named_children())
     return children if children else [(type(model).__name__, model)]
 
 
-def graph_nodes(model: nn.Module, prefix: str = "") -> List[Tuple[str, nn.Module]]:
-    """Submodules where a stage may begin, by qualified name: children, looking inside containers."""
+def block_lists(model: nn.Module) -> Set[str]:
+    """The model's stacks of repeated blocks, by name (GPT-2's ``transformer.h``), as the torch split finds them.
+
+    A block list is a ``ModuleList`` of two or more modules of one class of the model's own (not
+    ``torch.nn``), outermost only, and the block lists together hold at least half the parameters.
+    """
+    named = dict(model.named_modules())
+    lists = [name for name, m in named.items() if isinstance(m, nn.ModuleList) and len(m) >= 2
+             and len({type(b) for b in m}) == 1 and not type(m[0]).__module__.startswith("torch.nn")]
+    lists = [name for name in lists if not any(name.startswith(other + ".") for other in lists)]
+    held = sum(p.numel() for name in lists for p in named[name].parameters())
+    return set(lists) if lists and 2 * held >= sum(p.numel() for p in model.parameters()) else set()
+
+
+def graph_nodes(model: nn.Module, prefix: str = "", lists: AbstractSet[str] = frozenset()) -> List[Tuple[str, nn.Module]]:
+    """Submodules where a stage may begin, by qualified name: children, looking inside containers and block holders."""
     found: List[Tuple[str, nn.Module]] = []
     for name, child in model.named_children():
-        if isinstance(child, CONTAINERS) and len(child):
-            found += graph_nodes(child, f"{prefix}{name}.")
+        path = prefix + name
+        holds_blocks = any(other.startswith(path + ".") for other in lists)
+        if (isinstance(child, CONTAINERS) and len(child)) or holds_blocks:
+            found += graph_nodes(child, path + ".", lists)
         else:
-            found.append((prefix + name, child))
+            found.append((path, child))
     return found
+
+
+def model_call(model: nn.Module, input_shape: Sequence[int], input_dtype: str,
+               input_names: Sequence[str] = ()) -> Dict[str, torch.Tensor]:
+    """The ``meta`` batch as the model is called: ``{"": batch}`` positionally, else one tensor per keyword.
+
+    With no names, a model whose ``forward`` takes ``input_ids`` gets token ids there and, when it
+    takes one, an ``attention_mask`` of ones. A name with ``mask`` in it is a mask (int64 ones).
+    """
+    names = list(input_names)
+    parameters = inspect.signature(model.forward).parameters
+    if not names and input_dtype.startswith("int") and "input_ids" in parameters:
+        names = ["input_ids"] + (["attention_mask"] if "attention_mask" in parameters else [])
+    shape = (PROBE_BATCH, *input_shape)
+    if not names:
+        return {"": torch.zeros(shape, dtype=getattr(torch, input_dtype), device="meta")}
+    return {name: torch.ones(shape, dtype=torch.int64, device="meta") if "mask" in name
+            else torch.zeros(shape, dtype=getattr(torch, input_dtype), device="meta") for name in names}
 
 
 def _float_elements(tensor: torch.Tensor) -> float:
@@ -102,14 +162,13 @@ class _Flow(TorchFunctionMode):
     Code between nodes (a ``forward``'s glue) counts with the node that ran before it.
     """
 
-    def __init__(self, recorder: _Recorder, owned: Sequence[torch.Tensor]) -> None:
+    def __init__(self, recorder: _Recorder) -> None:
         super().__init__()
         self.recorder = recorder
         self.made: Dict[int, Tuple[torch.Tensor, int, float]] = {}
         self.last: Dict[int, int] = {}
-        self.owned = {id(p) for p in owned}
         self.state: set = set()    # buffers (BatchNorm statistics): the model's state, not values
-        self.stray: Dict[int, Tuple[torch.Tensor, int]] = {}  # parameters no node owns: first reader
+        self.reads: Dict[int, Tuple[torch.Tensor, Set[int]]] = {}  # each parameter: the nodes reading it
 
     def add(self, tensor: torch.Tensor, producer: int) -> None:
         base = tensor._base if tensor._base is not None else tensor
@@ -117,14 +176,15 @@ class _Flow(TorchFunctionMode):
             self.made[id(base)] = (base, producer, _float_elements(base) / PROBE_BATCH)
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in _VALUE_READS and any(t.is_meta for t in _tensors(args)):
+            return True   # a meta tensor has no value: answer as for the probe's all-ones mask
         output = func(*args, **(kwargs or {}))
         produced = _tensors(output)
         if produced:                # reading a shape or a dtype does not keep a tensor alive
             current = self.recorder.current
             for tensor in _tensors((args, kwargs)):
                 if isinstance(tensor, nn.Parameter):
-                    if id(tensor) not in self.owned and id(tensor) not in self.stray:
-                        self.stray[id(tensor)] = (tensor, current)
+                    self.reads.setdefault(id(tensor), (tensor, set()))[1].add(current)
                     continue
                 base = tensor._base if tensor._base is not None else tensor
                 if id(base) in self.made:
@@ -140,53 +200,88 @@ class _Flow(TorchFunctionMode):
 
 
 def profile_module(model: nn.Module, input_shape: Sequence[int], input_dtype: str = "float32",
-                   source: str = "") -> ModelProfile:
+                   source: str = "", input_names: Sequence[str] = ()) -> ModelProfile:
     """Profile ``model`` (ideally on ``meta``) with one forward pass on a ``meta`` batch.
 
     Args:
-        model: the model; a Sequential's children, or a graph's nodes (``graph_nodes``), are the
-            units a ``balance`` counts and the places a stage may begin.
-        input_shape: one sample's shape (without the batch dimension).
+        model: the model; a Sequential's children, or a graph's nodes (``graph_nodes``; with a stack
+            of repeated blocks, one unit per block), are the units a ``balance`` counts and the
+            places a stage may begin.
+        input_shape: one sample's shape (without the batch dimension); every keyword input's.
         input_dtype: ``"float32"``, or ``"int64"`` for token ids.
         source: where the model came from, for the report.
+        input_names: keyword inputs (``input_ids,attention_mask``); see ``model_call``.
 
     Returns:
-        The ModelProfile (per-sample activation elements, parameter counts per node and, for a
-        graph, the values between nodes).
+        The ModelProfile (per-sample activation elements, parameter counts per node, each counted
+        once, the parameters several nodes read and, for a graph, the values between nodes).
     """
     chain = isinstance(model, nn.Sequential) or not list(model.children())
-    named = top_level_layers(model) if chain else graph_nodes(model)
-    batch = torch.zeros((PROBE_BATCH, *input_shape), dtype=getattr(torch, input_dtype), device="meta")
-    recorder, flow = _run(model.to("meta"), named, batch)
+    lists = set() if chain else block_lists(model)
+    named = top_level_layers(model) if chain else graph_nodes(model, lists=lists)
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False):
+        setattr(config, "use_cache", False)   # training keeps no key/value cache
+    inputs = model_call(model, input_shape, input_dtype, input_names)
+    recorder, flow = _run(to_meta(model), named, inputs)
     ran = recorder.order + [j for j in range(len(named)) if j not in recorder.order]
-    layers = [_layer(named[j], position, recorder, flow, _split_point(model, named, ran, position))
+    counts, shared = _parameters(model, named, ran, flow)
+    layers = [_layer(named[j], position, recorder, counts[position], _split_point(model, named, ran, position))
               for position, j in enumerate(ran)]
-    unowned = sum(b.numel() for b in model.buffers()) - sum(b.numel() for _, node in named for b in node.buffers())
-    if unowned:
-        first = layers[0]
-        layers[0] = LayerProfile(first.name, first.parameters, first.frozen + unowned, first.activations,
-                                 first.output, first.largest, first.split_point)
     floats = [p.dtype for p in model.parameters() if p.is_floating_point()]
     dtype = str(floats[0] if floats else torch.float32).replace("torch.", "")
-    elements = float(torch.Size(input_shape).numel())
+    elements = float(torch.Size(input_shape).numel()) * len(inputs)
     values = [] if chain else flow.values()
-    return ModelProfile("torch", source, tuple(input_shape), layers, elements, dtype, values=values)
+    profile = ModelProfile("torch", source, tuple(input_shape), layers, elements, dtype, values=values, shared=shared)
+    names = [named[j][0] for j in ran]
+    return merge_units(profile, block_units(names, [name.rpartition(".")[0] in lists for name in names]))
 
 
-def _run(model: nn.Module, named: Sequence[Tuple[str, nn.Module]], batch: torch.Tensor) -> Tuple[_Recorder, _Flow]:
+def _parameters(model: nn.Module, named: Sequence[Tuple[str, nn.Module]], ran: Sequence[int],
+                flow: _Flow) -> Tuple[List[Tuple[int, int]], List[Shared]]:
+    """(trainable, frozen) elements per node in run order, each tensor at its first reader, and the shared ones.
+
+    A node reads its own parameters and those its code (or the glue after it) passes to an op; a
+    buffer no node owns (the model's own) goes to the first node.
+    """
+    readers: Dict[int, Tuple[torch.Tensor, Set[int]]] = {}
+    for position, j in enumerate(ran):
+        for parameter in named[j][1].parameters():
+            readers.setdefault(id(parameter), (parameter, set()))[1].add(position)
+    for key, (read_tensor, read) in flow.reads.items():
+        readers.setdefault(key, (read_tensor, set()))[1].update(read)
+    counts = [[0, 0] for _ in ran]
+    shared = []
+    for tensor, read in readers.values():
+        home = min(read)
+        counts[home][0 if tensor.requires_grad else 1] += tensor.numel()
+        if tensor.requires_grad and len(read) > 1:
+            shared.append(Shared(tensor.numel(), tuple(read)))
+    for position, j in enumerate(ran):
+        counts[position][1] += sum(b.numel() for b in named[j][1].buffers())
+    counts[0][1] += sum(b.numel() for b in model.buffers()) - sum(b.numel() for _, node in named for b in node.buffers())
+    return [(t, f) for t, f in counts], shared
+
+
+def _run(model: nn.Module, named: Sequence[Tuple[str, nn.Module]],
+         inputs: Dict[str, torch.Tensor]) -> Tuple[_Recorder, _Flow]:
     """One training-mode forward pass with the nodes hooked, the saved tensors and the values recorded."""
     recorder = _Recorder(list(model.parameters()))
-    flow = _Flow(recorder, [p for _, node in named for p in node.parameters()])
+    flow = _Flow(recorder)
     handles = []
     for index, (_, layer) in enumerate(named):
         before, after = recorder.hooks(index)
         handles += [layer.register_forward_pre_hook(before), layer.register_forward_hook(after)]
-    flow.add(batch, -1)
+    for tensor in inputs.values():
+        flow.add(tensor, -1)
     flow.state.update(id(b) for b in model.buffers())
     model.train()
     try:
         with torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda tensor: tensor), flow:
-            model(batch)
+            if "" in inputs:
+                model(inputs[""])
+            else:
+                model(**inputs)
     finally:
         for handle in handles:
             handle.remove()
@@ -212,18 +307,10 @@ def _split_point(model: nn.Module, named: Sequence[Tuple[str, nn.Module]], ran: 
     return name
 
 
-def _layer(node: Tuple[str, nn.Module], position: int, recorder: _Recorder, flow: _Flow,
+def _layer(node: Tuple[str, nn.Module], position: int, recorder: _Recorder, counts: Tuple[int, int],
            split_point: str) -> LayerProfile:
-    name, layer = node
-    trainable = sum(p.numel() for p in layer.parameters() if p.requires_grad)
-    frozen = sum(p.numel() for p in layer.parameters() if not p.requires_grad)
-    frozen += sum(b.numel() for b in layer.buffers())
-    for tensor, reader in flow.stray.values():   # e.g. a position embedding read by the model's forward
-        if reader == position:
-            trainable += tensor.numel() if tensor.requires_grad else 0
-            frozen += 0 if tensor.requires_grad else tensor.numel()
-    return LayerProfile(name, trainable, frozen, recorder.saved.get(position, 0.0), recorder.output.get(position, 0.0),
-                        recorder.largest.get(position, 0.0), split_point)
+    return LayerProfile(node[0], counts[0], counts[1], recorder.saved.get(position, 0.0),
+                        recorder.output.get(position, 0.0), recorder.largest.get(position, 0.0), split_point)
 
 
 def visible_devices() -> List[Dict[str, Any]]:
@@ -233,9 +320,9 @@ def visible_devices() -> List[Dict[str, Any]]:
 
 
 def profile(target: Any, input_shape: Sequence[int], input_dtype: str = "float32",
-            source: str = "") -> Optional[ModelProfile]:
+            source: str = "", input_names: Sequence[str] = ()) -> Optional[ModelProfile]:
     """Profile a builder (called on ``meta``) or an already built module; None if it is not torch."""
     model = build_on_meta(target) if callable(target) and not isinstance(target, nn.Module) else target
     if not isinstance(model, nn.Module):
         return None
-    return profile_module(model, input_shape, input_dtype, source)
+    return profile_module(model, input_shape, input_dtype, source, input_names)

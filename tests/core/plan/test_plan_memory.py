@@ -5,7 +5,7 @@ training steps in a fresh process and reads the resident-set high-water mark min
 before the model was built (tests/core/plan/plan_models/measure_torch.py). Stated tolerance: the estimate
 is within 25% of the measured peak (seen on this machine: 0.87 to 1.07). The checkpointing row of
 the two graphs is measured too, with every node but the last its own checkpointed segment (what
-``measure_torch.py`` can run; for the encoder it is the advisor's own choice): 0.95 (ResNet), 1.05 (encoder).
+``measure_torch.py`` can run; the advisor's own row keeps no more): 0.94 (ResNet), 1.04 (encoder).
 """
 import json
 import os
@@ -71,9 +71,9 @@ GRAPHS = [case for case in CASES if case[0] in ("resnet_big", "masked_encoder_bi
 def test_checkpointing_estimate_is_within_tolerance_of_measured_peak(profiles, name, shape, dtype, batch, optimizer):
     profile, training = profiles[name], Training(batch, optimizer)
     every = list(range(profile.num_layers))
-    if name == "masked_encoder_big":
-        assert checkpoint_starts(profile, training) == every   # the advisor's own row
     estimate = group_memory(profile, range(profile.num_layers), training, checkpoint="segments", cuts=every).total
+    chosen = checkpoint_starts(profile, training)   # the advisor's own row keeps no more
+    assert group_memory(profile, range(profile.num_layers), training, checkpoint="segments", cuts=chosen).total <= estimate
     measured = _measured_peak(name, shape, dtype, batch, optimizer, [layer.name for layer in profile.layers[:-1]])
     plain = group_memory(profile, range(profile.num_layers), training).total
     assert estimate < 0.8 * plain

@@ -1,9 +1,11 @@
 """Measure the peak memory of real torch training steps on the CPU, in this fresh process.
 
-    python measure_torch.py MODULE:FUNCTION BATCH OPTIMIZER INPUT_SHAPE INPUT_DTYPE [CHECKPOINTED]
+    python measure_torch.py MODULE:FUNCTION BATCH OPTIMIZER INPUT_SHAPE INPUT_DTYPE [CHECKPOINTED [NAMES]]
 
 CHECKPOINTED (optional): comma-separated submodule names, each run under
 ``torch.utils.checkpoint.checkpoint`` (recomputed in backward, keeping only its inputs).
+NAMES (optional): keyword inputs, as ``dualframe plan --input-names``: a transformers model called
+with ``input_ids=``, ``attention_mask=`` (ones) and ``labels=`` (the token ids), trained on its loss.
 Prints one JSON line: {"peak": bytes}. The peak is the resident-set high-water mark (VmHWM) during
 two training steps minus the resident set just before the model is built; the high-water mark is
 reset first (/proc/self/clear_refs), after a warm-up step on a tiny model has loaded torch's kernels.
@@ -16,13 +18,7 @@ import sys
 import torch
 import torch.utils.checkpoint
 
-
-def _status(key: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(key)
+from tests.core.plan.plan_models.resident import status
 
 
 def _optimizer(name, parameters):
@@ -35,8 +31,11 @@ def _optimizer(name, parameters):
 
 def _step(model, optimizer, batch, classes):
     optimizer.zero_grad(set_to_none=True)
-    output = model(batch)
-    loss = torch.nn.functional.cross_entropy(output, torch.zeros(len(batch), dtype=torch.long))
+    if isinstance(batch, dict):
+        loss = model(**batch).loss
+    else:
+        output = model(batch)
+        loss = torch.nn.functional.cross_entropy(output, torch.zeros(len(batch), dtype=torch.long))
     loss.backward()
     optimizer.step()
 
@@ -60,8 +59,13 @@ def main() -> None:
     warm = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
     _step(warm, _optimizer(optimizer_name, warm.parameters()), torch.randn(2, 4), 2)
     del warm
+    names = sys.argv[7].split(",") if len(sys.argv) > 7 and sys.argv[7] else []
+    if names:  # a library (transformers) loads its modules at build and first call: not the model's memory
+        with torch.device("meta"):
+            ids = torch.zeros((int(batch_size), *shape), dtype=torch.long)
+            builder()(**{name: torch.ones_like(ids) if "mask" in name else ids for name in names}).loss.backward()
     gc.collect()
-    baseline = _status("VmRSS")
+    baseline = status("VmRSS")
     with open("/proc/self/clear_refs", "w") as refs:
         refs.write("5")
     model = builder()
@@ -69,12 +73,15 @@ def main() -> None:
         _checkpointed(model.get_submodule(name))
     optimizer = _optimizer(optimizer_name, model.parameters())
     for _ in range(2):
-        if input_dtype == "int64":
+        if names:
+            ids = torch.randint(0, 100, (int(batch_size), *shape))
+            batch = {name: torch.ones_like(ids) if "mask" in name else ids for name in names}
+        elif input_dtype == "int64":
             batch = torch.randint(0, 100, (int(batch_size), *shape))
         else:
             batch = torch.randn(int(batch_size), *shape)
         _step(model, optimizer, batch, 10)
-    print(json.dumps({"peak": _status("VmHWM") - baseline, "baseline": baseline}))
+    print(json.dumps({"peak": status("VmHWM") - baseline, "baseline": baseline}))
 
 
 if __name__ == "__main__":
