@@ -2,47 +2,39 @@
 
 Horovod's contract is that the wrapper *is* an instance of the user's optimizer class
 (``isinstance(hvd.DistributedOptimizer(Adam()), keras.optimizers.Adam)``): Horovod builds, at run
-time, a subclass of that class. dualframe does the same here (one class per wrapped optimizer
-class, cached), with the wrapper's methods first in the method order, so that every call the
-wrapper does not define reaches the wrapped optimizer's class only through the wrapper's own
-explicit base-class calls, never the user's ``update_step`` or ``build``.
+time, a subclass of that class. dualframe does the same (``dualframe.dp.subclass``), with the
+wrapper's methods first in the method order; the wrapper calls the Keras base's ``__init__`` and
+``build`` explicitly, never the user's, and reads what the user's constructor would have set from
+the wrapped optimizer.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Tuple
+from typing import Any
 
 import keras
 from keras.src.saving import object_registration
 
-#: (wrapper class, optimizer class) -> the class whose instances are both.
-_CLASSES: Dict[Tuple[type, type], type] = {}
+from dualframe.dp.subclass import wrapper_subclass
 
 
 def optimizer_subclass(wrapper: type, optimizer_class: type) -> type:
-    """A class deriving from ``wrapper`` first and ``optimizer_class`` second (made once per pair).
+    """``dualframe.dp.subclass.wrapper_subclass`` for Keras: a new class also takes the wrapper's Keras name.
 
-    It keeps the wrapper's name, module and Keras registered name, so models saved with it name the
-    wrapper and load through the wrapper's ``from_config``.
+    So models saved with it name the wrapper (``dualframe>DistributedOptimizer``) and load through the
+    wrapper's ``from_config``.
 
     Example:
         >>> cls = optimizer_subclass(DistributedOptimizer, keras.optimizers.Adam)  # doctest: +SKIP
         >>> issubclass(cls, keras.optimizers.Adam) and issubclass(cls, DistributedOptimizer)  # doctest: +SKIP
         True
     """
-    if issubclass(wrapper, optimizer_class):
-        return wrapper
-    key = (wrapper, optimizer_class)
-    if key not in _CLASSES:
-        cls = type(wrapper.__name__, (wrapper, optimizer_class), {
-            "__module__": wrapper.__module__, "__qualname__": wrapper.__qualname__,
-            "__doc__": wrapper.__doc__, "wrapper_class": wrapper})
-        # Keras names a class in a saved file by this table (keras.saving.get_registered_name); the
-        # public register_keras_serializable would also rebind the wrapper's name to this subclass.
-        names = object_registration.GLOBAL_CUSTOM_NAMES
-        if wrapper in names:
-            names[cls] = names[wrapper]
-        _CLASSES[key] = cls
-    return _CLASSES[key]
+    cls, new = wrapper_subclass(wrapper, optimizer_class)
+    # Keras names a class in a saved file by this table (keras.saving.get_registered_name); the
+    # public register_keras_serializable would also rebind the wrapper's name to this subclass.
+    names = object_registration.GLOBAL_CUSTOM_NAMES
+    if new and wrapper in names:
+        names[cls] = names[wrapper]
+    return cls
 
 
 class KerasTwoNames:
