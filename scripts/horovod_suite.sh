@@ -100,7 +100,7 @@ EOF
 }
 
 for target in $TARGETS; do prepare "$target"; done
-echo "Horovod TF suite, np=$NP, $(date -u +%Y-%m-%d), logs: $WORK/logs"
+echo "Horovod test files, np=$NP, $(date -u +%Y-%m-%d), logs: $WORK/logs"
 echo "| file | imports | launcher | passed | failed | skipped | errors | subtests passed | rc | time |"
 echo "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
 for f in $FILES; do

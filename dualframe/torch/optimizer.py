@@ -282,8 +282,10 @@ class DistributedOptimizer(WrappedOptimizer):
             return self._adasum_step(closure)
         if self._should_synchronize and not self._clipped:
             if self._synchronized:
-                warnings.warn("optimizer.step() called after optimizer.synchronize() without "
-                              "optimizer.skip_synchronize(); the gradients were reduced again", stacklevel=2)
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
+                              "optimizer.synchronize(): the gradients were reduced again; step inside "
+                              "`with optimizer.skip_synchronize():`",
+                              stacklevel=2)
             self.synchronize()
         self._synchronized = self._clipped = False
         return self._optimizer.step(closure)

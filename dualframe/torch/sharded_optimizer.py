@@ -190,8 +190,10 @@ class ShardedOptimizer(SliceGradients, DistributedOptimizer):
             self._check_untouched()
         elif not self._clipped:
             if self._synchronized:
-                warnings.warn("optimizer.step() called after optimizer.synchronize() without "
-                              "optimizer.skip_synchronize(); the gradients were reduced again", stacklevel=2)
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
+                              "optimizer.synchronize(): the gradients were reduced again; step inside "
+                              "`with optimizer.skip_synchronize():`",
+                              stacklevel=2)
             self.synchronize()
         self._synchronized = self._clipped = False
         self._versions = {}
