@@ -39,7 +39,7 @@ class Collectives(Protocol[T]):
     """
 
     def init(self, comm: Any = None, process_sets: Any = None) -> None:
-        """Start Horovod (idempotent), Horovod's order; ``process_sets``: rank lists, ProcessSet objects or ``"dynamic"``."""
+        """Start Horovod once (Horovod's order); ``process_sets``: rank lists, ProcessSet objects or "dynamic"."""
 
     def is_initialized(self) -> bool:
         """True once ``init`` has run."""

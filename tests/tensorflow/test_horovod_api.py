@@ -1,4 +1,4 @@
-"""Horovod's TF and Keras API in dualframe: every public name, Horovod's signatures, its types and exceptions (size 1)."""
+"""Horovod's TF and Keras API in dualframe: every public name, its signature, types and exceptions (size 1)."""
 import importlib.util
 import inspect
 import pathlib
