@@ -38,8 +38,8 @@ class Collectives(Protocol[T]):
         >>> collectives.allreduce(torch.ones(3), op="sum")  # doctest: +SKIP
     """
 
-    def init(self, process_sets: Any = None, comm: Any = None) -> None:
-        """Start Horovod (idempotent); ``process_sets``: rank lists, ProcessSet objects or ``"dynamic"``."""
+    def init(self, comm: Any = None, process_sets: Any = None) -> None:
+        """Start Horovod once (Horovod's order); ``process_sets``: rank lists, ProcessSet objects or "dynamic"."""
 
     def is_initialized(self) -> bool:
         """True once ``init`` has run."""

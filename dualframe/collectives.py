@@ -102,13 +102,13 @@ class HorovodCollectives(Generic[T]):
             raise NotInitializedError(
                 f"{what} needs {self.package}.init() first (call hvd.init() at the top of the script)")
 
-    def init(self, process_sets: ProcessSetsArg = None, comm: Any = None) -> None:
-        """Start Horovod once; later calls do nothing.
+    def init(self, comm: Any = None, process_sets: ProcessSetsArg = None) -> None:
+        """Start Horovod once; later calls do nothing (Horovod's ``init(comm, process_sets)``, in its order).
 
         Args:
+            comm: an mpi4py communicator or a list of ranks, as in Horovod.
             process_sets: rank lists, ``hvd.ProcessSet`` objects or ``"dynamic"`` (see ``check_process_sets``),
                 checked against the launcher's world size before Horovod starts (under a launcher).
-            comm: an mpi4py communicator or a list of ranks, as in Horovod.
 
         Raises:
             StrategyError: a process set names a rank outside the job, before Horovod starts.

@@ -5,8 +5,12 @@ class DualframeError(Exception):
     """Base class of every error dualframe raises on purpose."""
 
 
-class NotInitializedError(DualframeError, RuntimeError):
-    """A distributed call was made before ``init()``."""
+class NotInitializedError(DualframeError, RuntimeError, ValueError):
+    """A distributed call was made before ``init()``.
+
+    A ValueError too, as Horovod raises for ``rank()`` / ``size()`` before ``init()`` (``except ValueError``
+    in a Horovod script catches it); a RuntimeError, as dualframe raised before.
+    """
 
 
 class TopologyError(DualframeError, ValueError):

@@ -69,6 +69,16 @@ local_rank_op = _hvd.local_rank_op
 size_op = _hvd.size_op
 local_size_op = _hvd.local_size_op
 process_set_included_op = _hvd.process_set_included_op
+ddl_built = _hvd.ddl_built
+rocm_built = _hvd.rocm_built
+gpu_available = _hvd.gpu_available
+# Horovod's helpers that its TF module exports too (unchanged).
+check_extension = _hvd.check_extension
+check_num_rank_power_of_2 = _hvd.check_num_rank_power_of_2
+handle_average_backwards_compatibility = _hvd.handle_average_backwards_compatibility
+split_list = _hvd.split_list
+refs_to_vars = _hvd.refs_to_vars
+vars_to_refs = _hvd.vars_to_refs
 
 __all__ = [
     "OPS", "TFBatchOps", "TFCaster", "TFCollectives", "collectives",
@@ -80,17 +90,23 @@ __all__ = [
     "mpi_enabled", "mpi_built", "gloo_enabled", "gloo_built", "nccl_built", "cuda_built", "mpi_threads_supported",
     "ccl_built", "grouped_allgather", "grouped_reducescatter", "broadcast_", "broadcast_object_fn",
     "broadcast_global_variables", "rank_op", "local_rank_op", "size_op", "local_size_op", "process_set_included_op",
+    "ddl_built", "rocm_built", "gpu_available", "check_extension", "check_num_rank_power_of_2",
+    "handle_average_backwards_compatibility", "split_list", "refs_to_vars", "vars_to_refs",
 ]
 
 # --- Data parallelism: gradients averaged across ranks (Keras: DistributedOptimizer, callbacks) --------------
 from dualframe.tensorflow.compression import Compression  # noqa: E402
 from dualframe.tensorflow.data import shard  # noqa: E402
 from dualframe.tensorflow.gradient_tape import DistributedGradientTape, PartialDistributedGradientTape  # noqa: E402
+from dualframe.tensorflow.legacy_optimizer import DistributedOptimizer  # noqa: E402
 from dualframe.tensorflow.strategy import distribute  # noqa: E402
 from dualframe.tensorflow.sync_batch_norm import SyncBatchNormalization  # noqa: E402
 
+# Horovod's TF 1 gradient accumulation helper, unchanged (its DistributedOptimizer for TF 1 optimizers uses it).
+LocalGradientAggregationHelper = _hvd.LocalGradientAggregationHelper
+
 __all__ += ["DistributedGradientTape", "PartialDistributedGradientTape", "SyncBatchNormalization", "Compression",
-            "shard", "distribute"]
+            "shard", "distribute", "DistributedOptimizer", "LocalGradientAggregationHelper"]
 
 # --- Model split and pipelines in one process ------------------------------------------------------------------
 from dualframe.tensorflow.balance import balance_by_size, balance_by_time  # noqa: E402

@@ -11,6 +11,7 @@ from dualframe.errors import StrategyError
 from dualframe.tensorflow.collectives import check_initialized, hvd
 from dualframe.tensorflow.failure import StallGuardCallback, guard_train_function  # noqa: F401 (hvd.callbacks.StallGuardCallback)
 from dualframe.tensorflow.functions import allreduce, broadcast_variables
+from horovod.common.util import is_version_greater_equal_than  # noqa: F401 (Horovod's callbacks module exports it)
 
 
 def broadcast_model(model: keras.Model, root_rank: int = 0, local_variables: Sequence[Any] = ()) -> None:
@@ -54,7 +55,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         >>> model.fit(x, y, callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])  # doctest: +SKIP
     """
 
-    def __init__(self, root_rank: int = 0, device: str = "", local_variables: Optional[Sequence[Any]] = None) -> None:
+    def __init__(self, root_rank: int, device: str = "", local_variables: Optional[Sequence[Any]] = None) -> None:
         super().__init__()
         if isinstance(root_rank, bool) or not isinstance(root_rank, int) or root_rank < 0:
             raise StrategyError(f"root_rank must be an int >= 0 (root_rank: {root_rank!r})")
@@ -126,7 +127,8 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
 
     def __init__(self, initial_lr: float, multiplier: Union[float, Callable[[float], float]],
                  start_epoch: int = 0, end_epoch: Optional[int] = None, staircase: bool = True,
-                 momentum_correction: bool = True, steps_per_epoch: Optional[int] = None, verbose: int = 0) -> None:
+                 momentum_correction: bool = True, steps_per_epoch: Optional[int] = None, *,
+                 verbose: int = 0) -> None:
         super().__init__()
         if isinstance(initial_lr, bool) or not isinstance(initial_lr, (int, float)) or initial_lr <= 0:
             raise StrategyError(f"initial_lr must be a number > 0 (initial_lr: {initial_lr!r})")
@@ -195,6 +197,39 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
             self._set(self.warmup_epochs)
             if self.verbose and hvd.rank() == 0:
                 print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to {self.initial_lr:g}.")
+
+
+class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
+    """Save the model with the best ``monitor`` value so far, on rank 0 only (Horovod's, with Keras 3's saving).
+
+    Horovod's signature leaves the file out (its Spark estimator sets ``filepath`` later); here
+    ``filepath`` may be given as a keyword, or set on the callback before ``fit``. Put
+    ``MetricAverageCallback`` before it so the best epoch is judged on the ranks' average.
+
+    Example:
+        >>> callbacks = [hvd.callbacks.MetricAverageCallback(),                      # doctest: +SKIP
+        ...              hvd.callbacks.BestModelCheckpoint(monitor="val_loss", filepath="best.keras")]
+
+    Raises:
+        StrategyError: at ``fit``'s start, when no ``filepath`` was given or set.
+    """
+
+    def __init__(self, monitor: str = "val_loss", verbose: int = 0, save_weights_only: bool = False,
+                 mode: str = "auto", save_freq: Union[str, int] = "epoch", *, filepath: Optional[str] = None) -> None:
+        # Keras 3 checks the file's suffix in its constructor: a placeholder passes it until filepath is set.
+        placeholder = "best.weights.h5" if save_weights_only else "best.keras"
+        super().__init__(filepath=filepath or placeholder, monitor=monitor, verbose=verbose, save_best_only=True,
+                         save_weights_only=save_weights_only, mode=mode, save_freq=save_freq)
+        self.filepath = filepath
+
+    def on_train_begin(self, logs: Optional[Dict[str, Any]] = None) -> None:
+        if not self.filepath:
+            raise StrategyError("BestModelCheckpoint has no filepath: pass filepath='best.keras' or set "
+                                "callback.filepath before fit")
+
+    def _save_model(self, epoch: int, batch: Optional[int], logs: Optional[Dict[str, Any]]) -> None:
+        if hvd.rank() == 0:  # one writer; the other ranks hold the same model
+            super()._save_model(epoch, batch, logs)
 
 
 def rank_zero_only(*callbacks: keras.callbacks.Callback) -> List[keras.callbacks.Callback]:

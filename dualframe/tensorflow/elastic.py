@@ -261,3 +261,9 @@ class TensorFlowKerasState(KerasState):
     """
 
     # KerasState itself takes Horovod's (model, optimizer=None, **kwargs): this is its GradientTape name.
+    def __init__(self, model: keras.Model, optimizer: Optional[keras.optimizers.Optimizer] = None,
+                 backend: Any = None, **kwargs: Any) -> None:
+        # backend: Horovod's TF 1 Keras backend, whose session ran the broadcasts; eagerly (Keras 3) Horovod
+        # ignores it too.
+        self.backend = backend
+        super().__init__(model, optimizer, **kwargs)

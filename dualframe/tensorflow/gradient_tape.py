@@ -30,15 +30,15 @@ class DistributedGradientTape:
 
     def __init__(self, gradtape: tf.GradientTape, device_dense: str = "", device_sparse: str = "",
                  compression: Any = Compression.none, sparse_as_dense: bool = False, op: Any = hvd.Average,
-                 gradient_predivide_factor: float = 1.0, process_set: Any = None,
-                 scale_local_gradients: bool = True) -> None:
+                 gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups: Any = None,
+                 process_set: Any = hvd.global_process_set, scale_local_gradients: bool = True) -> None:
         if isinstance(gradtape, DistributedGradientTape):
             raise StrategyError("this tape is already a DistributedGradientTape; wrap a tf.GradientTape only once")
         if not isinstance(gradtape, tf.GradientTape):
             raise TypeError(f"DistributedGradientTape wraps a tf.GradientTape (got {type(gradtape).__name__})")
         self._settings = ReduceSettings.build(
             "DistributedGradientTape", compression, op, sparse_as_dense, gradient_predivide_factor, process_set,
-            device_dense=device_dense, device_sparse=device_sparse)
+            device_dense=device_dense, device_sparse=device_sparse, groups=groups, num_groups=num_groups)
         self._tape = gradtape
         self.scale_local_gradients = bool(scale_local_gradients)
         self._local_sources: Dict[int, Any] = {}
@@ -70,14 +70,18 @@ class DistributedGradientTape:
         """Keep ``source``'s gradient local: it is not reduced across ranks."""
         self._local_sources[id(source)] = source
 
-    def gradient(self, target: Any, sources: Any, output_gradients: Any = None,
+    def gradient(self, target: Any, sources: Any, output_gradients: Any = None, use_generic_names: bool = False, *,
                  unconnected_gradients: Any = tf.UnconnectedGradients.NONE) -> Any:
-        """Gradients of ``target`` w.r.t. ``sources`` (any nest), reduced across ranks."""
+        """Gradients of ``target`` w.r.t. ``sources`` (any nest), reduced across ranks.
+
+        ``use_generic_names`` (Horovod's: name the reductions by position, not by variable) changes
+        nothing here: traced reductions are always named by position (``gradients.named``).
+        """
         flat = tf.nest.flatten(sources)
         grads = list(self._tape.gradient(target, flat, output_gradients, unconnected_gradients))
         shared = [i for i, s in enumerate(flat) if id(s) not in self._local_sources]
         with eager_guard("DistributedGradientTape.gradient"):
-            reduced = reduce_gradients([grads[i] for i in shared], self._settings)
+            reduced = reduce_gradients([grads[i] for i in shared], self._settings, [flat[i] for i in shared])
         for i, value in zip(shared, reduced):
             grads[i] = value
         if self.scale_local_gradients and len(shared) < len(flat):
@@ -107,7 +111,8 @@ def _divide(grad: Optional[Any], size: float) -> Optional[Any]:
 def PartialDistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", device_sparse: str = "",
                                    compression: Any = Compression.none, sparse_as_dense: bool = False,
                                    op: Any = hvd.Average, gradient_predivide_factor: float = 1.0,
-                                   process_set: Any = None, local_layers: Any = None,
+                                   num_groups: int = 0, groups: Any = None,
+                                   process_set: Any = hvd.global_process_set, local_layers: Any = None,
                                    scale_local_gradients: bool = True) -> DistributedGradientTape:
     """A DistributedGradientTape that keeps the gradients of ``local_layers`` (Keras layers) local."""
     if local_layers is None:
@@ -119,7 +124,7 @@ def PartialDistributedGradientTape(gradtape: tf.GradientTape, device_dense: str 
         if not isinstance(layer, keras.layers.Layer):
             raise TypeError(f"local_layers must be Keras layers (local_layers[{j}]: {type(layer).__name__})")
     tape = DistributedGradientTape(gradtape, device_dense, device_sparse, compression, sparse_as_dense, op,
-                                   gradient_predivide_factor, process_set, scale_local_gradients)
+                                   gradient_predivide_factor, num_groups, groups, process_set, scale_local_gradients)
     for layer in layers:
         for variable in layer.trainable_weights:
             tape.register_local_source(variable)

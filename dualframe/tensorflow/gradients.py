@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import tensorflow as tf
 
@@ -14,6 +15,8 @@ from dualframe.tensorflow.collectives import OPS, check_initialized, hvd
 from dualframe.tensorflow.compression import Compression
 
 Gradient = Union[tf.Tensor, tf.IndexedSlices]
+#: None, a number of buckets, or buckets of variable ids (``check_groups``).
+Groups = Union[None, int, Tuple[Tuple[int, ...], ...]]
 
 #: Absolute name scopes of the traced collectives. Horovod pairs the ranks' requests by name and,
 #: given none, names a traced op after its scope and its first input: for a gradient, its layer's
@@ -54,12 +57,17 @@ class ReduceSettings(CoreReduceSettings):
 
     device_dense: str = ""
     device_sparse: str = ""
+    groups: Groups = None
 
     @classmethod
     def build(cls, what: str, compression: object = "none", op: object = "average", sparse_as_dense: object = False,
               gradient_predivide_factor: object = 1.0, process_set: object = None, backward_passes_per_step: object = 1,
-              device_dense: str = "", device_sparse: str = "") -> "ReduceSettings":
+              device_dense: str = "", device_sparse: str = "", groups: object = None,
+              num_groups: object = 0) -> "ReduceSettings":
         """Check every argument (and that Horovod runs) and return the settings.
+
+        ``groups`` (Horovod's): an int n (the gradients go in n allreduce calls) or lists of variables
+        reduced together (the others together after them); ``num_groups`` is its old int spelling.
 
         Raises:
             NotInitializedError: ``init()`` was not called.
@@ -77,7 +85,7 @@ class ReduceSettings(CoreReduceSettings):
         return cls(compression=compressor, op=name, sparse_as_dense=bool(sparse_as_dense),
                    gradient_predivide_factor=float(gradient_predivide_factor),  # type: ignore[arg-type]
                    process_set=process_set, backward_passes_per_step=int(backward_passes_per_step),  # type: ignore
-                   device_dense=device_dense, device_sparse=device_sparse)
+                   device_dense=device_dense, device_sparse=device_sparse, groups=check_groups(groups, num_groups))
 
     @property
     def horovod_op(self) -> Any:
@@ -85,20 +93,63 @@ class ReduceSettings(CoreReduceSettings):
         return OPS[self.op]
 
 
-def reduce_gradients(grads: Sequence[Optional[Gradient]], settings: ReduceSettings) -> List[Optional[Gradient]]:
+def check_groups(groups: object, num_groups: object = 0) -> Groups:
+    """Horovod's ``groups``: None, an int >= 1, or lists of variables (each variable at most once).
+
+    Raises:
+        StrategyError: anything else, or a variable listed twice.
+    """
+    if num_groups:
+        warnings.warn("num_groups is deprecated; use groups", DeprecationWarning, stacklevel=3)
+        groups = num_groups if groups is None else groups
+    if groups is None:
+        return None
+    if isinstance(groups, int) and not isinstance(groups, bool):
+        if groups < 1:
+            raise StrategyError(f"groups must be an int >= 1 or a list of lists of variables (groups: {groups})")
+        return groups
+    if not isinstance(groups, (list, tuple)) or not all(isinstance(g, (list, tuple)) for g in groups):
+        raise StrategyError(f"groups must be an int >= 1 or a list of lists of variables (groups: {groups!r:.80})")
+    ids = [id(v) for group in groups for v in group]
+    if len(set(ids)) != len(ids):
+        raise StrategyError("a variable can appear only once in groups")
+    return tuple(tuple(id(v) for v in group) for group in groups)
+
+
+def _buckets(indices: List[int], groups: Groups, variables: Optional[Sequence[Any]]) -> List[List[int]]:
+    """``indices`` cut as ``groups`` says: one bucket, n near-equal ones, or the listed variables' then the rest."""
+    if groups is None or not indices:
+        return [indices]
+    if isinstance(groups, int):
+        n = min(groups, len(indices))
+        return [indices[k * len(indices) // n:(k + 1) * len(indices) // n] for k in range(n)]
+    if variables is None:
+        return [indices]
+    where = {key: g for g, group in enumerate(groups) for key in group}
+    buckets: List[List[int]] = [[] for _ in range(len(groups) + 1)]
+    for i in indices:
+        buckets[where.get(id(variables[i]), len(groups))].append(i)
+    return [b for b in buckets if b]
+
+
+def reduce_gradients(grads: Sequence[Optional[Gradient]], settings: ReduceSettings,
+                     variables: Optional[Sequence[Any]] = None) -> List[Optional[Gradient]]:
     """Reduce every gradient across the ranks of ``settings.process_set``; ``None`` stays ``None``.
 
-    Dense gradients of one dtype go in one grouped allreduce (Horovod fuses them); sparse ones
-    (``tf.IndexedSlices``) are allgathered unless ``sparse_as_dense``. With one process nothing is sent.
+    Dense gradients of one dtype go in one grouped allreduce (Horovod fuses them), or in the
+    ``settings.groups`` buckets (``variables``, the gradients' variables, place listed groups);
+    sparse ones (``tf.IndexedSlices``) are allgathered unless ``sparse_as_dense``. With one
+    process nothing is sent.
     """
     out: List[Optional[Gradient]] = list(grads)
     if settings.process_set.size() == 1:
         return out
     with collective_scope(PLAIN_SCOPE):
-        return _reduce(out, settings)
+        return _reduce(out, settings, variables)
 
 
-def _reduce(out: List[Optional[Gradient]], settings: ReduceSettings) -> List[Optional[Gradient]]:
+def _reduce(out: List[Optional[Gradient]], settings: ReduceSettings,
+            variables: Optional[Sequence[Any]]) -> List[Optional[Gradient]]:
     present = [i for i, grad in enumerate(out) if grad is not None]
     for i, grad in zip(present, named([out[i] for i in present], "grad")):
         out[i] = grad
@@ -114,7 +165,7 @@ def _reduce(out: List[Optional[Gradient]], settings: ReduceSettings) -> List[Opt
             grad = out[i] = tf.convert_to_tensor(grad)
         by_dtype.setdefault(grad.dtype, []).append(i)
     prescale, postscale = settings.scale_factors()
-    for indices in by_dtype.values():
+    for indices in [b for same in by_dtype.values() for b in _buckets(same, settings.groups, variables)]:
         reduced = hvd.grouped_allreduce(
             [out[i] for i in indices], op=settings.horovod_op, compression=settings.compression,
             prescale_factor=prescale, postscale_factor=postscale, process_set=settings.process_set,

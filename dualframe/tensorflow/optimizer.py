@@ -1,7 +1,8 @@
 """DistributedOptimizer for Keras 3: a wrapper optimizer that averages gradients across ranks before applying them."""
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence
+import inspect
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import keras
 import tensorflow as tf
@@ -13,6 +14,7 @@ from dualframe.errors import StrategyError
 from dualframe.tensorflow.collectives import hvd
 from dualframe.tensorflow.compression import Compression
 from dualframe.tensorflow.gradients import ReduceSettings, reduce_gradients
+from dualframe.tensorflow.wrapped_optimizer import InnerAttributes, KerasTwoNames, optimizer_subclass
 
 _WRAPPERS: tuple = ()  # filled below: both wrapper classes, for the "wrapped twice" check
 
@@ -83,12 +85,13 @@ def check_wrappable(optimizer: object) -> None:
 def wrap_settings(optimizer: object, compression: Any, op: Any, sparse_as_dense: Any,
                   gradient_predivide_factor: Any, backward_passes_per_step: Any,
                   average_aggregated_gradients: Any, process_set: Any,
-                  device_dense: str = "", device_sparse: str = "") -> "tuple[ReduceSettings, GradientAccumulation]":
+                  device_dense: str = "", device_sparse: str = "", groups: Any = None,
+                  num_groups: Any = 0) -> "tuple[ReduceSettings, GradientAccumulation]":
     """Every check DistributedOptimizer makes, before it creates anything or communicates."""
     check_wrappable(optimizer)
     settings = ReduceSettings.build("DistributedOptimizer", compression, op, sparse_as_dense,
                                     gradient_predivide_factor, process_set, backward_passes_per_step,
-                                    device_dense, device_sparse)
+                                    device_dense, device_sparse, groups, num_groups)
     check_bool("average_aggregated_gradients", average_aggregated_gradients)
     return settings, GradientAccumulation(backward_passes_per_step, average_aggregated_gradients)
 
@@ -108,29 +111,13 @@ def _wants_loss_scaling(optimizer: object) -> bool:
             and isinstance(optimizer, keras.optimizers.Optimizer) and not isinstance(optimizer, _WRAPPERS))
 
 
-class KerasTwoNames:
-    """``optimizer.lr``, Keras 2's name for ``learning_rate``, on dualframe's own optimizers.
-
-    Horovod-era scripts read and set it (``model.optimizer.lr.numpy()``,
-    ``tf.keras.backend.set_value(model.optimizer.lr, rate)``); Keras 3 optimizers dropped the name.
-    As in Keras 2 it is a ``tf.Variable`` (the one holding the inner optimizer's rate), which Keras 3's
-    legacy ``set_value`` needs; with a schedule it is the current rate.
-    """
-
-    @property
-    def lr(self) -> Any:
-        rate = self.learning_rate  # type: ignore[attr-defined]
-        return rate.value if isinstance(rate, keras.Variable) else rate
-
-    @lr.setter
-    def lr(self, learning_rate: Any) -> None:
-        self.learning_rate = learning_rate
-
-
 @keras.saving.register_keras_serializable(package="dualframe")
-class DistributedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
+class DistributedOptimizer(InnerAttributes, keras.optimizers.Optimizer):
     """Wraps a Keras 3 optimizer: gradients are averaged over all ranks, then the inner optimizer applies them.
 
+    As Horovod's, the result is an instance of the wrapped optimizer's class too
+    (``isinstance(hvd.DistributedOptimizer(keras.optimizers.Adam()), keras.optimizers.Adam)``; see
+    ``dualframe.tensorflow.wrapped_optimizer``), and one optimizer may be wrapped several times.
     Works with ``model.compile``/``fit``, a custom ``train_step``, learning-rate schedules, saving
     and loading. Given a ``keras.optimizers.LossScaleOptimizer`` (or any optimizer while the global
     policy is ``mixed_float16``, where ``compile`` would add one), it returns a
@@ -143,6 +130,10 @@ class DistributedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
         backward_passes_per_step: apply (and communicate) every N-th call; gradients are summed locally.
         average_aggregated_gradients: divide the N summed gradients by N.
         op: ``hvd.Average`` (default), ``hvd.Sum`` or ``hvd.Adasum``.
+        num_groups, groups: Horovod's: how many allreduce calls the gradients go in, or lists of
+            variables reduced together (``num_groups`` is the old spelling of an int ``groups``).
+        scale_local_gradients: divide the gradients of variables given to ``register_local_var``
+            (kept local, not reduced) by the size, as Horovod.
         shard: None (default), ``"optimizer"`` (ZeRO-1) or ``"gradients"`` (ZeRO-2): returns a
             :class:`dualframe.tensorflow.sharded_optimizer.ShardedOptimizer`, whose state covers 1/N of the parameters.
         scatter: with ``shard`` only: ``"auto"``, ``"reducescatter"`` or ``"allreduce"`` (how gradients reach
@@ -156,44 +147,65 @@ class DistributedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
     """
 
     def __new__(cls, optimizer: Any = None, *args: Any, **kwargs: Any) -> Any:
-        shard = kwargs.get("shard")
-        if cls is DistributedOptimizer and check_shard(shard) is not None:
+        if cls is not DistributedOptimizer:  # a subclass (or the class optimizer_subclass made)
+            return super().__new__(cls)
+        named = _given_arguments(optimizer, args, kwargs)
+        shard = named.get("shard")
+        if check_shard(shard) is not None:
             if _wants_loss_scaling(optimizer):
                 raise StrategyError(
                     f"shard={shard!r} does not support loss scaling yet (a LossScaleOptimizer, or the "
                     f"mixed_float16 policy); train in float32, or use shard=None")
+            given = {k: named.pop(k) for k in ("num_groups", "groups", "scale_local_gradients") if k in named}
+            if given and given != {k: _DEFAULTS[k] for k in given}:
+                raise StrategyError(f"shard={shard!r} reduces by buckets of its own: leave out {', '.join(given)}")
             from dualframe.tensorflow.sharded_optimizer import ShardedOptimizer
 
-            return ShardedOptimizer(optimizer, *args, **kwargs)
-        check_scatter(kwargs.get("scatter"), None)  # scatter= without shard=: refused before anything
-        if cls is DistributedOptimizer and _wants_loss_scaling(optimizer):
-            return DistributedLossScaleOptimizer.wrap(optimizer, *args, **kwargs)
+            return ShardedOptimizer(optimizer, **named)
+        check_scatter(named.get("scatter"), None)  # scatter= without shard=: refused before anything
+        if _wants_loss_scaling(optimizer):
+            named.pop("shard", None), named.pop("scatter", None)
+            return DistributedLossScaleOptimizer.wrap(optimizer, **named)
+        if isinstance(optimizer, keras.optimizers.Optimizer) and not isinstance(optimizer, _WRAPPERS):
+            # (anything else __init__ refuses by name)
+            cls = optimizer_subclass(cls, type(optimizer))
         return super().__new__(cls)
 
     def __init__(self, optimizer: keras.optimizers.Optimizer, name: Optional[str] = None,
                  device_dense: str = "", device_sparse: str = "", compression: Any = Compression.none,
                  sparse_as_dense: bool = False, gradient_predivide_factor: float = 1.0, op: Any = hvd.Average,
                  backward_passes_per_step: int = 1, average_aggregated_gradients: bool = False,
-                 process_set: Any = None, shard: Optional[str] = None, scatter: Optional[str] = None) -> None:
+                 num_groups: int = 0, groups: Any = None, process_set: Any = hvd.global_process_set,
+                 scale_local_gradients: bool = True, *, shard: Optional[str] = None,
+                 scatter: Optional[str] = None) -> None:
         settings, accumulation = wrap_settings(
             optimizer, compression, op, sparse_as_dense, gradient_predivide_factor, backward_passes_per_step,
-            average_aggregated_gradients, process_set, device_dense, device_sparse)
-        super().__init__(learning_rate=0.0, name=name or f"distributed_{optimizer.name}")
+            average_aggregated_gradients, process_set, device_dense, device_sparse, groups, num_groups)
+        check_bool("scale_local_gradients", scale_local_gradients)
+        # The Keras base's constructor, not the wrapped class's (its arguments are unknown here).
+        keras.optimizers.Optimizer.__init__(self, learning_rate=0.0, name=name or f"distributed_{optimizer.name}")
         self.inner_optimizer = optimizer
         self.reduction = settings
         self.accumulation = accumulation
+        self.scale_local_gradients = scale_local_gradients
+        self._local_vars: Dict[int, Any] = {}
+
+    def register_local_var(self, var: Any) -> None:
+        """Keep ``var``'s gradient local: it is not reduced across ranks (Horovod's ``register_local_var``)."""
+        self._local_vars[id(var)] = var
 
     def build(self, var_list: Sequence[Any]) -> None:
         """Build the inner optimizer (unless built) and the accumulators."""
         if not self.inner_optimizer.built:
             self.inner_optimizer.build(var_list)
         self.accumulation.build(self, var_list)
-        super().build(var_list)
+        keras.optimizers.Optimizer.build(self, var_list)
 
     @property
     def variables(self) -> List[Any]:
         """This wrapper's variables, then the inner optimizer's (the order every rank broadcasts)."""
-        return list(super().variables) + list(self.inner_optimizer.variables)
+        return list(keras.optimizers.Optimizer.variables.fget(self)) + list(  # type: ignore[attr-defined]
+            self.inner_optimizer.variables)
 
     def apply(self, grads: Sequence[Any], trainable_variables: Optional[Sequence[Any]] = None) -> None:
         """Reduce ``grads`` across ranks (every N-th call) and let the inner optimizer apply them."""
@@ -201,8 +213,21 @@ class DistributedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
             self.build(list(trainable_variables))
         variables = list(trainable_variables) if trainable_variables is not None \
             else self.accumulation.trainable_variables
-        self.accumulation.step(list(grads), lambda g: self.inner_optimizer.apply(
-            reduce_gradients(g, self.reduction), variables))
+        self.accumulation.step(list(grads), lambda g: self.inner_optimizer.apply(self._reduce(g, variables),
+                                                                                  variables))
+
+    def _reduce(self, grads: List[Any], variables: List[Any]) -> List[Any]:
+        if not self._local_vars:
+            return reduce_gradients(grads, self.reduction, variables)
+        shared = [i for i, v in enumerate(variables) if id(v) not in self._local_vars]
+        out = list(grads)
+        for i, g in zip(shared, reduce_gradients([grads[i] for i in shared], self.reduction,
+                                                 [variables[i] for i in shared])):
+            out[i] = g
+        if self.scale_local_gradients:
+            size = float(self.reduction.process_set.size())
+            out = [g / size if i not in shared and g is not None else g for i, g in enumerate(out)]
+        return out
 
     def apply_gradients(self, grads_and_vars: Any) -> Any:
         """``apply`` on (gradient, variable) pairs; returns the inner optimizer's iterations."""
@@ -240,7 +265,7 @@ class DistributedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
     def from_config(cls, config: Dict[str, Any], custom_objects: Any = None) -> "DistributedOptimizer":
         config = dict(config)
         inner = keras.saving.deserialize_keras_object(config.pop("optimizer"), custom_objects=custom_objects)
-        return cls(inner, **config)
+        return getattr(cls, "wrapper_class", cls)(inner, **config)  # type: ignore[no-any-return]
 
 
 @keras.saving.register_keras_serializable(package="dualframe")
@@ -259,10 +284,12 @@ class DistributedLossScaleOptimizer(KerasTwoNames, keras.optimizers.LossScaleOpt
                  dynamic_growth_steps: int = 2000, name: Optional[str] = None, compression: Any = Compression.none,
                  sparse_as_dense: bool = False, gradient_predivide_factor: float = 1.0, op: Any = hvd.Average,
                  backward_passes_per_step: int = 1, average_aggregated_gradients: bool = False,
-                 process_set: Any = None, device_dense: str = "", device_sparse: str = "") -> None:
+                 process_set: Any = None, device_dense: str = "", device_sparse: str = "", num_groups: int = 0,
+                 groups: Any = None, scale_local_gradients: bool = True) -> None:
         settings, accumulation = wrap_settings(
             inner_optimizer, compression, op, sparse_as_dense, gradient_predivide_factor, backward_passes_per_step,
-            average_aggregated_gradients, process_set, device_dense, device_sparse)
+            average_aggregated_gradients, process_set, device_dense, device_sparse, groups, num_groups)
+        check_bool("scale_local_gradients", scale_local_gradients)  # no local variables here: nothing to scale
         super().__init__(inner_optimizer, initial_scale=initial_scale, dynamic_growth_steps=dynamic_growth_steps,
                          name=name or f"distributed_loss_scale_{inner_optimizer.name}")
         self.reduction = settings
@@ -287,11 +314,27 @@ class DistributedLossScaleOptimizer(KerasTwoNames, keras.optimizers.LossScaleOpt
         if trainable_variables is not None and not self.built:
             self.build(list(trainable_variables))
         apply_scaled = super().apply
-        self.accumulation.step(list(grads), lambda g: apply_scaled(reduce_gradients(g, self.reduction),
-                                                                     trainable_variables))
+        self.accumulation.step(list(grads), lambda g: apply_scaled(
+            reduce_gradients(g, self.reduction, trainable_variables), trainable_variables))
 
     def get_config(self) -> Dict[str, Any]:
         return {**super().get_config(), **_config(self.reduction, self.accumulation)}
 
 
 _WRAPPERS = (DistributedOptimizer, DistributedLossScaleOptimizer)
+_SIGNATURE = inspect.signature(DistributedOptimizer.__init__)
+_DEFAULTS = {name: p.default for name, p in _SIGNATURE.parameters.items()}
+
+
+def _given_arguments(optimizer: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """DistributedOptimizer's arguments (past ``optimizer``) by name, positional ones included.
+
+    Keywords it does not know pass through (the sharded optimizer takes more; the others refuse them).
+
+    Raises:
+        TypeError: too many positional arguments, as Python would say.
+    """
+    extra = {k: v for k, v in kwargs.items() if k not in _DEFAULTS}  # ShardedOptimizer's own (bucket_elements)
+    known = {k: v for k, v in kwargs.items() if k in _DEFAULTS}
+    bound = _SIGNATURE.bind(None, optimizer, *args, **known).arguments
+    return {**{k: v for k, v in bound.items() if k not in ("self", "optimizer")}, **extra}

@@ -5,22 +5,30 @@ from typing import Any, Dict, Optional, Sequence
 
 import keras
 
+from dualframe.errors import StrategyError
 from dualframe.tensorflow.compression import Compression
 from dualframe.tensorflow.optimizer import DistributedLossScaleOptimizer, DistributedOptimizer
 
 
 def load_model(filepath: Any, custom_optimizers: Optional[Sequence[type]] = None,
                custom_objects: Optional[Dict[str, Any]] = None, compression: Any = Compression.none,
-               **optimizer_kwargs: Any) -> keras.Model:
+               legacy_opts: bool = False, **optimizer_kwargs: Any) -> keras.Model:
     """Load a ``.keras`` model; its optimizer (state restored) comes back distributed.
 
     A model saved with a DistributedOptimizer loads it as such; a model saved with a plain
-    optimizer gets it wrapped with ``compression`` and ``optimizer_kwargs``.
+    optimizer gets it wrapped with ``compression`` and ``optimizer_kwargs``. ``legacy_opts``
+    (Horovod's: Keras 2's legacy optimizers) must stay False: Keras 3 has none.
+
+    Raises:
+        StrategyError: ``legacy_opts=True``.
 
     Example:
         >>> model = hvd.load_model("checkpoint.keras")   # doctest: +SKIP
         >>> model.fit(x, y)                               # gradients averaged across ranks  doctest: +SKIP
     """
+    if legacy_opts:
+        raise StrategyError("legacy_opts=True loads Keras 2's keras.optimizers.legacy optimizers, which Keras 3 "
+                            "does not have; leave legacy_opts out")
     objects: Dict[str, Any] = {"DistributedOptimizer": DistributedOptimizer,
                                "DistributedLossScaleOptimizer": DistributedLossScaleOptimizer}
     for optimizer_class in custom_optimizers or ():

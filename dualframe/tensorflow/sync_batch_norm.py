@@ -24,7 +24,7 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         ...                           hvd.SyncBatchNormalization(), keras.layers.ReLU()])
     """
 
-    def __init__(self, fused: Optional[bool] = None, **kwargs: Any) -> None:
+    def __init__(self, fused: Optional[bool] = False, **kwargs: Any) -> None:
         if kwargs.get("renorm"):
             raise ValueError("SyncBatchNormalization does not support renorm=True (renorm: True)")
         super().__init__(**kwargs)

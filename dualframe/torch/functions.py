@@ -27,7 +27,7 @@ def init(comm: Any = None, process_sets: ProcessSetsArg = None) -> None:
     Raises:
         StrategyError: a process set names a rank outside the job, before Horovod starts.
     """
-    collectives.init(process_sets, comm=comm)
+    collectives.init(comm, process_sets)
 
 
 def needs_init(function: F) -> F:

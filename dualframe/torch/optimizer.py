@@ -15,7 +15,8 @@ from dualframe.torch import dp_checks
 from dualframe.torch.collectives import OPS, check_initialized, hvd
 from dualframe.torch.compression import Compression
 from dualframe.torch.shard_buckets import check_norm_arguments
-from dualframe.torch.wrapped_optimizer import WRAPPED, WrappedOptimizer, check_optimizer, weak_hook
+from dualframe.dp.subclass import wrapper_subclass
+from dualframe.torch.wrapped_optimizer import WrappedOptimizer, check_optimizer, claim, weak_hook
 
 Key = Union[torch.Tensor, Tuple[torch.Tensor, ...]]
 Pending = Tuple[Any, Any]  # (Horovod handle or None while gradients still accumulate, compression ctx)
@@ -29,7 +30,8 @@ class DistributedOptimizer(WrappedOptimizer):
     ``horovod.torch.DistributedOptimizer``; ``state_dict()`` is the wrapped optimizer's.
 
     Args:
-        optimizer: the torch optimizer to wrap (once).
+        optimizer: the torch optimizer to wrap; the result is an instance of its class too, as Horovod's
+            (``isinstance(opt, torch.optim.SGD)``). Wrapped again, the newest wrapper reduces.
         named_parameters: ``model.named_parameters()``; names the reductions, must cover every parameter.
         compression: ``Compression.none`` or ``Compression.fp16`` (or ``"none"``/``"fp16"``).
         backward_passes_per_step: backward passes accumulated locally before one reduction.
@@ -60,6 +62,10 @@ class DistributedOptimizer(WrappedOptimizer):
             from dualframe.torch.sharded_optimizer import ShardedOptimizer
             return super().__new__(ShardedOptimizer)
         check_scatter(kwargs.get("scatter"), None)  # scatter= without shard=: refused here, before anything
+        optimizer = args[0] if args else kwargs.get("optimizer")
+        if cls is DistributedOptimizer and isinstance(optimizer, torch.optim.Optimizer) \
+                and not isinstance(optimizer, WrappedOptimizer):
+            cls = wrapper_subclass(cls, type(optimizer))[0]  # an instance of the user's class, as Horovod's
         return super().__new__(cls)
 
     def __init__(self, optimizer: torch.optim.Optimizer,
@@ -100,7 +106,7 @@ class DistributedOptimizer(WrappedOptimizer):
         self._elastic = os.environ.get("HOROVOD_ELASTIC") == "1"
         self._adasum = self._active = False
         self._decide()
-        WRAPPED.add(optimizer)
+        claim(optimizer, self)
         self._track(dp_checks.optimizer_params(optimizer))
         if (self._active or self._elastic) and self._groups is not None:
             self._form_groups()
@@ -276,8 +282,10 @@ class DistributedOptimizer(WrappedOptimizer):
             return self._adasum_step(closure)
         if self._should_synchronize and not self._clipped:
             if self._synchronized:
-                warnings.warn("optimizer.step() called after optimizer.synchronize() without "
-                              "optimizer.skip_synchronize(); the gradients were reduced again", stacklevel=2)
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
+                              "optimizer.synchronize(): the gradients were reduced again; step inside "
+                              "`with optimizer.skip_synchronize():`",
+                              stacklevel=2)
             self.synchronize()
         self._synchronized = self._clipped = False
         return self._optimizer.step(closure)

@@ -27,7 +27,7 @@ from dualframe.torch import dp_checks
 from dualframe.torch.collectives import OPS, check_initialized, hvd
 from dualframe.torch.compression import Compression
 from dualframe.torch.optimizer import DistributedOptimizer
-from dualframe.torch.wrapped_optimizer import WRAPPED, check_optimizer, weak_hook
+from dualframe.torch.wrapped_optimizer import check_optimizer, claim, weak_hook
 from dualframe.torch import shard_state
 from dualframe.torch.shard_buckets import Slot, adopt, check_elementwise, make_inner
 from dualframe.torch.shard_gradients import SliceGradients
@@ -72,7 +72,7 @@ class ShardedOptimizer(SliceGradients, DistributedOptimizer):
                  process_set: Any = hvd.global_process_set, *, shard: Optional[str] = "optimizer",
                  scatter: Optional[str] = "auto") -> None:
         check_initialized("DistributedOptimizer")
-        self._optimizer = check_optimizer(optimizer)
+        self._optimizer = check_optimizer(optimizer, sharded=True)
         self._compression = dp_checks.check_compression(compression, Compression)
         self.op_name = dp_checks.check_numbers(backward_passes_per_step, op, gradient_predivide_factor)
         self.op = OPS[self.op_name]
@@ -110,7 +110,7 @@ class ShardedOptimizer(SliceGradients, DistributedOptimizer):
         self._active = True
         self._sent = 0
         self._build()
-        WRAPPED.add(optimizer)
+        claim(optimizer, self, sharded=True)
         self._hook_handles = [p.register_post_accumulate_grad_hook(weak_hook(self)) for p in trainable]
 
     def __repr__(self) -> str:
@@ -190,8 +190,10 @@ class ShardedOptimizer(SliceGradients, DistributedOptimizer):
             self._check_untouched()
         elif not self._clipped:
             if self._synchronized:
-                warnings.warn("optimizer.step() called after optimizer.synchronize() without "
-                              "optimizer.skip_synchronize(); the gradients were reduced again", stacklevel=2)
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
+                              "optimizer.synchronize(): the gradients were reduced again; step inside "
+                              "`with optimizer.skip_synchronize():`",
+                              stacklevel=2)
             self.synchronize()
         self._synchronized = self._clipped = False
         self._versions = {}

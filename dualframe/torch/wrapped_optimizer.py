@@ -1,13 +1,14 @@
 """What makes a wrapper look like the torch optimizer it wraps (plain or sharded ``DistributedOptimizer``).
 
 The wrapped optimizer's param groups, state, defaults, state dict and step hooks are shared rather
-than copied, so a learning-rate scheduler or a checkpoint sees the user's optimizer; an optimizer is
-wrapped at most once; a parameter's gradient hook holds its wrapper weakly.
+than copied, so a learning-rate scheduler or a checkpoint sees the user's optimizer; the wrapper is an
+instance of the user's optimizer class, as Horovod's (``dualframe.dp.subclass``); an optimizer wrapped
+again is reduced by its newest wrapper; a parameter's gradient hook holds its wrapper weakly.
 """
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 
@@ -69,24 +70,35 @@ class WrappedOptimizer(torch.optim.Optimizer):
         return self._optimizer.register_step_post_hook(hook)
 
 
-WRAPPED: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+#: optimizer -> its newest wrapper (weakly), and whether that one shards the state.
+OWNERS: "weakref.WeakKeyDictionary[torch.optim.Optimizer, Tuple[weakref.ref, bool]]" = weakref.WeakKeyDictionary()
 
 
-def check_optimizer(optimizer: object) -> torch.optim.Optimizer:
-    """``optimizer`` when it is a plain torch optimizer not wrapped yet (by us or by Horovod).
+def check_optimizer(optimizer: object, sharded: bool = False) -> torch.optim.Optimizer:
+    """``optimizer`` when it is a plain torch optimizer (not a wrapper, ours or Horovod's).
+
+    As with Horovod, one optimizer may be wrapped again (a script that rebuilds its wrapper); the
+    newest wrapper then reduces its gradients (``claim``). Not where a sharded wrapper is involved:
+    it has re-laid the parameters out in its own buckets.
 
     Raises:
-        StrategyError: a wrapper, not an optimizer, or an optimizer another wrapper already holds.
+        StrategyError: a wrapper, not an optimizer, or a sharded wrapper on either side of a re-wrap.
     """
     if isinstance(optimizer, WrappedOptimizer) or hasattr(optimizer, "_allreduce_delay"):
         raise StrategyError(f"the optimizer is already a DistributedOptimizer ({type(optimizer).__name__}); "
                             f"wrap the plain torch optimizer once")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise StrategyError(f"optimizer must be a torch.optim.Optimizer (optimizer: {type(optimizer).__name__})")
-    if optimizer in WRAPPED:
-        raise StrategyError(f"this {type(optimizer).__name__} is already wrapped by a DistributedOptimizer; "
-                            f"wrapping it twice would reduce every gradient twice")
+    owner = OWNERS.get(optimizer)
+    if owner is not None and owner[0]() is not None and (sharded or owner[1]):
+        raise StrategyError(f"this {type(optimizer).__name__} is already wrapped by a sharded DistributedOptimizer "
+                            f"(or is being sharded now): a sharded wrapper must be its optimizer's only one")
     return optimizer
+
+
+def claim(optimizer: torch.optim.Optimizer, wrapper: Any, sharded: bool = False) -> None:
+    """Make ``wrapper`` the one whose gradient hooks reduce ``optimizer``'s parameters (an older one stops)."""
+    OWNERS[optimizer] = (weakref.ref(wrapper), sharded)
 
 
 def weak_hook(wrapper: Any) -> Callable[[torch.Tensor], None]:
@@ -95,6 +107,7 @@ def weak_hook(wrapper: Any) -> Callable[[torch.Tensor], None]:
 
     def hook(p: torch.Tensor) -> None:
         alive = ref()
-        if alive is not None:
+        owner = OWNERS.get(alive._optimizer) if alive is not None else None
+        if alive is not None and (owner is None or owner[0]() is alive):
             alive._on_gradient(p)
     return hook

@@ -51,8 +51,8 @@ def test_one_init_for_rank_lists_process_set_objects_and_dynamic(monkeypatch):
     given = FakeSet([1, 3])
     for argument in ([[0, 2], given], "dynamic", None):
         hvd = FakeHorovod()
-        HorovodCollectives(hvd, "dualframe.fake").init(argument)
-        HorovodCollectives(hvd, "dualframe.fake").init([[0]])  # started: nothing more
+        HorovodCollectives(hvd, "dualframe.fake").init(process_sets=argument)
+        HorovodCollectives(hvd, "dualframe.fake").init(process_sets=[[0]])  # started: nothing more
         assert len(hvd.calls) == 1 and set(hvd.calls[0]) == {"process_sets"}
         sets = hvd.calls[0]["process_sets"]
         if argument is None or argument == "dynamic":
@@ -60,7 +60,7 @@ def test_one_init_for_rank_lists_process_set_objects_and_dynamic(monkeypatch):
         else:
             assert sets[0].ranks == [0, 2] and sets[1] is given
     hvd = FakeHorovod()
-    HorovodCollectives(hvd, "dualframe.fake").init(None, comm=[0, 1])
+    HorovodCollectives(hvd, "dualframe.fake").init([0, 1])  # Horovod's order: comm first
     assert hvd.calls == [{"process_sets": None, "comm": [0, 1]}]
 
 
@@ -80,7 +80,7 @@ def test_under_a_launcher_init_refuses_a_rank_outside_the_job(monkeypatch):
     monkeypatch.setenv("HOROVOD_SIZE", "2")
     hvd = FakeHorovod()
     with pytest.raises(StrategyError, match=r"ranks: \[0, 5\], world size: 2"):
-        HorovodCollectives(hvd, "dualframe.fake").init([[0, 5]])
+        HorovodCollectives(hvd, "dualframe.fake").init(process_sets=[[0, 5]])
     assert hvd.calls == []  # refused before Horovod starts
 
 

@@ -51,15 +51,27 @@ def test_bad_arguments_are_refused(kwargs, message):
     hvd.DistributedOptimizer(sgd, named)  # nothing was marked wrapped by the refused attempt
 
 
-def test_wrapping_twice_is_refused():
+def test_a_wrapper_is_refused_and_an_optimizer_wrapped_again_is_reduced_by_its_newest_wrapper():
     model, sgd = model_and_sgd()
     wrapped = hvd.DistributedOptimizer(sgd, model.named_parameters())
     with pytest.raises(StrategyError, match="already a DistributedOptimizer"):
         hvd.DistributedOptimizer(wrapped)
-    with pytest.raises(StrategyError, match="already wrapped by a DistributedOptimizer"):
-        hvd.DistributedOptimizer(sgd)
     with pytest.raises(StrategyError, match="must be a torch.optim.Optimizer"):
         hvd.DistributedOptimizer(model)
+    again = hvd.DistributedOptimizer(sgd, model.named_parameters())  # as Horovod allows
+    assert isinstance(again, torch.optim.SGD) and type(again) is type(wrapped)
+    from dualframe.torch.wrapped_optimizer import OWNERS
+    assert OWNERS[sgd][0]() is again
+    with pytest.raises(StrategyError, match="sharded wrapper must be its optimizer's only one"):
+        hvd.DistributedOptimizer(sgd, model.named_parameters(), shard="optimizer")
+
+
+def test_the_wrapper_is_an_instance_of_the_users_optimizer_class():
+    model, _ = model_and_sgd()
+    adam = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01))
+    assert isinstance(adam, torch.optim.Adam) and isinstance(adam, hvd.DistributedOptimizer)
+    assert type(adam).__name__ == "DistributedOptimizer" and adam.defaults["lr"] == 0.01
+    assert not isinstance(adam, torch.optim.SGD)
 
 
 def test_one_process_training_equals_the_plain_optimizer_and_shares_its_state():

@@ -2,7 +2,9 @@
 
 Only re-exports: the code lives in ``dualframe.tensorflow`` (as Horovod's ``_keras``), whose API this
 module carries whole (Horovod's keras module re-exports the TF API too), plus the Keras parts below, in
-the sections of ``dualframe.tensorflow``. ``dualframe.keras`` is this same module.
+the sections of ``dualframe.tensorflow``. As in Horovod, five names differ from the TF module's:
+``DistributedOptimizer`` and the value collectives ``allreduce``, ``allgather``, ``broadcast``,
+``reducescatter``. ``dualframe.keras`` is this same module.
 """
 from dualframe.tensorflow import *  # noqa: F401,F403  (every section of the TF API)
 from dualframe.tensorflow import __all__ as _tf_all
@@ -10,8 +12,13 @@ from dualframe.tensorflow import __all__ as _tf_all
 # --- Data parallelism: the optimizer wrapper, Horovod's callbacks, a saved model loaded distributed ------------
 from dualframe.tensorflow import callbacks
 from dualframe.tensorflow.callbacks import broadcast_model
-from dualframe.tensorflow.optimizer import DistributedLossScaleOptimizer, DistributedOptimizer
+from dualframe.tensorflow.optimizer import (  # type: ignore[assignment]  # (the TF one, replaced)
+    DistributedLossScaleOptimizer, DistributedOptimizer)
 from dualframe.tensorflow.saving import load_model
+# Horovod's Keras collectives: value in, value out (their signatures differ from the TF module's, as in Horovod).
+from dualframe.tensorflow.keras_functions import (  # type: ignore[assignment]  # (the TF ones, replaced)
+    allgather, allreduce, broadcast, reducescatter)
+from dualframe.tensorflow.callbacks import is_version_greater_equal_than  # Horovod's helper, in its Keras API
 
 # --- Reliability: checkpoints (rank 0 writes atomically, loads are broadcast), elastic ------------------------
 from dualframe.reliability.checkpoint import TrainingState
@@ -24,5 +31,5 @@ from dualframe.tensorflow.callbacks import verbose
 __all__ = list(_tf_all) + [
     "callbacks", "broadcast_model", "DistributedOptimizer", "DistributedLossScaleOptimizer", "load_model",
     "CheckpointCallback", "TrainingState", "load_checkpoint", "save_checkpoint", "elastic",
-    "verbose",
+    "verbose", "is_version_greater_equal_than",
 ]
