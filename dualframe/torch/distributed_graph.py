@@ -7,7 +7,7 @@ GraphModule, whose ``state_dict`` keys are the full model's.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -79,9 +79,10 @@ class GraphPart:
 
     def _unread(self) -> Dict[int, List[Tuple[str, torch.Tensor]]]:
         """Per stage, the model's ``state_dict`` entries no stage reads that it adopts (the longest shared prefix)."""
-        gm, read, seen = self.captured.gm, [], set()
+        gm, read = self.captured.gm, []
+        seen: Set[int] = set()
         for j in range(self.split.stages):
-            names = set()
+            names: Set[str] = set()
             for node in self.split.stage_nodes(j):
                 fx_node = self.captured.nodes[node.name]
                 targets = [a.target for a in fx_node.all_input_nodes if a.op == "get_attr"]

@@ -27,6 +27,7 @@ from torch.utils import _pytree as pytree
 from dualframe.errors import TraceError
 from dualframe.pipeline.graph import Graph, GraphNode
 from dualframe.torch.graph_call import Call, ExportCall, as_call, canonical
+from dualframe.torch.graph_grads import check_gradients, recording_functions
 
 Leaves = Iterable[Union[str, Type[nn.Module]]]
 
@@ -136,12 +137,15 @@ def capture(module: nn.Module, *, leaves: Leaves = (), sample: Any = None) -> Ca
             f"or make its control flow static (no Python branch on a tensor)") from None
     try:
         call = canonical(forward_signature(module), *as_call(sample, forward_signature(module)), type(module).__name__)
-        gm, how = _export(module, call)
+        with recording_functions() as functions:
+            gm, how = _export(module, call)
         captured = _captured(module, gm, "export")
         captured.export_call = how
-        return captured
     except Exception as error:
         export_error = _why(error, module)
+    else:
+        check_gradients(module, gm, call, ExportCall.split(call)[0], functions)
+        return captured
     raise TraceError(
         f"{type(module).__name__} cannot be captured as a graph. torch.fx: {fx_error}. torch.export: {export_error}. "
         f"Mark the module that fails as a leaf (leaves=[name or class]; it then runs in one stage), or make the "

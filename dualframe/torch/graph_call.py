@@ -121,6 +121,6 @@ def _same(a: Any, b: Any) -> bool:
 
 def _names(spec: Any) -> str:
     """The argument names of a call's spec: positional ones as ``#k``, keyword ones by name."""
-    args_spec, kwargs_spec = spec.children_specs
+    args_spec, kwargs_spec = spec.children()
     names = [f"#{k}" for k in range(args_spec.num_children)] + list(kwargs_spec.context or [])
     return "(" + ", ".join(names) + ")"

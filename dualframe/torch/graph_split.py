@@ -6,7 +6,7 @@ registers the original's own parameters, buffers and children under their own na
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
@@ -15,7 +15,7 @@ from torch.utils import _pytree as pytree
 from dualframe.errors import DeviceError, SplitPointError, StrategyError, TraceError
 from dualframe.pipeline.graph import GraphSplit, cut_graph, graph_units
 from dualframe.torch.graph import Captured, Leaves, capture, capture_other_mode, stage_module
-from dualframe.torch.graph_cost import BY, Shapes, measure
+from dualframe.torch.graph_cost import BY, Shapes, _attr, measure
 from dualframe.torch.graph_run import GraphStepRun, tensor_leaves
 
 
@@ -142,7 +142,8 @@ class GraphStages:
                  + (f" (shapes of {self.shapes_from})" if self.shapes_from else "")]
         for j in range(split.stages):
             nodes = split.stage_nodes(j)
-            first, last = nodes[0].scope or nodes[0].name, nodes[-1].scope or nodes[-1].name
+            scopes = [node.scope for node in nodes if node.scope] or [nodes[0].name]
+            first, last = scopes[0], scopes[-1]
             lines.append(f"  stage {j} on {self.devices[j]}: {len(nodes)} ops, {first} .. {last}")
             if j + 1 == split.stages:
                 break
@@ -159,7 +160,7 @@ def _shape_text(shapes: Optional[List[Tuple[Tuple[int, ...], torch.dtype]]]) -> 
     if shapes is None:
         return "shape not seen yet (run a step or pass sample=)"
     if not shapes:
-        return "no tensor"
+        return "no tensor (a size, a flag or None: sent as data)"
     parts, total = [], 0
     for shape, dtype in shapes:
         count = 1
@@ -181,22 +182,18 @@ def _bytes(count: float) -> str:
 def _param_bytes(captured: Captured) -> List[float]:
     """Per node, the bytes of the parameters it reads first: those of the module it calls, or (torch.export,
     functional code) those it reads as attributes; a parameter read by several nodes counts at the first."""
-    out, seen = [], set()
+    out: List[float] = []
+    seen: Set[int] = set()
     for node in captured.graph.nodes:
         fx_node = captured.nodes[node.name]
         if fx_node.op == "call_module":
             params = list(captured.gm.get_submodule(str(fx_node.target)).parameters())
         else:
-            params = [_attribute(captured.gm, str(a.target)) for a in fx_node.all_input_nodes if a.op == "get_attr"]
+            params = [_attr(captured.gm, str(a.target)) for a in fx_node.all_input_nodes if a.op == "get_attr"]
         fresh = [p for p in params if isinstance(p, nn.Parameter) and id(p) not in seen]
         seen.update(id(p) for p in fresh)
         out.append(float(sum(p.numel() * p.element_size() for p in fresh)))
     return out
-
-
-def _attribute(gm: nn.Module, target: str) -> Any:
-    owner, _, name = target.rpartition(".")
-    return getattr(gm.get_submodule(owner), name, None)
 
 
 class GraphFunction(torch.autograd.Function):

@@ -94,4 +94,4 @@ def reference_grads(model, inputs, target):
     model = copy.deepcopy(model)
     loss = loss_fn(model(**inputs), target)
     loss.backward()
-    return float(loss), {n: p.grad for n, p in model.named_parameters()}
+    return loss.item(), {n: p.grad for n, p in model.named_parameters()}
