@@ -54,6 +54,7 @@ torch mpirun     4 torch_examples/hybrid.py
 tf    mpirun     2 tf_examples/pipeline_processes.py
 torch single     1 torch_examples/transformer_split.py
 torch mpirun     2 torch_examples/transformer_split.py
+torch mpirun     2 torch_examples/hf_pipeline.py
 tf    single     1 tf_examples/transformer_split.py
 tf    mpirun     2 tf_examples/transformer_split.py
 LIST

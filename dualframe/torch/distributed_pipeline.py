@@ -9,7 +9,7 @@ replicas of the whole pipeline, the ranks holding the same stage average its gra
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -64,7 +64,9 @@ class DistributedPipeline(StageView, nn.Module):
         timeout: seconds to wait for a neighbouring stage before raising PeerLostError.
         split_points, stages, sample, leaves: how to cut a graph (see ``ModelParallel``). ``stages=n``
             evens out parameter bytes here (every rank must cut alike; timings differ between ranks).
-            Inputs of several tensors: pass ``train_step((tokens, mask), y)`` (a tuple: positional arguments).
+            Inputs of several tensors: ``train_step((tokens, mask), y)`` (a tuple: positional arguments),
+            ``train_step({"input_ids": ids, "attention_mask": mask}, y)`` or
+            ``train_step(targets=y, input_ids=ids, attention_mask=mask)`` (keyword inputs); ``sample=`` alike.
         transport: how messages travel: ``"auto"`` (MPI point-to-point under mpirun, ZeroMQ elsewhere, else
             Horovod broadcasts), ``"mpi"``, ``"zmq"`` (an error where a rank lacks it) or ``"horovod"``;
             every rank must pass the same. None (default): ``DUALFRAME_PIPELINE_TRANSPORT``, else auto.
@@ -105,8 +107,10 @@ class DistributedPipeline(StageView, nn.Module):
         self.role = open_stage(BACKEND, layout, split=split, transport=transport)
         self.device, self.direct = self.role.device, self.role.direct  # direct None: Horovod broadcasts
         j = self.role.index
+        self._keys: Optional[List[Tuple[str, str]]] = None  # a graph stage's (stage key, model key) pairs
         if self.graph is not None:
             self.stage = self.graph.module(j).to(self.device)
+            self._keys = self.graph.model_keys(self.stage)
         else:
             items = list(module._modules.items())
             stage = OrderedDict(items[r] for r in layout.ranges[j])
@@ -122,7 +126,11 @@ class DistributedPipeline(StageView, nn.Module):
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:  # type: ignore[override]
         """The local stage's tensors under the full model's keys: the stages' dicts merge into the model's."""
-        return self.stage.state_dict(*args, **kwargs)
+        own = self.stage.state_dict(*args, **kwargs)
+        if self._keys is None:
+            return own
+        prefix = kwargs.get("prefix", args[1] if len(args) > 1 else "")
+        return OrderedDict((prefix + key, own[prefix + held]) for held, key in self._keys)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """Load this stage's part of the full model's ``state_dict`` (other stages' keys are ignored)."""
@@ -151,13 +159,15 @@ class DistributedPipeline(StageView, nn.Module):
                        backward_passes_per_step=passes, process_set=self.stage_process_set, **kwargs)
 
     def _run(self, actions: Sequence[Action], inputs: Any, targets: Optional[torch.Tensor],
-             train: bool) -> Tuple[Any, StepRecord]:
+             train: bool, keywords: Dict[str, Any]) -> Tuple[Any, StepRecord]:
         values: Dict[str, Any] = {}
         key = inputs
+        if keywords and self.graph is None:
+            raise TypeError(f"an nn.Sequential pipeline takes one tensor, not keyword inputs ({', '.join(keywords)})")
         if self.graph is not None:
             self.graph.check_mode(self.training)
-        if self.graph is not None and self.is_first and inputs is not None:
-            values, key = self.graph.inputs(inputs)
+        if self.graph is not None and self.is_first and (inputs is not None or keywords):
+            values, key = self.graph.inputs(inputs, keywords)
         sizes = self.role.agree(key, targets, train)
         micro_inputs, micro_targets = self.role.micro_batches(
             inputs.to(self.device) if self.graph is None and self.is_first and inputs is not None else None,
@@ -176,22 +186,29 @@ class DistributedPipeline(StageView, nn.Module):
             record = self.role.step(actions, micro_inputs, work, train)
         return work, record
 
-    def train_step(self, inputs: Any, targets: Optional[torch.Tensor]) -> float:
+    def train_step(self, inputs: Any = None, targets: Optional[torch.Tensor] = None, **keywords: Any) -> float:
         """Run one mini-batch forward and backward through the pipeline; gradients land in ``.grad``.
 
-        Inputs are read on the first stage, targets on the last (others may pass them or None).
+        Inputs are read on the first stage, targets on the last (others may pass them or None). A graph's
+        inputs: a tuple (positional arguments), a dict of keyword inputs (``{"input_ids": ids,
+        "attention_mask": mask}``), one value, and/or keyword arguments
+        (``train_step(targets=y, input_ids=ids)``).
         Returns the mini-batch's mean loss on every rank of the pipeline (over all replicas' batches
         with ``data_parallel`` > 1). The optimizer step is the caller's, as with a plain model.
         """
         if self.loss_fn is None:
             raise StrategyError("train_step needs a loss_fn; pass loss_fn= to DistributedPipeline")
-        work, _ = self._run(self.actions, inputs, targets, train=True)
+        work, _ = self._run(self.actions, inputs, targets, train=True, keywords=keywords)
         return self.role.mean_loss(work.loss_sum)
 
-    def forward(self, inputs: Any) -> Any:  # type: ignore[override]
-        """Inference through the pipeline (no gradients): the output on the last stage, None elsewhere."""
+    def forward(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        """Inference through the pipeline (no gradients): the output on the last stage, None elsewhere.
+
+        Takes what the model takes (positional and keyword inputs), or one tuple or dict as ``train_step``.
+        """
         forwards = [Action("F", i) for i in range(self.chunks)]
-        work, _ = self._run(forwards, inputs, None, train=False)
+        inputs = args[0] if len(args) == 1 else (args if args else None)
+        work, _ = self._run(forwards, inputs, None, train=False, keywords=kwargs)
         if not self.is_last:
             return None
         return self.graph.joined_outputs(work.outputs) if self.graph is not None else BACKEND.batches.concat(work.outputs)

@@ -13,6 +13,7 @@ functional code) are not values: each stage that reads one gets its own referenc
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import traceback
 from dataclasses import dataclass, field
@@ -25,6 +26,8 @@ from torch.utils import _pytree as pytree
 
 from dualframe.errors import TraceError
 from dualframe.pipeline.graph import Graph, GraphNode
+from dualframe.torch.graph_call import Call, ExportCall, as_call, canonical
+from dualframe.torch.graph_grads import check_gradients, recording_functions
 
 Leaves = Iterable[Union[str, Type[nn.Module]]]
 
@@ -59,28 +62,29 @@ class Captured:
     method: str                       # "fx" or "export"
     graph: Graph
     nodes: Dict[str, fx.Node] = field(default_factory=dict)  # value name -> its fx node
-    _forward_signature: Optional[inspect.Signature] = field(default=None, repr=False)
+    export_call: Optional[ExportCall] = None  # how torch.export was called (its inputs' form)
 
     def bind(self, args: Sequence[Any], kwargs: Dict[str, Any]) -> Dict[str, Any]:
         """The model's call arguments as {input value name: value}."""
-        if self.method == "export":
-            flat = pytree.tree_leaves((tuple(args), dict(kwargs)))
-            if len(flat) != len(self.graph.inputs):
-                raise TypeError(f"the exported model takes {len(self.graph.inputs)} tensors "
-                                f"({', '.join(self.graph.inputs)}); got {len(flat)}")
+        owner = type(self.module).__name__
+        if self.export_call is not None:
+            flat = self.export_call.leaves(canonical(self.signature(), tuple(args), kwargs, owner), owner)
             return dict(zip(self.graph.inputs, flat))
-        signature = self._signature()
+        signature = self.signature()
         try:
             bound = signature.bind(*args, **kwargs)
         except TypeError as error:
-            raise TypeError(f"{type(self.module).__name__}.forward{signature}: {error}") from None
+            raise TypeError(f"{owner}.forward{signature}: {error}") from None
         bound.apply_defaults()
         return dict(zip(self.graph.inputs, bound.arguments.values()))  # placeholders follow the signature
 
-    def _signature(self) -> inspect.Signature:
-        if self._forward_signature is None:
-            self._forward_signature = inspect.signature(self.module.forward)
-        return self._forward_signature
+    def signature(self) -> inspect.Signature:
+        """The model's ``forward`` signature."""
+        return forward_signature(self.module)
+
+    def as_call(self, inputs: Any) -> Call:
+        """One object standing for a call (a tuple, a dict of keyword inputs, one value) as (args, kwargs)."""
+        return as_call(inputs, self.signature())
 
     def unflatten(self, values: Dict[str, Any]) -> Any:
         """The model's return value, built from {output value name: value}."""
@@ -93,13 +97,28 @@ class Captured:
         return fx.node.map_arg(structure, lambda n: values[n.name])
 
 
-def capture(module: nn.Module, *, leaves: Leaves = (), sample: Optional[Tuple[Any, ...]] = None) -> Captured:
+def forward_signature(module: nn.Module) -> inspect.Signature:
+    """``module.forward``'s signature (cached on the class: it is asked on every step)."""
+    cls = type(module)
+    cached = _SIGNATURES.get(cls)
+    if cached is None or "forward" in module.__dict__:
+        cached = inspect.signature(module.forward)
+        if "forward" not in module.__dict__:
+            _SIGNATURES[cls] = cached
+    return cached
+
+
+_SIGNATURES: Dict[type, inspect.Signature] = {}
+
+
+def capture(module: nn.Module, *, leaves: Leaves = (), sample: Any = None) -> Captured:
     """Capture ``module``'s forward: torch.fx first, torch.export on ``sample`` when fx cannot.
 
     Args:
         module: any ``nn.Module``.
         leaves: qualified module names (``"blocks.3"``) or module classes kept whole, beyond ``torch.nn``'s.
-        sample: positional arguments of one call (a tuple), needed for the torch.export fallback.
+        sample: one call's inputs, needed for the torch.export fallback: a tuple (positional arguments), a
+            dict of keyword inputs (``{"input_ids": ..., "attention_mask": ...}``) or the only argument.
 
     Raises:
         TraceError: neither can capture it; the message says why (and where) and what to do.
@@ -117,10 +136,16 @@ def capture(module: nn.Module, *, leaves: Leaves = (), sample: Optional[Tuple[An
             f"can try, mark the module that fails as a leaf (leaves=[name or class]; its insides are then not cut), "
             f"or make its control flow static (no Python branch on a tensor)") from None
     try:
-        gm = _export(module, sample)
-        return _captured(module, gm, "export")
+        call = canonical(forward_signature(module), *as_call(sample, forward_signature(module)), type(module).__name__)
+        with recording_functions() as functions:
+            gm, how = _export(module, call)
+        captured = _captured(module, gm, "export")
+        captured.export_call = how
     except Exception as error:
         export_error = _why(error, module)
+    else:
+        check_gradients(module, gm, call, ExportCall.split(call)[0], functions)
+        return captured
     raise TraceError(
         f"{type(module).__name__} cannot be captured as a graph. torch.fx: {fx_error}. torch.export: {export_error}. "
         f"Mark the module that fails as a leaf (leaves=[name or class]; it then runs in one stage), or make the "
@@ -128,7 +153,7 @@ def capture(module: nn.Module, *, leaves: Leaves = (), sample: Optional[Tuple[An
 
 
 def capture_other_mode(module: nn.Module, captured: Captured, *, leaves: Leaves = (),
-                       sample: Optional[Tuple[Any, ...]] = None) -> Optional[Captured]:
+                       sample: Any = None) -> Optional[Captured]:
     """``module`` captured in the other mode (eval if it was captured training), or None where the code is the same.
 
     Both captures record the mode as a constant: ``F.dropout(x, training=self.training)``, and every
@@ -161,12 +186,24 @@ def _why(error: BaseException, module: nn.Module) -> str:
     return f"{type(error).__name__}: {text[:300]}{where}"
 
 
-def _export(module: nn.Module, sample: Tuple[Any, ...]) -> fx.GraphModule:
-    args = sample if isinstance(sample, tuple) else (sample,)
+def _export(module: nn.Module, call: Call) -> Tuple[fx.GraphModule, ExportCall]:
+    """torch.export on ``call``, its tensor-free keyword arguments (flags) bound into ``forward`` as constants."""
+    (args, kwargs), constants = ExportCall.split(call)
     batch = torch.export.Dim.AUTO  # micro-batches differ in rows: keep dimension 0 free
-    dynamic = pytree.tree_map(lambda t: {0: batch} if isinstance(t, torch.Tensor) and t.dim() else None, args)
-    program = torch.export.export(module, args, dynamic_shapes=dynamic, strict=False)
-    return program.module()  # type: ignore[return-value]
+    bound = dict(inspect.signature(module.forward).bind(*args, **kwargs).arguments)  # export's own keys
+    dynamic = pytree.tree_map(lambda t: {0: batch} if isinstance(t, torch.Tensor) and t.dim() else None, bound)
+    own = module.__dict__.get("forward")
+    if constants:
+        module.forward = functools.partial(type(module).forward.__get__(module), **constants)  # type: ignore[method-assign]
+    try:
+        program = torch.export.export(module, args, kwargs, dynamic_shapes=dynamic, strict=False)
+    finally:
+        if constants:
+            if own is None:
+                del module.forward
+            else:
+                module.forward = own  # type: ignore[method-assign]
+    return program.module(), ExportCall(pytree.tree_flatten((args, kwargs))[1], constants)  # type: ignore[return-value]
 
 
 def _captured(module: nn.Module, gm: fx.GraphModule, method: str) -> Captured:
@@ -174,6 +211,7 @@ def _captured(module: nn.Module, gm: fx.GraphModule, method: str) -> Captured:
     nodes: List[GraphNode] = []
     by_name: Dict[str, fx.Node] = {}
     outputs: List[str] = []
+    modules = Modules(module)
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             inputs.append(node.name)
@@ -189,32 +227,55 @@ def _captured(module: nn.Module, gm: fx.GraphModule, method: str) -> Captured:
         else:
             reads = tuple(dict.fromkeys(a.name for a in node.all_input_nodes if a.op != "get_attr"))
             leaf = node.op == "call_module"
-            nodes.append(GraphNode(node.name, node.target if leaf else _scope(node), reads, (node.name,), leaf,
-                                   _unit(node)))
+            paths = modules.paths(node)
+            nodes.append(GraphNode(node.name, node.target if leaf else (paths[-1] if paths else ""), reads,
+                                   (node.name,), leaf, modules.unit(paths)))
             by_name[node.name] = node
     return Captured(module, gm, method, Graph(tuple(inputs), tuple(nodes), tuple(outputs)), by_name)
 
 
-def _paths(node: fx.Node) -> List[str]:
-    """Dotted paths of the modules whose forward is running when the node is made, outermost first."""
-    stack = node.meta.get("nn_module_stack") or {}
-    paths = [str(entry[0]).replace("L['self'].", "").replace("L__self__.", "") for entry in stack.values()]
-    paths = [p for p in paths if p and p != "L['self']"]
-    if node.op == "call_module" and (not paths or paths[-1] != node.target):
-        paths.append(str(node.target))
-    return paths
+class Modules:
+    """The model's module names, and its block lists: what a node's module stack means for the cut.
+
+    A block list is an ``nn.ModuleList`` of two or more modules of one class of the model's own (not
+    ``torch.nn`` built-ins) that together with the other block lists hold at least half of the
+    parameters: a transformer's ``transformer.h`` or ``encoder.layer``. Where a model has block lists,
+    ``balance=`` and ``stages=`` count blocks: each block is a unit, and what runs outside every block
+    (embeddings, masks, final norm, head) joins the block before it (the first block, before any).
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        named = dict(module.named_modules())
+        self.names = set(named) - {""}
+        total = sum(p.numel() for p in module.parameters())
+        lists = [name for name, m in named.items() if isinstance(m, nn.ModuleList) and _repeated(m)]
+        lists = [name for name in lists if not any(name.startswith(other + ".") for other in lists)]
+        held = sum(p.numel() for name in lists for p in named[name].parameters())
+        self.lists = set(lists) if lists and 2 * held >= total else set()
+
+    def paths(self, node: fx.Node) -> List[str]:
+        """Dotted paths of the model's modules whose forward is running when the node is made, outermost first."""
+        stack = node.meta.get("nn_module_stack") or {}
+        paths = [str(entry[0]).replace("L['self'].", "").replace("L__self__.", "") for entry in stack.values()]
+        paths = [p for p in paths if p in self.names]  # tracer hooks (export's "_empty_nn_module_stack...") are not
+        if node.op == "call_module" and (not paths or paths[-1] != node.target):
+            paths.append(str(node.target))
+        return paths
+
+    def unit(self, paths: Sequence[str]) -> str:
+        """The unit ``balance=`` counts: the outermost block, else (no block lists) the outermost module; "" joins."""
+        if not self.lists:
+            return paths[0] if paths else ""
+        for path in paths:
+            head, _, index = path.rpartition(".")
+            if head in self.lists and index.isdigit():
+                return path
+        return ""
 
 
-def _scope(node: fx.Node) -> str:
-    """The innermost module whose forward made this node ("" at the root)."""
-    paths = _paths(node)
-    return paths[-1] if paths else ""
-
-
-def _unit(node: fx.Node) -> str:
-    """The outermost module called below the model ("blocks.3", not the ModuleList "blocks"); "" at the root."""
-    paths = _paths(node)
-    return paths[0] if paths else ""
+def _repeated(items: nn.ModuleList) -> bool:
+    kinds = {type(m) for m in items}
+    return len(items) >= 2 and len(kinds) == 1 and not next(iter(kinds)).__module__.startswith("torch.nn")
 
 
 def stage_module(captured: Captured, reads: Sequence[str], nodes: Sequence[GraphNode],
@@ -232,4 +293,18 @@ def stage_module(captured: Captured, reads: Sequence[str], nodes: Sequence[Graph
                 env[arg.name] = graph.node_copy(arg)
         env[node.name] = graph.node_copy(node, lambda a: env[a.name])
     graph.output(tuple(env[name] for name in sends))
-    return fx.GraphModule(captured.gm, graph, class_name=f"Stage{j}")
+    stage = fx.GraphModule(captured.gm, graph, class_name=f"Stage{j}")
+    _keep_non_persistent(stage, captured.module)
+    return stage
+
+
+def _keep_non_persistent(stage: nn.Module, model: nn.Module) -> None:
+    """A buffer the model keeps out of its ``state_dict`` (BERT's ``position_ids``) stays out of the stage's."""
+    for name, _ in list(stage.named_buffers()):
+        owner, _, leaf = name.rpartition(".")
+        try:
+            source = model.get_submodule(owner)
+        except AttributeError:
+            continue
+        if leaf in source._non_persistent_buffers_set:
+            stage.get_submodule(owner)._non_persistent_buffers_set.add(leaf)

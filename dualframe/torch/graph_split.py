@@ -6,7 +6,7 @@ registers the original's own parameters, buffers and children under their own na
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
@@ -15,14 +15,9 @@ from torch.utils import _pytree as pytree
 from dualframe.errors import DeviceError, SplitPointError, StrategyError, TraceError
 from dualframe.pipeline.graph import GraphSplit, cut_graph, graph_units
 from dualframe.torch.graph import Captured, Leaves, capture, capture_other_mode, stage_module
-from dualframe.torch.graph_cost import BY, Shapes, measure
+from dualframe.torch.graph_cost import BY, Shapes, _attr, measure
 from dualframe.torch.graph_run import GraphStepRun, tensor_leaves
 
-
-
-def sample_call(sample: Any) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
-    """``sample`` as call arguments: a tuple is the positional arguments, anything else the only one."""
-    return (sample if isinstance(sample, tuple) else (sample,)), {}
 
 
 class ModeStages(NamedTuple):
@@ -52,8 +47,8 @@ class GraphStages:
                  by: str = "time", leaves: Leaves = ()) -> None:
         if by not in BY:
             raise StrategyError(f"by must be one of {', '.join(map(repr, BY))} (by: {by!r})")
-        args, kwargs = sample_call(sample) if sample is not None else ((), {})
-        self.captured: Captured = capture(module, leaves=leaves, sample=args if sample is not None else None)
+        self.captured: Captured = capture(module, leaves=leaves, sample=sample)
+        args, kwargs = self.captured.as_call(sample) if sample is not None else ((), {})
         costs = sizes = None
         self.shapes: Shapes = {}  # values' shapes: from the sample, then from each step's micro-batch 0
         if stages is not None:
@@ -76,9 +71,7 @@ class GraphStages:
         self.params = [list(stage.parameters()) for stage in self.modules]
         self.mode = module.training
         self._modes = {self.mode: ModeStages(self.captured, self.split, self.modules, self.params)}
-        other = capture_other_mode(module, self.captured, leaves=leaves, sample=args if sample is not None else None)
-        if other is not None:
-            self._modes[not self.mode] = self._other_mode(other)
+        self._other = (module, leaves, sample)  # the other mode is captured when first run (one capture to build)
 
     def _other_mode(self, other: Captured) -> ModeStages:
         """The other mode's stages, cut where this mode's are."""
@@ -102,8 +95,15 @@ class GraphStages:
         return modules
 
     def view(self, training: bool) -> ModeStages:
-        """The stages to run in ``training`` mode (the same for both modes where the forward does not differ)."""
-        return self._modes.get(training, self._modes[self.mode])
+        """The stages to run in ``training`` mode (the same for both modes where the forward does not differ).
+
+        The other mode is captured the first time it runs, and its stages cut where this mode's are.
+        """
+        if training not in self._modes:
+            module, leaves, sample = self._other
+            other = capture_other_mode(module, self.captured, leaves=leaves, sample=sample)
+            self._modes[training] = self._other_mode(other) if other is not None else self._modes[self.mode]
+        return self._modes[training]
 
     def _check_shared(self, modules: Sequence[Any]) -> None:
         """A parameter or buffer read by stages on different devices cannot be placed: refuse, naming it."""
@@ -142,7 +142,8 @@ class GraphStages:
                  + (f" (shapes of {self.shapes_from})" if self.shapes_from else "")]
         for j in range(split.stages):
             nodes = split.stage_nodes(j)
-            first, last = nodes[0].scope or nodes[0].name, nodes[-1].scope or nodes[-1].name
+            scopes = [node.scope for node in nodes if node.scope] or [nodes[0].name]
+            first, last = scopes[0], scopes[-1]
             lines.append(f"  stage {j} on {self.devices[j]}: {len(nodes)} ops, {first} .. {last}")
             if j + 1 == split.stages:
                 break
@@ -159,7 +160,7 @@ def _shape_text(shapes: Optional[List[Tuple[Tuple[int, ...], torch.dtype]]]) -> 
     if shapes is None:
         return "shape not seen yet (run a step or pass sample=)"
     if not shapes:
-        return "no tensor"
+        return "no tensor (a size, a flag or None: sent as data)"
     parts, total = [], 0
     for shape, dtype in shapes:
         count = 1
@@ -179,12 +180,19 @@ def _bytes(count: float) -> str:
 
 
 def _param_bytes(captured: Captured) -> List[float]:
-    """Per node, the bytes of the parameters of the module it calls (0 for a functional op)."""
-    out = []
+    """Per node, the bytes of the parameters it reads first: those of the module it calls, or (torch.export,
+    functional code) those it reads as attributes; a parameter read by several nodes counts at the first."""
+    out: List[float] = []
+    seen: Set[int] = set()
     for node in captured.graph.nodes:
         fx_node = captured.nodes[node.name]
-        module = captured.gm.get_submodule(str(fx_node.target)) if fx_node.op == "call_module" else None
-        out.append(float(sum(p.numel() * p.element_size() for p in module.parameters())) if module else 0.0)
+        if fx_node.op == "call_module":
+            params = list(captured.gm.get_submodule(str(fx_node.target)).parameters())
+        else:
+            params = [_attr(captured.gm, str(a.target)) for a in fx_node.all_input_nodes if a.op == "get_attr"]
+        fresh = [p for p in params if isinstance(p, nn.Parameter) and id(p) not in seen]
+        seen.update(id(p) for p in fresh)
+        out.append(float(sum(p.numel() * p.element_size() for p in fresh)))
     return out
 
 

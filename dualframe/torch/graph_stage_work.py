@@ -2,64 +2,160 @@
 
 A forward message from stage p to stage c holds every value c reads from p (``edge_values``); the
 backward message holds their gradients in the same layout (zeros where a value has none, e.g. a
-padding mask), so the receiver of a forward message knows the size of the gradient to expect. A
-message is a flat ``uint8`` tensor: an int64 header (count, then per tensor its dtype code, ndim
-and dims) followed by each tensor's bytes, padded to 8.
+padding mask; the same sizes and flags), so the receiver of a forward message knows the size of the
+gradient to expect. A message is a flat ``uint8`` tensor: an int64 header (tensor count, the length
+of the tail, then per tensor its dtype code, ndim and dims), each tensor's bytes padded to 8, and,
+where a value is not one tensor, a JSON tail giving the values' structure: a traced size
+(torch.export's ``sym_size_int``), a shape, a flag or None crosses as data, with tensors by index.
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from dualframe.errors import StrategyError
 from dualframe.pipeline.graph import GraphSplit
 from dualframe.pipeline.graph_walk import edge_values, stage_edges
 from dualframe.pipeline.link import MAX_DIMS
 from dualframe.torch.graph import Captured
+from dualframe.torch.graph_run import tensor_leaves
 from dualframe.torch.pipeline_transport import DTYPES, dtype_code
 from dualframe.torch.pipeline_work import ActivationMeter
 from dualframe.torch.split_backward import SplitBackward
 
 _FIELDS = 2 + MAX_DIMS  # per tensor: dtype code, ndim, dims
+_PLAIN = (bool, int, float, str, type(None))
+_SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)  # a traced size: a number at run time
 
 
-def pack(tensors: Sequence[Any], names: Sequence[str], device: torch.device) -> torch.Tensor:
-    """The tensors as one flat uint8 message (see the module docstring).
+def unsendable(value: Any) -> Optional[str]:
+    """The type name of the first part of ``value`` that a message cannot carry; None where all of it can.
+
+    A message carries tensors, numbers, bools, None, strings, dtypes, devices, and tuples, lists and
+    dicts (string keys) of them: a traced size (torch.export's ``sym_size_int``), a shape or a flag.
+    """
+    if isinstance(value, (torch.Tensor, torch.dtype, torch.device) + _PLAIN + _SYMBOLIC):
+        return None
+    if isinstance(value, (list, tuple)):
+        return next((bad for bad in map(unsendable, value) if bad is not None), None)
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return next((bad for bad in map(unsendable, value.values()) if bad is not None), None)
+    return type(value).__name__
+
+
+def check_crossing(captured: Captured, split: GraphSplit) -> None:
+    """Refuse, before any message, a cut where a value a message cannot carry crosses (torch.export knows types).
 
     Raises:
-        StrategyError: a value that is not a tensor (a shape, a tuple): cut elsewhere.
+        StrategyError: naming the value, the module that makes it and the stage that reads it.
     """
-    header = [len(tensors)]
+    if captured.method != "export":
+        return  # fx records no types: ``pack`` checks each value as it is sent
+    for j in range(split.stages - 1):
+        for name in split.crossing(j):
+            node = captured.nodes.get(name)
+            bad = unsendable(node.meta.get("val")) if node is not None and "val" in node.meta else None
+            if bad is not None:
+                core = next(n for n in split.graph.nodes if n.name == name)
+                readers = [f"stage {c}" for c in split.consumers.get(name, ()) if c > j]
+                raise StrategyError(
+                    f"value {name!r} (made in {core.scope or 'the model itself'!r}, read by {', '.join(readers)}) "
+                    f"crosses between process stages and holds a {bad}, which a message cannot carry (tensors, "
+                    "numbers, bools, None, strings and tuples, lists and dicts of them can); cut before it is made "
+                    f"or after its last use (split_points={list(split.split_points)})")
+
+
+def _encode(value: Any, tensors: List[torch.Tensor]) -> Any:
+    """``value`` as JSON data, its tensors appended to ``tensors`` and referred to by index."""
+    if isinstance(value, torch.Tensor):
+        tensors.append(value)
+        return {"t": len(tensors) - 1}
+    if isinstance(value, _PLAIN):
+        return value
+    if isinstance(value, torch.dtype):
+        return {"dtype": str(value).replace("torch.", "")}
+    if isinstance(value, torch.device):
+        return {"device": str(value)}
+    if isinstance(value, dict):
+        return {"dict": [[k, _encode(v, tensors)] for k, v in value.items()]}
+    kind = "size" if isinstance(value, torch.Size) else "tuple" if isinstance(value, tuple) else "list"
+    return {kind: [_encode(v, tensors) for v in value]}
+
+
+def _decode(data: Any, tensors: Sequence[torch.Tensor]) -> Any:
+    if not isinstance(data, dict):
+        return data
+    (kind, body), = data.items()
+    if kind == "t":
+        return tensors[body]
+    if kind == "dtype":
+        return getattr(torch, body)
+    if kind == "device":
+        return torch.device(body)
+    if kind == "dict":
+        return {k: _decode(v, tensors) for k, v in body}
+    items = [_decode(v, tensors) for v in body]
+    return torch.Size(items) if kind == "size" else tuple(items) if kind == "tuple" else items
+
+
+def _with_tensors(values: Sequence[Any], tensors: Sequence[torch.Tensor]) -> List[Any]:
+    """``values`` with their tensor leaves replaced, in order, by ``tensors`` (a gradient message's layout)."""
+    it = iter(tensors)
+    return [next(it) if isinstance(v, torch.Tensor) else
+            pytree.tree_map(lambda x: next(it) if isinstance(x, torch.Tensor) else x, v) for v in values]
+
+
+def pack(values: Sequence[Any], names: Sequence[str], device: torch.device) -> torch.Tensor:
+    """The values as one flat uint8 message (see the module docstring).
+
+    Raises:
+        StrategyError: a value holding something a message cannot carry (see ``unsendable``), naming it.
+    """
+    if all(isinstance(v, torch.Tensor) for v in values):
+        tensors, tail = list(values), b""
+    else:
+        for name, value in zip(names, values):
+            bad = unsendable(value)
+            if bad is not None:
+                raise StrategyError(f"value {name!r} crosses between process stages and holds a {bad}, which a "
+                                    "message cannot carry (tensors, numbers, bools, None, strings and tuples, lists "
+                                    "and dicts of them can); choose a cut where it does not cross")
+        tensors = []
+        tail = json.dumps([_encode(v, tensors) for v in values]).encode()
+    header = [len(tensors), len(tail)]
     parts = []
     for name, t in zip(names, tensors):
-        if not isinstance(t, torch.Tensor):
-            raise StrategyError(f"value {name!r} crosses between process stages but is a {type(t).__name__}, not a "
-                                "tensor; choose a cut where only tensors cross")
         if t.dim() > MAX_DIMS:
             raise StrategyError(f"value {name!r} has {t.dim()} dimensions; a message carries at most {MAX_DIMS}")
         header += [dtype_code(t.dtype), t.dim(), *t.shape, *([0] * (MAX_DIMS - t.dim()))]
         data = t.detach().contiguous().reshape(-1).view(torch.uint8).to(device)
         parts += [data, torch.zeros((-data.numel()) % 8, dtype=torch.uint8, device=device)]
+    if tail:
+        parts.append(torch.frombuffer(bytearray(tail), dtype=torch.uint8).to(device))
     head = torch.tensor(header, dtype=torch.int64).view(torch.uint8).to(device)
     return torch.cat([head, *parts])
 
 
-def unpack(message: torch.Tensor) -> List[torch.Tensor]:
-    """The tensors of a ``pack`` message (fresh tensors on the message's device)."""
-    count = int(message[:8].view(torch.int64)[0])
-    header = message[:8 * (1 + _FIELDS * count)].clone().view(torch.int64).tolist()
-    offset, out = 8 * (1 + _FIELDS * count), []
+def unpack(message: torch.Tensor) -> List[Any]:
+    """The values of a ``pack`` message (fresh tensors on the message's device)."""
+    count, tail = message[:16].clone().view(torch.int64).tolist()
+    header = message[:8 * (2 + _FIELDS * count)].clone().view(torch.int64).tolist()
+    offset, out = 8 * (2 + _FIELDS * count), []
     for k in range(count):
-        code, ndim, *dims = header[1 + _FIELDS * k:1 + _FIELDS * (k + 1)]
+        code, ndim, *dims = header[2 + _FIELDS * k:2 + _FIELDS * (k + 1)]
         dtype, shape = DTYPES[code], tuple(dims[:ndim])
         size = torch.empty((), dtype=dtype).element_size()
         for d in shape:
             size *= d
         out.append(message[offset:offset + size].clone().view(dtype).reshape(shape))
         offset += size + (-size) % 8
-    return out
+    if not tail:
+        return out
+    return [_decode(v, out) for v in json.loads(bytes(message[offset:offset + tail].cpu().tolist()))]
 
 
 class TorchGraphStageWork:
@@ -80,6 +176,7 @@ class TorchGraphStageWork:
         self.incoming = {p: edge_values(split, p, j) for p in edges.sources}
         self.outgoing = {c: edge_values(split, j, c) for c in edges.targets}
         self._saved: Dict[int, Tuple[Dict[int, List[torch.Tensor]], Dict[int, List[Any]], Any]] = {}
+        self._received: Dict[int, Dict[int, List[Any]]] = {}  # per micro-batch, per source: the values as received
         self.outputs: List[Dict[str, Any]] = []
         self.loss_sum = 0.0
 
@@ -88,9 +185,15 @@ class TorchGraphStageWork:
         values: Dict[str, Any] = dict(received.get(-1, {}))
         held: Dict[int, List[torch.Tensor]] = {}
         for p, names in self.incoming.items():
-            tensors = [t.requires_grad_() if training and t.is_floating_point() else t for t in unpack(received[p])]
-            values.update(zip(names, tensors))
+            got = unpack(received[p])
+            tensors = [t for value in got for t in tensor_leaves(value)]
+            for t in tensors:
+                if training and t.is_floating_point():
+                    t.requires_grad_()
+            values.update(zip(names, got))
             held[p] = tensors
+        if training:
+            self._received[i] = {p: [values[v] for v in names] for p, names in self.incoming.items()}
         args = [values[v] for v in self.split.reads[self.j]]
         if training and self.split_backward is not None:
             with self.split_backward.recording(i):
@@ -123,8 +226,9 @@ class TorchGraphStageWork:
             if roots:
                 torch.autograd.backward(roots, upstream)  # a value sent to two stages: both gradients add up
             back = {p: [t.grad for t in tensors] for p, tensors in held.items()}
-        return {p: pack([g if g is not None else torch.zeros_like(t) for t, g in zip(held[p], gs)], self.incoming[p],
-                        self.device)
+        received = self._received.pop(i)
+        return {p: pack(_with_tensors(received[p], [g if g is not None else torch.zeros_like(t)
+                                                    for t, g in zip(held[p], gs)]), self.incoming[p], self.device)
                 for p, gs in back.items()}
 
     def weight(self, i: int) -> None:
@@ -135,7 +239,8 @@ class TorchGraphStageWork:
     def _roots(sent: Mapping[int, List[Any]], grads: Mapping[int, torch.Tensor]) -> Tuple[List[Any], List[Any]]:
         roots, upstream = [], []
         for c, message in grads.items():
-            for t, g in zip(sent[c], unpack(message)):
+            grads_of = [g for value in unpack(message) for g in tensor_leaves(value)]
+            for t, g in zip([t for value in sent[c] for t in tensor_leaves(value)], grads_of):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     roots.append(t)
                     upstream.append(g.to(t.device))
