@@ -11,8 +11,9 @@ import pytest
 import tensorflow as tf
 
 import dualframe.tensorflow as hvd
+from tests.parallel.keras_hub_models import HIDDEN, LENGTH, bert, gpt2, tokens
 
-keras_hub = pytest.importorskip("keras_hub")
+pytest.importorskip("keras_hub")
 
 ATOL = 1e-9
 DEVICES = ["/CPU:1", "/CPU:2"]
@@ -23,27 +24,6 @@ def float64():
     keras.config.set_floatx("float64")
     yield
     keras.config.set_floatx("float32")
-
-
-def gpt2(layers=4, dropout=0.0):
-    keras.utils.set_random_seed(1)
-    return keras_hub.models.GPT2Backbone(vocabulary_size=100, num_layers=layers, num_heads=2, hidden_dim=16,
-                                         intermediate_dim=32, max_sequence_length=16, dropout=dropout)
-
-
-def bert(layers=3):
-    keras.utils.set_random_seed(2)
-    return keras_hub.models.BertBackbone(vocabulary_size=100, num_layers=layers, num_heads=2, hidden_dim=16,
-                                         intermediate_dim=32, max_sequence_length=16, dropout=0.0)
-
-
-def tokens(model, rows=6, length=8, seed=0):
-    """A dict batch for the backbone's inputs; every row padded after its first 3..length tokens."""
-    rng = np.random.RandomState(seed)
-    batch = {"token_ids": rng.randint(0, 100, (rows, length)),
-             "padding_mask": np.arange(length)[None] < rng.randint(3, length + 1, rows)[:, None],
-             "segment_ids": rng.randint(0, 2, (rows, length))}
-    return {name: batch[name] for name in model.input}
 
 
 def dropout_net(rate):
@@ -100,7 +80,7 @@ def test_stages_and_balance_count_the_transformer_layers():
 
 def test_fit_with_dict_inputs_trains_as_the_unsplit_model():
     x = tokens(gpt2(), rows=8)
-    y = np.random.RandomState(5).randn(8, 8, 16)
+    y = np.random.RandomState(5).randn(8, LENGTH, HIDDEN)
     weights = []
     for split in (None, hvd.ModelParallel, hvd.Pipeline):
         model = gpt2(layers=2, dropout=0.1)  # dropout on: fit passes training=True to every Dropout
