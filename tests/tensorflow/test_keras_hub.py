@@ -76,6 +76,8 @@ def test_stages_and_balance_count_the_transformer_layers():
     assert by_memory.split_points == by_balance.split_points == ("transformer_layer_2",)
     assert "8 layers (2 blocks), token_ids .. transformer_layer_1" in by_balance.describe()
     assert hvd.ModelParallel(bert(), balance=[1, 2], devices=DEVICES).split_points == ("transformer_layer_1",)
+    by_time = hvd.ModelParallel(model, stages=2, sample=tokens(model), devices=DEVICES)  # a dict sample, timed
+    assert by_time.split_points[0] in {"transformer_layer_1", "transformer_layer_2", "transformer_layer_3"}
 
 
 def test_fit_with_dict_inputs_trains_as_the_unsplit_model():
