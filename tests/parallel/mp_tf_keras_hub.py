@@ -21,6 +21,7 @@ from keras_pipeline_models import assert_weights, one_process, train_pipeline
 
 pytest.importorskip("keras_hub")
 keras.config.set_floatx("float64")
+keras.config.set_dtype_policy("float64")
 hvd.init()
 STEPS, ROWS, ATOL = 2, 6, 1e-9
 

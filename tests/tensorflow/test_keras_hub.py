@@ -1,6 +1,6 @@
 """Models nobody here wrote, split in one process: keras_hub backbones, keras.applications, Dropout under ``training``.
 
-In float64 (``keras.config.set_floatx``), so the split's loss and every gradient equal the unsplit
+In float64 (``keras.config.set_floatx`` and the dtype policy), so the split's loss and every gradient equal the unsplit
 model's to 1e-9. Each split runs the model's own layers, so the reference is the same model object;
 with Dropout on, the seed generators' states are put back before each run, so the masks are drawn
 from the same state: one micro-batch draws what the unsplit model draws; several draw one mask each.
@@ -21,9 +21,13 @@ DEVICES = ["/CPU:1", "/CPU:2"]
 
 @pytest.fixture(autouse=True)
 def float64():
+    """floatx and the global dtype policy (Keras fixes the policy from floatx at its first use), put back after."""
+    floatx, policy = keras.config.floatx(), keras.config.dtype_policy()
     keras.config.set_floatx("float64")
+    keras.config.set_dtype_policy("float64")
     yield
-    keras.config.set_floatx("float32")
+    keras.config.set_floatx(floatx)
+    keras.config.set_dtype_policy(policy)
 
 
 def dropout_net(rate):
