@@ -57,6 +57,7 @@ torch mpirun     2 torch_examples/transformer_split.py
 torch mpirun     2 torch_examples/hf_pipeline.py
 tf    single     1 tf_examples/transformer_split.py
 tf    mpirun     2 tf_examples/transformer_split.py
+tf    mpirun     2 tf_examples/keras_hub_pipeline.py
 LIST
 echo
 echo "demo finished"

@@ -309,7 +309,7 @@ def _crossing_bytes(graph: Graph, units: Sequence[Unit], sizes: Optional[Mapping
 
 def _choose_cuts(graph: Graph, units: Sequence[Unit], stages: Optional[int], costs: Optional[Sequence[float]],
                  sizes: Optional[Mapping[str, float]]) -> List[int]:
-    """First unit of stages 1..n-1: largest stage cost near the best, then the fewest bytes crossing."""
+    """First unit of stages 1..n-1: largest stage cost near the best, then the fewest bytes crossing, then the most even."""
     n = stages
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise BalanceError(f"stages must be an int >= 1 (stages: {stages!r})")
@@ -327,17 +327,20 @@ def _choose_cuts(graph: Graph, units: Sequence[Unit], stages: Optional[int], cos
     prefix = [0.0]
     for c in unit_costs:
         prefix.append(prefix[-1] + c)
-    inf = float("inf")
-    # least[j][b]: fewest crossing bytes for stages 0..j-1 covering units 0..b-1 under the limit.
+    inf = (float("inf"), float("inf"))
+    # least[j][b]: (fewest crossing bytes, then the smallest largest stage cost) for stages 0..j-1 covering
+    # units 0..b-1 under the limit; the second breaks ties such as a stack of equal blocks, where the same
+    # values cross every boundary and the most even cut is wanted.
     least = [[inf] * (len(units) + 1) for _ in range(n + 1)]
     back = [[0] * (len(units) + 1) for _ in range(n + 1)]
-    least[0][0] = 0.0
+    least[0][0] = (0.0, 0.0)
     for j in range(1, n + 1):
         for b in range(j, len(units) + 1):
             for a in range(j - 1, b):
                 if least[j - 1][a] == inf or prefix[b] - prefix[a] > limit:
                     continue
-                total = least[j - 1][a] + (cross[a] if a > 0 else 0.0)
+                total = (least[j - 1][a][0] + (cross[a] if a > 0 else 0.0),
+                         max(least[j - 1][a][1], prefix[b] - prefix[a]))
                 if total < least[j][b]:
                     least[j][b], back[j][b] = total, a
     cuts, b = [], len(units)

@@ -8,7 +8,6 @@ graph's edges by ``dualframe.pipeline.graph_walk`` as torch's is) and the Horovo
 """
 from __future__ import annotations
 
-import logging
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import keras
@@ -31,8 +30,7 @@ from dualframe.tensorflow.graph import KerasGraph, capture
 from dualframe.tensorflow.distributed_graph import process_stages
 from dualframe.tensorflow.graph_stage_work import GraphStageFunction, TFGraphStageWork
 from dualframe.tensorflow.pipeline_fit import KerasFit, keras_loss
-
-_LOG = logging.getLogger(__name__)
+from dualframe.tensorflow.xla_choice import use_xla
 
 
 def _layers_of(layers: Any) -> List[Any]:
@@ -52,24 +50,6 @@ def _graph_of(layers: Any) -> Optional[KerasGraph]:
     return None
 
 
-def _draws_random_numbers(layers: Sequence[Any]) -> bool:
-    """Whether a stage holds a layer with a Keras seed generator (Dropout, GaussianNoise, random augmentation ...).
-
-    Under XLA, TensorFlow's stateless random ops pick another algorithm than on the CPU, so a Dropout
-    mask would differ from the one process's and the pipeline would no longer equal it: such a stage
-    runs as a plain ``tf.function``.
-    """
-    for stage_layer in layers:
-        # A graph stage (distributed_graph.GraphStage) is a plain holder of its Keras layers.
-        held = stage_layer.layers if not isinstance(stage_layer, keras.layers.Layer) else [stage_layer]
-        for inner in (sub for layer in held for sub in layer._flatten_layers(include_self=True, recursive=True)):
-            if isinstance(getattr(inner, "seed_generator", None), keras.random.SeedGenerator):
-                _LOG.info("stage layer %s draws random numbers: compiled without XLA so its random stream is "
-                          "TensorFlow's CPU one, as in one process", inner.name)
-                return True
-    return False
-
-
 class DistributedPipeline(KerasFit, StageView):
     """Keras layers whose stages are processes: rank j of each pipeline holds stage j.
 
@@ -83,8 +63,8 @@ class DistributedPipeline(KerasFit, StageView):
             every rank that reads it (model inputs from stage 0, model outputs to the last stage, which
             computes the loss), one exact byte message per pair of stages and micro-batch.
         balance: layers per stage, e.g. ``[3, 2]`` (a functional model: ``len(model.layers)`` in execution
-            order, as ``ModelParallel``); one stage per rank of a pipeline. For a functional model give
-            exactly one of ``balance``, ``split_points`` or ``stages``.
+            order, or its repeated blocks, as ``ModelParallel``); one stage per rank of a pipeline. For a
+            functional model give exactly one of ``balance``, ``split_points`` or ``stages``.
         split_points: (a functional model) the layer names where stages 1..n-1 begin, as ``ModelParallel``.
         stages: (a functional model) how many stages, cut to balance parameter and output bytes from the
             static shapes (the same on every rank; for a cut by time pass ``ModelParallel``'s
@@ -100,9 +80,11 @@ class DistributedPipeline(KerasFit, StageView):
         devices: one TF device per stage (default: the process's default placement).
         data_parallel: replicas of the pipeline (default: processes // stages); checked against the world.
         timeout: seconds to wait for a neighbouring stage before raising PeerLostError.
-        jit_compile: compile each micro-batch's pass with XLA (default), where XLA compiles the stage
-            (else a plain ``tf.function``, decided at the first call); False: plain ``tf.function``s.
-            TensorFlow's own CPU kernels slow down per row at micro-batch sizes, XLA's much less.
+        jit_compile: True: compile each micro-batch's pass with XLA, where XLA compiles the stage (else a
+            plain ``tf.function``, decided at the first call); False: plain ``tf.function``s; None
+            (default): chosen per stage where XLA pays its compile time back (``xla_choice.pays_back``: on
+            a GPU, and on a CPU for stages of ``Dense`` layers, whose XLA kernels keep their speed per row
+            at micro-batch sizes; not for convolutions or attention). A stage with Dropout never uses XLA.
         transport: how messages travel: ``"auto"``, ``"mpi"``, ``"zmq"`` or ``"horovod"``, as torch's
             ``DistributedPipeline``; None (default): ``DUALFRAME_PIPELINE_TRANSPORT``, else auto.
 
@@ -122,10 +104,10 @@ class DistributedPipeline(KerasFit, StageView):
                  loss_fn: Optional[Callable[[Any, Any], Any]] = None, devices: Optional[Sequence[str]] = None,
                  data_parallel: Optional[int] = None, timeout: float = 45.0, *,
                  split_points: Optional[Sequence[str]] = None, stages: Optional[int] = None,
-                 jit_compile: bool = True, transport: Optional[str] = None) -> None:
+                 jit_compile: Optional[bool] = None, transport: Optional[str] = None) -> None:
         transport = check_transport(transport)
-        if not isinstance(jit_compile, bool):
-            raise StrategyError(f"jit_compile must be True or False (jit_compile: {jit_compile!r})")
+        if jit_compile is not None and not isinstance(jit_compile, bool):
+            raise StrategyError(f"jit_compile must be None, True or False (jit_compile: {jit_compile!r})")
         captured = _graph_of(layers)
         loss_fn = keras_loss(loss_fn)
         world = BACKEND.collectives.world_size()
@@ -161,7 +143,7 @@ class DistributedPipeline(KerasFit, StageView):
         self.keras_model = layers if isinstance(layers, keras.Model) else None
         # One trace per training flag and (relaxed) input shape, kept across steps (see pipeline_work,
         # graph_stage_work): each micro-batch's pass is one compiled call.
-        jit_compile = jit_compile and not _draws_random_numbers(self.layers)
+        jit_compile = use_xla(jit_compile, self.layers, self.device)
         self._functions = (StageFunctions(self.layers, self.is_first, loss_fn, jit_compile) if self.split is None
                            else None)
         self._graph_function = (None if self.split is None or self.captured is None else GraphStageFunction(

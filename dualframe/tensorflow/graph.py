@@ -3,7 +3,8 @@
 A functional ``keras.Model`` is read from its own graph: every call of a layer (a Keras ``Node``, with
 the ``KerasTensor`` arguments it was called with) becomes a ``GraphNode`` whose scope and unit are
 the layer's name; ``InputLayer``s are nodes that run nothing, so that ``balance=`` counts
-``len(model.layers)``. Nodes come in the order ``Functional`` runs them (deepest first; within a
+``len(model.layers)`` (a model built as a stack of repeated blocks, a keras_hub backbone: the blocks,
+``block_units``). Nodes come in the order ``Functional`` runs them (deepest first; within a
 depth, ``model.operations`` order), which is ``model.layers`` order when no layer is shared. A layer
 called twice is two nodes with the same scope (the core refuses it as a split point); a nested
 ``keras.Model`` is one leaf node (it runs whole; its layers cannot begin a stage). A
@@ -37,16 +38,15 @@ class Call:
     keys: Tuple[int, ...] = ()  # id() of each KerasTensor argument, aligned with GraphNode.inputs
 
     def __call__(self, values: Dict[str, Any], node: GraphNode, training: Any) -> List[Any]:
-        kwargs: Dict[str, Any] = {}
-        # As Functional: pass training only to operations that take it (layers; not keras.ops).
-        if training is not None and "training" in getattr(self.operation, "_call_context_args", ()):
-            kwargs["training"] = training
         if self.arguments is None:
-            outputs = self.operation(values[node.inputs[0]], **kwargs)
+            args, kwargs = [values[node.inputs[0]]], {}
         else:
-            args, call_kwargs = self.arguments.fill_in({key: values[v] for key, v in zip(self.keys, node.inputs)})
-            outputs = self.operation(*args, **call_kwargs, **kwargs)
-        return list(keras.tree.flatten(outputs))
+            args, kwargs = self.arguments.fill_in({key: values[v] for key, v in zip(self.keys, node.inputs)})
+        # As Functional (operation_fn): training replaces the value Keras recorded when the model was built
+        # (a Dropout's node holds training=False), and only for operations that take it (layers, not keras.ops).
+        if training is not None and "training" in getattr(self.operation, "_call_context_args", ()):
+            kwargs = {**kwargs, "training": training}
+        return list(keras.tree.flatten(self.operation(*args, **kwargs)))
 
 
 @dataclass(frozen=True)
@@ -172,6 +172,7 @@ def _capture_functional(model: Any) -> KerasGraph:
         names[id(kt)], specs[op.name] = op.name, kt
         inputs.append(op.name)
     ordered = _ordered_nodes(model)
+    units = block_units([node.operation for node in ordered])
     calls_of: Dict[int, int] = {}
     for node in ordered:
         calls_of[id(node.operation)] = calls_of.get(id(node.operation), 0) + 1
@@ -179,10 +180,10 @@ def _capture_functional(model: Any) -> KerasGraph:
     nodes: List[GraphNode] = []
     calls: List[Optional[Call]] = []
     nested: Dict[str, Tuple[str, ...]] = {}
-    for node in ordered:
+    for node, unit in zip(ordered, units):
         op = node.operation
         if node.is_input:
-            nodes.append(GraphNode(op.name, op.name, (), (), unit=op.name))
+            nodes.append(GraphNode(op.name, op.name, (), (), unit=unit))
             calls.append(None)
             continue
         c = seen[id(op)] = seen.get(id(op), -1) + 1
@@ -201,10 +202,51 @@ def _capture_functional(model: Any) -> KerasGraph:
         leaf = isinstance(op, keras.Model)
         if leaf:
             nested[op.name] = tuple(layer.name for layer in _layers_inside(op))
-        nodes.append(GraphNode(base, op.name, tuple(reads), tuple(outputs), leaf=leaf, unit=op.name))
+        nodes.append(GraphNode(base, op.name, tuple(reads), tuple(outputs), leaf=leaf, unit=unit))
         calls.append(Call(op, node.arguments, tuple(keys)))
     graph = Graph(tuple(inputs), tuple(nodes), tuple(names[id(kt)] for kt in model.outputs))
     return KerasGraph(graph, tuple(calls), tuple(model.layers), model, specs, nested)
+
+
+def block_units(operations: Sequence[Any]) -> List[str]:
+    """Per node (its operation, in execution order), the unit ``balance=`` counts.
+
+    A layer is its own unit, unless the model is built around a stack of repeated blocks: two or more
+    layers of one class that hold layers themselves (keras_hub's ``TransformerDecoder``), each called
+    once, with no other layer holding weights between the first and the last. Then the blocks are the
+    units: what runs before the first block (inputs, embeddings) joins it, what runs after a block
+    (a final norm, a pooler) joins that block, so ``stages=2`` and ``balance=[2, 2]`` cut the stack.
+    Nested functional models are never blocks (each stays one unit).
+
+    Example:
+        >>> block_units(keras_hub.models.GPT2Backbone(100, 2, 2, 16, 32).operations)   # doctest: +SKIP
+        ['transformer_layer_0', ... 'transformer_layer_0', 'transformer_layer_1', 'transformer_layer_1']
+    """
+    calls: Dict[int, int] = {}
+    for op in operations:
+        calls[id(op)] = calls.get(id(op), 0) + 1
+    by_class: Dict[type, List[int]] = {}
+    for k, op in enumerate(operations):
+        if calls[id(op)] == 1 and _holds_layers(op):
+            by_class.setdefault(type(op), []).append(k)
+    blocks = set()
+    for found in by_class.values():
+        between = range(found[0], found[-1] + 1)
+        if len(found) >= 2 and all(k in found or not getattr(operations[k], "weights", ()) for k in between):
+            blocks.update(found)
+    if not blocks:
+        return [op.name for op in operations]
+    current, units = operations[min(blocks)].name, []
+    for k, op in enumerate(operations):
+        current = op.name if k in blocks else current
+        units.append(current)
+    return units
+
+
+def _holds_layers(op: Any) -> bool:
+    if not isinstance(op, keras.layers.Layer) or type(op) in (Functional, keras.Sequential):
+        return False
+    return any(True for _ in op._flatten_layers(include_self=False, recursive=False))
 
 
 def _layers_inside(model: Any) -> List[Any]:

@@ -166,7 +166,10 @@ def describe_split(captured: KerasGraph, split: GraphSplit, devices: Sequence[st
         r = split.stage_range(j)
         count = sum(1 for u in units if r.start <= u.start < r.stop)
         nodes = split.stage_nodes(j)
-        lines.append(f"stage {j} on {devices[j]}: {count} layer{'s' if count != 1 else ''}, {nodes[0].scope} .. "
+        held = f"{count} layer{'s' if count != 1 else ''}"
+        if len(units) < len(captured.layers):  # a stack of blocks: balance= counts blocks
+            held = f"{len({node.scope for node in nodes})} layers ({count} block{'s' if count != 1 else ''})"
+        lines.append(f"stage {j} on {devices[j]}: {held}, {nodes[0].scope} .. "
                      f"{nodes[-1].scope}, {_size(sum(params[k] for k in r))} parameters")
         if j + 1 < split.stages:
             rows = [_value_line(captured, split, v, j, sizes) for v in split.crossing(j)]

@@ -113,7 +113,8 @@ class ModelParallel(Recording, keras.Model):
     Args:
         layers: a functional ``keras.Model``, a ``keras.Sequential`` or a list of layers.
         balance: layers per stage, counting ``graph_units`` in execution order (``len(model.layers)``
-            when no layer is called twice: ``[90, 87]`` on ResNet50).
+            when no layer is called twice: ``[90, 87]`` on ResNet50; a stack of repeated blocks such as
+            a keras_hub backbone's transformer layers: blocks, ``[2, 2]`` on 4 layers, see ``block_units``).
         devices: one device per stage; None: the visible GPUs (the local rank's share under a
             launcher), else ``"/CPU:0"`` repeated.
         split_points: instead of ``balance``, the names of the layers where stages 1..n-1 begin.

@@ -60,13 +60,13 @@ def encoder_batches(steps, rows, outputs=3, token_dtype="int32"):
     return out
 
 
-def one_process(model, data, optimizer, loss_fn=None):
+def one_process(model, data, optimizer, loss_fn=None, training=None):
     """One process trains the whole ``model`` on the batches: its loss at each step and its final weights."""
     loss_fn = loss_fn or keras.losses.MeanSquaredError()
     losses = []
     for x, y in data:
         with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x))
+            loss = loss_fn(y, model(x, training=training))
         optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
         losses.append(float(loss))
     return losses, model.get_weights()
@@ -84,15 +84,15 @@ def replica_feed(pipe, x, y, replicas=2):
     return ({k: v[shard] for k, v in x.items()} if isinstance(x, dict) else x[shard]), y[shard]
 
 
-def train_pipeline(pipe, optimizer, data, expected_losses, feed=stage_feed):
-    """Steps ``pipe`` through ``data``; each step's loss must be the one-process loss to 1e-5.
+def train_pipeline(pipe, optimizer, data, expected_losses, feed=stage_feed, atol=1e-5):
+    """Steps ``pipe`` through ``data``; each step's loss must be the one-process loss to ``atol``.
 
     The check comes after ``apply_gradients``, so a rank whose loss is off still reaches that step's collectives.
     """
     for step, (x, y) in enumerate(data):
         loss = pipe.train_step(*feed(pipe, x, y))
         pipe.apply_gradients(optimizer)
-        assert loss == pytest.approx(expected_losses[step], abs=1e-5), \
+        assert loss == pytest.approx(expected_losses[step], abs=atol), \
             f"rank {hvd.rank()} step {step}: loss {loss}, one process {expected_losses[step]}"
 
 
