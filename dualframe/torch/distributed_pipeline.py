@@ -21,6 +21,7 @@ from dualframe.pipeline.link import check_transport
 from dualframe.pipeline.stage import StageView, open_stage
 from dualframe.pipeline.walk import StepRecord
 from dualframe.pipeline.layout import StageLayout, layout_pipeline
+from dualframe.pipeline.tied import TiedPlan
 from dualframe.torch.backend import BACKEND
 from dualframe.torch.collectives import hvd
 from dualframe.torch.pipeline_work import ActivationMeter, TorchStageWork
@@ -29,6 +30,7 @@ from dualframe.torch.graph import Leaves
 from dualframe.torch.graph_stage_work import TorchGraphStageWork
 from dualframe.torch.model_parallel import is_graph_split
 from dualframe.torch.split_backward import SplitBackward
+from dualframe.torch.tied import TiedCopies, find_stage_tied, model_state_dict, stage_part, tensor_names
 
 
 def _layout(module: nn.Module, balance: Sequence[int], chunks: int, schedule: str, loss_fn: Any,
@@ -100,20 +102,27 @@ class DistributedPipeline(StageView, nn.Module):
             layout = _layout(module, balance or [], chunks, schedule, loss_fn, devices, data_parallel, timeout)
         self.chunks, self.schedule, self.grid = chunks, layout.schedule, layout.grid
         self.loss_fn, self.timeout = loss_fn, timeout
+        modules = [self._stage_module(module, layout, j) for j in range(layout.grid.stages)]
+        tied = find_stage_tied(module, modules)  # weights several stages read: each holds a copy
         # From here on, Horovod: every argument above is checked on every rank.
         split = self.graph.split if self.graph is not None else None
-        self.role = open_stage(BACKEND, layout, split=split, transport=transport)
+        self.role = open_stage(BACKEND, layout, split=split, transport=transport, tied=tied)
         self.device, self.direct = self.role.device, self.role.direct  # direct None: Horovod broadcasts
-        j = self.role.index
-        if self.graph is not None:
-            self.stage = self.graph.module(j).to(self.device)
-        else:
-            items = list(module._modules.items())
-            stage = OrderedDict(items[r] for r in layout.ranges[j])
-            self.stage = nn.Sequential(stage).to(self.device)  # type: ignore[arg-type]
+        self.stage = modules[self.role.index].to(self.device)
+        self._names = tensor_names(module)
+        self.tied = TiedCopies(TiedPlan.build(tied, layout.grid, BACKEND.collectives.rank()), self.stage, module,
+                               self.role.sets, self.role.link.prefix)
+        self.tied.broadcast()
         self.meter = ActivationMeter(self.stage.parameters())
         # A zero-bubble schedule: backward as B (the input's gradient) then, later, W (the weights').
         self.split_backward = SplitBackward(self.stage) if splits_backward(self.actions) else None
+
+    def _stage_module(self, module: nn.Module, layout: StageLayout, j: int) -> nn.Module:
+        """Stage ``j``'s module, referencing the model's own parameters (every stage is built, to find tied ones)."""
+        if self.graph is not None:
+            return self.graph.module(j)
+        items = list(module._modules.items())
+        return nn.Sequential(OrderedDict(items[r] for r in layout.ranges[j]))  # type: ignore[arg-type,misc]
 
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[Tuple[str, nn.Parameter]]:
@@ -121,13 +130,15 @@ class DistributedPipeline(StageView, nn.Module):
         return self.stage.named_parameters(prefix, recurse, remove_duplicate)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:  # type: ignore[override]
-        """The local stage's tensors under the full model's keys: the stages' dicts merge into the model's."""
-        return self.stage.state_dict(*args, **kwargs)
+        """The local stage's tensors under the full model's keys: the stages' dicts merge into the model's.
+
+        A tied weight appears under every name the model has for it, in each stage holding a copy.
+        """
+        return model_state_dict(self.stage, self._names, *args, **kwargs)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """Load this stage's part of the full model's ``state_dict`` (other stages' keys are ignored)."""
-        own = set(self.stage.state_dict())
-        part = OrderedDict((key, value) for key, value in state_dict.items() if key in own)
+        part = stage_part(self.stage, self._names, state_dict)
         return self.stage.load_state_dict(part, strict=strict, assign=assign)
 
     def distributed_optimizer(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> torch.optim.Optimizer:
@@ -140,6 +151,7 @@ class DistributedPipeline(StageView, nn.Module):
         """
         if self.stage_process_set is None:
             return optimizer
+        self.tied.before_step(optimizer)  # after the replicas' average, before the update
         wrapper: Any
         try:
             from dualframe.torch.optimizer import DistributedOptimizer as wrapper
@@ -186,6 +198,8 @@ class DistributedPipeline(StageView, nn.Module):
         if self.loss_fn is None:
             raise StrategyError("train_step needs a loss_fn; pass loss_fn= to DistributedPipeline")
         work, _ = self._run(self.actions, inputs, targets, train=True)
+        if self.stage_process_set is None:  # with replicas: in distributed_optimizer's step, after their average
+            self.tied.sum_gradients()
         return self.role.mean_loss(work.loss_sum)
 
     def forward(self, inputs: Any) -> Any:  # type: ignore[override]
