@@ -8,6 +8,7 @@ training the unsplit model (1e-9), and the stages' state dicts merge into the mo
 # np: 2
 # timeout: 400
 import copy
+import tempfile
 
 import horovod.torch as horovod
 import pytest
@@ -110,6 +111,18 @@ def check(losses, expected, merged, reference):
         torch.testing.assert_close(merged[key], value, atol=1e-9, rtol=0, msg=key)
 
 
+def check_checkpoint(pipe, reference):
+    """Stage checkpoints merge into the model's keys (each tied name once), equal to the reference."""
+    folder = horovod.broadcast_object(tempfile.mkdtemp() if hvd.rank() == 0 else None, 0, name="folder")
+    hvd.save_stage_checkpoint(f"{folder}/ckpt", pipe, step=STEPS - 1)
+    mine = f"{folder}/full-{hvd.rank()}.pt"  # every rank merges (one process, no communication)
+    hvd.merge_stage_checkpoints(f"{folder}/ckpt", mine)
+    full = torch.load(mine, weights_only=True)["model"]
+    assert set(full) == set(reference)
+    for key, value in reference.items():
+        torch.testing.assert_close(full[key], value, atol=1e-9, rtol=0, msg=key)
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_gpt2_cut_at_its_tied_head_trains_as_one_process(schedule):
     model = gpt2()
@@ -118,6 +131,7 @@ def test_gpt2_cut_at_its_tied_head_trains_as_one_process(schedule):
                                                            sample=(ids[0][0],), schedule=schedule)
     assert [w.names for w in pipe.tied.plan.tied] == [("transformer.wte.weight", "lm_head.weight")]
     check(losses, expected, merged, reference)
+    check_checkpoint(pipe, reference)
 
 
 @pytest.mark.xfail(reason="a cut inside GPT-2's block stack crosses a symbolic size (branch hf-torch-cuts)",
@@ -136,6 +150,7 @@ def test_first_and_last_layer_sharing_a_weight_train_as_one_process(sequential):
     pipe, losses, expected, merged, reference = train_both(model, float_batches(), mse, **split)
     assert [w.stages for w in pipe.tied.plan.tied] == [(0, 1)]
     check(losses, expected, merged, reference)
+    check_checkpoint(pipe, reference)
 
 
 def test_copies_start_equal_and_load_from_the_model_keys():
