@@ -139,11 +139,11 @@ def sum_tied(plan: TiedPlan, tensors: Mapping[str, T], reduce: "Reduce[T]", pref
 
 
 def tied_description(tied: Sequence[TiedWeight]) -> List[str]:
-    """One line per tied weight for ``describe()``: its names and the stages holding a copy.
+    """One line per tied weight for ``describe()``: its names and the stages that read it.
 
     Example:
         >>> tied_description([TiedWeight(("wte", "head"), (0, 1))])
-        ['  tied: wte = head, a copy on stages 0, 1 (gradients summed)']
+        ['  tied: wte = head, read by stages 0, 1 (their gradients summed)']
     """
-    return [f"  tied: {' = '.join(w.names)}, a copy on stages {', '.join(map(str, w.stages))} (gradients summed)"
+    return [f"  tied: {' = '.join(w.names)}, read by stages {', '.join(map(str, w.stages))} (their gradients summed)"
             for w in tied]

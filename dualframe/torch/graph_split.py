@@ -14,9 +14,11 @@ from torch.utils import _pytree as pytree
 
 from dualframe.errors import DeviceError, SplitPointError, StrategyError, TraceError
 from dualframe.pipeline.graph import GraphSplit, cut_graph, graph_units
+from dualframe.pipeline.tied import tied_description
 from dualframe.torch.graph import Captured, Leaves, capture, capture_other_mode, stage_module
 from dualframe.torch.graph_cost import BY, Shapes, measure
 from dualframe.torch.graph_run import GraphStepRun, tensor_leaves
+from dualframe.torch.tied import find_stage_tied
 
 
 
@@ -74,6 +76,7 @@ class GraphStages:
             raise DeviceError(f"one device per stage (stages: {self.split.stages}, devices: {list(devices)})")
         self.modules = self._place(self.captured, self.split)
         self.params = [list(stage.parameters()) for stage in self.modules]
+        self.tied = find_stage_tied(module, self.modules)  # one parameter object: autograd sums its stages' shares
         self.mode = module.training
         self._modes = {self.mode: ModeStages(self.captured, self.split, self.modules, self.params)}
         other = capture_other_mode(module, self.captured, leaves=leaves, sample=args if sample is not None else None)
@@ -152,7 +155,7 @@ class GraphStages:
                 to = ", ".join("output" if c == split.stages else f"stage {c}" for c in readers)
                 source = "input" if split.producer[name] < 0 else f"stage {split.producer[name]}"
                 lines.append(f"    {name}: {_shape_text(self.shapes.get(name))} ({source} -> {to})")
-        return "\n".join(lines)
+        return "\n".join(lines + tied_description(self.tied))
 
 
 def _shape_text(shapes: Optional[List[Tuple[Tuple[int, ...], torch.dtype]]]) -> str:

@@ -18,59 +18,13 @@ from torch import nn
 import dualframe.torch as hvd
 from dualframe.torch.distributed_pipeline import DistributedPipeline
 
-STEPS, BATCH, SEQ, VOCAB = 2, 4, 6, 40
+from torch_cases import float_batches, lm_loss, shared_ends, tied_gpt2, token_batches  # tests/parallel on sys.path
 
-
-class Shared(nn.Module):
-    """Its first and last layers are one weight (an encoder and its transposed-free decoder, 6 x 6)."""
-
-    def __init__(self):
-        super().__init__()
-        self.first, self.mid, self.last = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 6)
-        self.last.weight = self.first.weight
-
-    def forward(self, x):
-        return self.last(torch.tanh(self.mid(torch.tanh(self.first(x)))))
-
-
-def gpt2():
-    transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=8, n_layer=2, n_head=2,
-                                     use_cache=False, bos_token_id=0, eos_token_id=0,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(config).double()
-    assert model.lm_head.weight is model.transformer.wte.weight
-    return model
-
-
-def lm_loss(output, target):
-    logits = output["logits"] if isinstance(output, dict) else output.logits
-    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1))
+STEPS = 2
 
 
 def mse(output, target):
     return nn.functional.mse_loss(output, target)
-
-
-def token_batches():
-    g = torch.Generator().manual_seed(1)
-    return [(torch.randint(0, VOCAB, (BATCH, SEQ), generator=g), torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
-            for _ in range(STEPS)]
-
-
-def float_batches():
-    g = torch.Generator().manual_seed(2)
-    return [(torch.randn(BATCH, 6, generator=g, dtype=torch.float64),
-             torch.randn(BATCH, 6, generator=g, dtype=torch.float64)) for _ in range(STEPS)]
-
-
-def shared_model(sequential):
-    torch.manual_seed(3)
-    model = Shared().double()
-    if sequential:
-        model = nn.Sequential(model.first, nn.Tanh(), model.mid, nn.Tanh(), model.last)
-    return model
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -125,7 +79,7 @@ def check_checkpoint(pipe, reference):
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_gpt2_cut_at_its_tied_head_trains_as_one_process(schedule):
-    model = gpt2()
+    model = tied_gpt2()
     ids = token_batches()
     pipe, losses, expected, merged, reference = train_both(model, ids, lm_loss, split_points=["lm_head"],
                                                            sample=(ids[0][0],), schedule=schedule)
@@ -138,14 +92,14 @@ def test_gpt2_cut_at_its_tied_head_trains_as_one_process(schedule):
                    raises=Exception, strict=False)
 def test_gpt2_cut_inside_the_blocks_trains_as_one_process():
     ids = token_batches()
-    _, losses, expected, merged, reference = train_both(gpt2(), ids, lm_loss, split_points=["transformer.h.1"],
+    _, losses, expected, merged, reference = train_both(tied_gpt2(), ids, lm_loss, split_points=["transformer.h.1"],
                                                         sample=(ids[0][0],))
     check(losses, expected, merged, reference)
 
 
 @pytest.mark.parametrize("sequential", [False, True], ids=["graph", "sequential"])
 def test_first_and_last_layer_sharing_a_weight_train_as_one_process(sequential):
-    model = shared_model(sequential)
+    model = shared_ends(sequential)
     split = {"balance": [2, 3]} if sequential else {"split_points": ["mid"]}
     pipe, losses, expected, merged, reference = train_both(model, float_batches(), mse, **split)
     assert [w.stages for w in pipe.tied.plan.tied] == [(0, 1)]
@@ -154,14 +108,14 @@ def test_first_and_last_layer_sharing_a_weight_train_as_one_process(sequential):
 
 
 def test_copies_start_equal_and_load_from_the_model_keys():
-    model = shared_model(False)
+    model = shared_ends(False)
     if hvd.rank() == 1:  # a copy that drifted: the broadcast at build makes it stage 0's again
         with torch.no_grad():
             model.first.weight.add_(1.0)
     pipe = DistributedPipeline(model, loss_fn=mse, split_points=["mid"])
     root = horovod.broadcast(pipe.state_dict()["first.weight"], 0, name="root_copy")
     torch.testing.assert_close(pipe.state_dict()["last.weight"], root, atol=0, rtol=0)
-    fresh = shared_model(False).state_dict()
+    fresh = shared_ends(False).state_dict()
     pipe.load_state_dict(fresh)  # strict: the stage's keys, the tied one under either of its names
     for key, value in pipe.state_dict().items():
         torch.testing.assert_close(value, fresh[key], atol=0, rtol=0, msg=key)
