@@ -117,7 +117,8 @@ class GraphStages:
                 if self.devices[first[0]] != self.devices[j]:
                     raise DeviceError(
                         f"{name!r} is used by stage {first[0]} ({self.devices[first[0]]}) and stage {j} "
-                        f"({self.devices[j]}); put both stages on one device or cut so that one stage uses it")
+                        f"({self.devices[j]}); put both stages on one device or cut so that one stage uses it "
+                        "(DistributedPipeline gives each process stage a copy and sums their gradients)")
 
     def run(self, plan: Any, parts: Sequence[Dict[str, Any]], training: bool, **walk: Any) -> GraphStepRun:
         """A step over ``parts`` (micro-batches of the inputs); value shapes are noted from micro-batch 0."""
