@@ -147,8 +147,15 @@ class DistributedPipeline(StageView, nn.Module):
         Returns ``dualframe.torch.DistributedOptimizer`` on this stage's process set, counting the
         ``chunks`` micro-batch backwards of a step as one (``backward_passes_per_step`` multiplies);
         with a single replica, the optimizer itself. Extra arguments (``compression``, ``op`` ...)
-        pass through.
+        pass through. A model with tied weights: their holders' gradients are summed in its ``step``,
+        after the replicas' average (``shard=`` is refused there).
+
+        Raises:
+            StrategyError: ``shard=`` with tied weights (on every rank alike).
         """
+        if self.tied.plan.tied and str(kwargs.get("shard") or "none").lower() != "none":
+            raise StrategyError(f"shard={kwargs['shard']!r} cannot keep the copies of this model's tied weights "
+                                f"({', '.join(w.key for w in self.tied.plan.tied)}) equal yet; leave shard out")
         if self.stage_process_set is None:
             return optimizer
         self.tied.before_step(optimizer)  # after the replicas' average, before the update

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import dualframe.torch as hvd
+from dualframe.errors import StrategyError
 from dualframe.torch.distributed_pipeline import DistributedPipeline
 
 from torch_cases import float_batches, lm_loss, shared_ends, tied_gpt2, token_batches  # tests/parallel on sys.path
@@ -115,6 +116,8 @@ def test_copies_start_equal_and_load_from_the_model_keys():
     pipe = DistributedPipeline(model, loss_fn=mse, split_points=["mid"])
     root = horovod.broadcast(pipe.state_dict()["first.weight"], 0, name="root_copy")
     torch.testing.assert_close(pipe.state_dict()["last.weight"], root, atol=0, rtol=0)
+    with pytest.raises(StrategyError, match=r"shard='optimizer' cannot keep the copies of .*first.weight"):
+        pipe.distributed_optimizer(torch.optim.SGD(pipe.parameters(), lr=0.1), shard="optimizer")
     fresh = shared_ends(False).state_dict()
     pipe.load_state_dict(fresh)  # strict: the stage's keys, the tied one under either of its names
     for key, value in pipe.state_dict().items():
