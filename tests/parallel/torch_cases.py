@@ -65,7 +65,7 @@ def pipeline_reference(model, data):
     return losses, model.state_dict()
 
 
-# -- tied weights (mp_torch_tied.py, tests/torch/test_tied.py) -------------------------------------
+# -- tied weights (mp_torch_tied.py, tests/torch/test_tied_torch.py) -------------------------------------
 TIED_VOCAB = 40
 
 
