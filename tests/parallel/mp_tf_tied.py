@@ -7,6 +7,8 @@ stages' weights join into the model's list (each tied variable once) and ``set_w
 """
 # np: 2
 # timeout: 400
+import tempfile
+
 import keras
 import numpy as np
 import pytest
@@ -53,3 +55,15 @@ def test_copies_start_equal_and_set_weights_loads_every_copy():
     fresh = [w * 2.0 for w in reference.get_weights()]
     pipe.set_weights(fresh)
     assert_weights([v.numpy() for v in model.get_layer("shared").weights], fresh[:2], "the copy after set_weights", atol=0)
+
+
+def test_a_stage_checkpoint_restores_every_copy():
+    model = shared_ends()
+    pipe = DistributedPipeline(model, split_points=["mid"], loss_fn="mse")
+    folder = hvd.broadcast_object(tempfile.mkdtemp() if hvd.rank() == 0 else None, 0, name="folder")
+    hvd.save_stage_checkpoint(folder, pipe, step=0)
+    saved = [v.numpy() for v in model.get_layer("shared").weights]
+    if hvd.rank() == 1:  # the copy is not in stage 1's file (stage 0 holds the layer): loading makes it stage 0's
+        model.get_layer("shared").kernel.assign_add(np.ones((6, 6)))
+    assert hvd.load_stage_checkpoint(folder, pipe).step == 0
+    assert_weights([v.numpy() for v in model.get_layer("shared").weights], saved, "the copy after loading", atol=0)
