@@ -78,6 +78,7 @@ class PipelineStage(Generic[T]):
         everyone = sets[tuple(range(grid.replicas * grid.stages))]  # Horovod's global set
         self.pipeline_set = sets.get(tuple(self.pipeline_ranks), everyone)
         self.stage_process_set = sets.get(tuple(self.stage_ranks)) if grid.replicas > 1 else None
+        self.sets = sets
         self.link = StageLink(wire, self.index, self.pipeline_ranks, rank, sets, prefix, layout.timeout, step_names,
                               direct)
         self.records = RecordBook()
@@ -210,7 +211,7 @@ _IDS = itertools.count()
 
 
 def open_stage(backend: "Backend[T]", layout: StageLayout, step_names: bool = True,
-               split: Any = None, transport: Optional[str] = None) -> "PipelineStage[T]":
+               split: Any = None, transport: Optional[str] = None, tied: Sequence[Any] = ()) -> "PipelineStage[T]":
     """This rank's stage of a checked pipeline layout, opened over ``backend``: the first communication.
 
     Declares (or finds) the pipeline's process sets, places the stage on its device, agrees on the
@@ -225,6 +226,7 @@ def open_stage(backend: "Backend[T]", layout: StageLayout, step_names: bool = Tr
             edges, each edge's pair of ranks with a process set too; None: a chain of stages.
         transport: the pipeline's checked ``transport=`` (``link.check_transport``); None reads
             ``DUALFRAME_PIPELINE_TRANSPORT``.
+        tied: the model's ``tied.TiedWeight``s: their holders' groups are declared with the pipeline's sets.
 
     Example:
         >>> role = open_stage(BACKEND, layout_pipeline(4, [2, 2], 4, world_size=2))  # doctest: +SKIP
@@ -241,6 +243,10 @@ def open_stage(backend: "Backend[T]", layout: StageLayout, step_names: bool = Tr
         from dualframe.pipeline.graph_walk import edge_process_sets
 
         needed += [g for g in edge_process_sets(split, grid.pipeline_groups) if g not in needed and len(g) < world]
+    if tied:
+        from dualframe.pipeline.tied import tied_process_sets
+
+        needed += [g for g in tied_process_sets(tied, grid) if g not in needed]
     sets = backend.process_sets(needed)
     rank = backend.collectives.rank()
     j = grid.position(rank)[1]

@@ -8,11 +8,12 @@ stages, and how, is ``graph_stage_work`` (one packed message per edge, along the
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from dualframe.pipeline.graph import GraphSplit
 from dualframe.tensorflow.graph import KerasGraph, layers_called_first
 from dualframe.tensorflow.graph_split import split_model
+from dualframe.tensorflow.tied import layers_called
 
 
 def process_stages(captured: KerasGraph, *, split_points: Optional[Sequence[str]] = None,
@@ -26,11 +27,23 @@ def process_stages(captured: KerasGraph, *, split_points: Optional[Sequence[str]
     once with ``ModelParallel(..., stages=n, sample=...)`` and pass its ``split_points``.
     """
     split = split_model(captured, split_points=split_points, balance=balance, stages=stages, by="memory")
-    return split, [GraphStage(captured, split, j, layers_called_first(captured, split, j)) for j in range(split.stages)]
+    held: List[GraphStage] = []
+    earlier: Set[int] = set()  # variables an earlier stage holds (a nested model's layers' included)
+    for j in range(split.stages):
+        first = [layer for layer in layers_called_first(captured, split, j)
+                 if not (layer.weights and all(id(v) in earlier for v in layer.weights))]
+        again = [layer for layer in layers_called(captured, split, j) if all(layer is not f for f in first)]
+        earlier.update(id(v) for layer in first for v in layer.weights)
+        held.append(GraphStage(captured, split, j, first, again))
+    return split, held
 
 
 class GraphStage:
     """Stage j of a split graph: its nodes, and the layers whose variables it holds (the weights API of a layer).
+
+    ``tied`` are the layers it calls that an earlier stage calls first: it trains its copy of their
+    trainable variables too (``trainable_weights``), while ``weights``/``get_weights()`` list only the
+    layers it calls first, so that the stages' lists join into the model's.
 
     Example:
         >>> split, stages = process_stages(captured, split_points=["block2"])                 # doctest: +SKIP
@@ -38,9 +51,10 @@ class GraphStage:
         >>> [values[v] for v in split.sends[0]]                              # doctest: +SKIP
     """
 
-    def __init__(self, captured: KerasGraph, split: GraphSplit, j: int, layers: Sequence[Any]) -> None:
+    def __init__(self, captured: KerasGraph, split: GraphSplit, j: int, layers: Sequence[Any],
+                 tied: Sequence[Any] = ()) -> None:
         self.captured, self.nodes = captured, split.stage_range(j)
-        self.layers = list(layers)
+        self.layers, self.tied = list(layers), list(tied)
         self.built = True
 
     def run(self, values: Dict[str, Any], training: Any = None) -> None:
@@ -49,7 +63,11 @@ class GraphStage:
 
     @property
     def trainable_weights(self) -> List[Any]:
-        return [v for layer in self.layers for v in layer.trainable_weights]
+        """The trainable variables of the layers it calls first, then its copies of the tied layers' (each once)."""
+        own = {id(v): v for layer in self.layers for v in layer.trainable_weights}
+        for v in (v for layer in self.tied for v in layer.trainable_weights):
+            own.setdefault(id(v), v)
+        return list(own.values())
 
     @property
     def weights(self) -> List[Any]:

@@ -31,6 +31,8 @@ from dualframe.tensorflow.distributed_graph import process_stages
 from dualframe.tensorflow.graph_stage_work import GraphStageFunction, TFGraphStageWork
 from dualframe.tensorflow.pipeline_fit import KerasFit, keras_loss
 from dualframe.tensorflow.xla_choice import use_xla
+from dualframe.tensorflow.tied import TiedVariables, find_layer_tied
+from dualframe.pipeline.tied import TiedPlan, TiedWeight
 
 
 def _layers_of(layers: Any) -> List[Any]:
@@ -48,6 +50,22 @@ def _graph_of(layers: Any) -> Optional[KerasGraph]:
     if isinstance(layers, keras.Model) and not isinstance(layers, keras.Sequential):
         return capture(layers)
     return None
+
+
+def _tied_parts(all_layers: Sequence[Any], mine: Sequence[Any], weights: Sequence[Any]) -> List[Tuple[Any, List[Any]]]:
+    """Per layer this graph stage holds a copy of (``GraphStage.tied``), its values in the full model's list."""
+    offsets: Dict[int, Tuple[Any, int]] = {}
+    start = 0
+    for stage in all_layers:
+        for layer in getattr(stage, "layers", [stage]):
+            offsets[id(layer)] = (layer, start)
+            start += len(layer.weights)
+    parts = []
+    for stage in mine:
+        for layer in getattr(stage, "tied", []):
+            begin = offsets[id(layer)][1]
+            parts.append((layer, list(weights[begin:begin + len(layer.weights)])))
+    return parts
 
 
 class DistributedPipeline(KerasFit, StageView):
@@ -111,6 +129,7 @@ class DistributedPipeline(KerasFit, StageView):
         captured = _graph_of(layers)
         loss_fn = keras_loss(loss_fn)
         world = BACKEND.collectives.world_size()
+        tied: List[TiedWeight] = []
         self.captured = captured
         self.split: Optional[GraphSplit] = None
         if captured is None:
@@ -128,12 +147,13 @@ class DistributedPipeline(KerasFit, StageView):
             layout = layout_pipeline(n, [1] * n, chunks, schedule, loss_fn, devices, data_parallel, timeout, world)
             self.split, all_layers = process_stages(captured, split_points=split_points, balance=balance,
                                                     stages=stages)
+            tied = find_layer_tied(captured, self.split)  # variables several stages read: each holds a copy
             ranges = [range(k, k + 1) for k in range(len(all_layers))]
         self.chunks, self.schedule, self.grid = chunks, layout.schedule, layout.grid
         self.loss_fn, self.timeout = loss_fn, timeout
         # From here on, Horovod: every argument above is checked on every rank.
         # Names without step numbers: each is a traced tf.function (see pipeline_transport).
-        self.role = open_stage(BACKEND, layout, step_names=False, split=self.split, transport=transport)
+        self.role = open_stage(BACKEND, layout, step_names=False, split=self.split, transport=transport, tied=tied)
         self.device, self.direct = self.role.device, self.role.direct  # direct None: Horovod broadcasts
         j = self.role.index
         self.layer_indices = ranges[j]
@@ -141,6 +161,9 @@ class DistributedPipeline(KerasFit, StageView):
         self._all_layers = all_layers
         #: The model given (saved whole by ``fit``'s checkpoints), None for a list of layers.
         self.keras_model = layers if isinstance(layers, keras.Model) else None
+        self.tied = TiedVariables(TiedPlan.build(tied, layout.grid, BACKEND.collectives.rank()), self.trainable_variables,
+                                  self.role.sets, self.role.link.prefix, timeout)
+        self.tied.broadcast()
         # One trace per training flag and (relaxed) input shape, kept across steps (see pipeline_work,
         # graph_stage_work): each micro-batch's pass is one compiled call.
         jit_compile = use_xla(jit_compile, self.layers, self.device)
@@ -184,6 +207,9 @@ class DistributedPipeline(KerasFit, StageView):
         for layer in self.layers:
             layer.set_weights(list(weights[start:start + len(layer.weights)]))
             start += len(layer.weights)
+        if self.split is not None:  # this graph stage's copies of tied layers
+            for tied, values in _tied_parts(self._all_layers, self.layers, weights):
+                tied.set_weights(values)
 
     def gather_weights(self) -> List[np.ndarray]:
         """The full model's weights, merged from every stage of this pipeline (a collective: call it on all ranks)."""
@@ -257,7 +283,7 @@ class DistributedPipeline(KerasFit, StageView):
         if self.loss_fn is None:
             raise StrategyError("train_step needs a loss_fn; pass loss_fn= to DistributedPipeline")
         work, _ = self._run(self.actions, inputs, targets, train=True)
-        self.gradients = work.gradients
+        self.gradients = self.tied.sum_gradients(work.gradients)  # tied copies: summed over their holders
         self.peak_live = max(self.peak_live, work.peak_live)
         return self.role.mean_loss(work.loss_sum)
 

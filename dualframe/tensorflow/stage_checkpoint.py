@@ -172,7 +172,9 @@ def load_stage_checkpoint(directory: str, pipe: DistributedPipeline, optimizer: 
             or a part that does not fit this stage.
     """
     path = _check(directory, pipe, optimizer)
-    return load_stage(BACKEND, KerasStageCodec(pipe, optimizer), path, pipe, restore_rng)
+    state = load_stage(BACKEND, KerasStageCodec(pipe, optimizer), path, pipe, restore_rng)
+    pipe.tied.broadcast()  # a tied layer's variables are saved once, by its first stage: its copies follow
+    return state
 
 
 def merge_stage_checkpoints(stages: Union[str, Sequence[str]], output: str) -> str:

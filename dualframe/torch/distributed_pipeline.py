@@ -9,7 +9,7 @@ replicas of the whole pipeline, the ranks holding the same stage average its gra
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -21,6 +21,7 @@ from dualframe.pipeline.link import check_transport
 from dualframe.pipeline.stage import StageView, open_stage
 from dualframe.pipeline.walk import StepRecord
 from dualframe.pipeline.layout import StageLayout, layout_pipeline
+from dualframe.pipeline.tied import TiedPlan
 from dualframe.torch.backend import BACKEND
 from dualframe.torch.collectives import hvd
 from dualframe.torch.pipeline_work import ActivationMeter, TorchStageWork
@@ -29,6 +30,7 @@ from dualframe.torch.graph import Leaves
 from dualframe.torch.graph_stage_work import TorchGraphStageWork
 from dualframe.torch.model_parallel import is_graph_split
 from dualframe.torch.split_backward import SplitBackward
+from dualframe.torch.tied import TiedCopies, find_stage_tied, model_state_dict, stage_part, tensor_names
 
 
 def _layout(module: nn.Module, balance: Sequence[int], chunks: int, schedule: str, loss_fn: Any,
@@ -102,22 +104,30 @@ class DistributedPipeline(StageView, nn.Module):
             layout = _layout(module, balance or [], chunks, schedule, loss_fn, devices, data_parallel, timeout)
         self.chunks, self.schedule, self.grid = chunks, layout.schedule, layout.grid
         self.loss_fn, self.timeout = loss_fn, timeout
+        modules = [self._stage_module(module, layout, j) for j in range(layout.grid.stages)]
+        tied = find_stage_tied(module, modules)  # weights several stages read: each holds a copy
         # From here on, Horovod: every argument above is checked on every rank.
         split = self.graph.split if self.graph is not None else None
-        self.role = open_stage(BACKEND, layout, split=split, transport=transport)
+        self.role = open_stage(BACKEND, layout, split=split, transport=transport, tied=tied)
         self.device, self.direct = self.role.device, self.role.direct  # direct None: Horovod broadcasts
-        j = self.role.index
-        self._keys: Optional[List[Tuple[str, str]]] = None  # a graph stage's (stage key, model key) pairs
-        if self.graph is not None:
-            self.stage = self.graph.module(j).to(self.device)
-            self._keys = self.graph.model_keys(self.stage)
-        else:
-            items = list(module._modules.items())
-            stage = OrderedDict(items[r] for r in layout.ranges[j])
-            self.stage = nn.Sequential(stage).to(self.device)  # type: ignore[arg-type]
+        self.stage = modules[self.role.index].to(self.device)
+        # A graph stage's (stage key, model key) pairs: a tied weight under each of the model's names, the
+        # model's non-persistent buffers left out.
+        self._keys = self.graph.model_keys(self.stage) if self.graph is not None else None
+        self._names = tensor_names(module)
+        self.tied = TiedCopies(TiedPlan.build(tied, layout.grid, BACKEND.collectives.rank()), self.stage, module,
+                               self.role.sets, self.role.link.prefix)
+        self.tied.broadcast()
         self.meter = ActivationMeter(self.stage.parameters())
         # A zero-bubble schedule: backward as B (the input's gradient) then, later, W (the weights').
         self.split_backward = SplitBackward(self.stage) if splits_backward(self.actions) else None
+
+    def _stage_module(self, module: nn.Module, layout: StageLayout, j: int) -> nn.Module:
+        """Stage ``j``'s module, referencing the model's own parameters (every stage is built, to find tied ones)."""
+        if self.graph is not None:
+            return self.graph.module(j)
+        items = list(module._modules.items())
+        return nn.Sequential(OrderedDict(items[r] for r in layout.ranges[j]))  # type: ignore[arg-type,misc]
 
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[Tuple[str, nn.Parameter]]:
@@ -125,17 +135,19 @@ class DistributedPipeline(StageView, nn.Module):
         return self.stage.named_parameters(prefix, recurse, remove_duplicate)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:  # type: ignore[override]
-        """The local stage's tensors under the full model's keys: the stages' dicts merge into the model's."""
-        own = self.stage.state_dict(*args, **kwargs)
+        """The local stage's tensors under the full model's keys: the stages' dicts merge into the model's.
+
+        A tied weight appears under every name the model has for it, in each stage holding a copy.
+        """
         if self._keys is None:
-            return own
+            return model_state_dict(self.stage, self._names, *args, **kwargs)
+        own = self.stage.state_dict(*args, **kwargs)
         prefix = kwargs.get("prefix", args[1] if len(args) > 1 else "")
         return OrderedDict((prefix + key, own[prefix + held]) for held, key in self._keys)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """Load this stage's part of the full model's ``state_dict`` (other stages' keys are ignored)."""
-        own = set(self.stage.state_dict())
-        part = OrderedDict((key, value) for key, value in state_dict.items() if key in own)
+        part = stage_part(self.stage, self._names, state_dict)
         return self.stage.load_state_dict(part, strict=strict, assign=assign)
 
     def distributed_optimizer(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> torch.optim.Optimizer:
@@ -144,10 +156,18 @@ class DistributedPipeline(StageView, nn.Module):
         Returns ``dualframe.torch.DistributedOptimizer`` on this stage's process set, counting the
         ``chunks`` micro-batch backwards of a step as one (``backward_passes_per_step`` multiplies);
         with a single replica, the optimizer itself. Extra arguments (``compression``, ``op`` ...)
-        pass through.
+        pass through. A model with tied weights: their holders' gradients are summed in its ``step``,
+        after the replicas' average (``shard=`` is refused there).
+
+        Raises:
+            StrategyError: ``shard=`` with tied weights (on every rank alike).
         """
+        if self.tied.plan.tied and str(kwargs.get("shard") or "none").lower() != "none":
+            raise StrategyError(f"shard={kwargs['shard']!r} cannot keep the copies of this model's tied weights "
+                                f"({', '.join(w.key for w in self.tied.plan.tied)}) equal yet; leave shard out")
         if self.stage_process_set is None:
             return optimizer
+        self.tied.before_step(optimizer)  # after the replicas' average, before the update
         wrapper: Any
         try:
             from dualframe.torch.optimizer import DistributedOptimizer as wrapper
@@ -199,6 +219,8 @@ class DistributedPipeline(StageView, nn.Module):
         if self.loss_fn is None:
             raise StrategyError("train_step needs a loss_fn; pass loss_fn= to DistributedPipeline")
         work, _ = self._run(self.actions, inputs, targets, train=True, keywords=keywords)
+        if self.stage_process_set is None:  # with replicas: in distributed_optimizer's step, after their average
+            self.tied.sum_gradients()
         return self.role.mean_loss(work.loss_sum)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]

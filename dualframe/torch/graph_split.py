@@ -14,9 +14,11 @@ from torch.utils import _pytree as pytree
 
 from dualframe.errors import DeviceError, SplitPointError, StrategyError, TraceError
 from dualframe.pipeline.graph import GraphSplit, cut_graph, graph_units
+from dualframe.pipeline.tied import tied_description
 from dualframe.torch.graph import Captured, Leaves, capture, capture_other_mode, stage_module
 from dualframe.torch.graph_cost import BY, Shapes, _attr, measure
 from dualframe.torch.graph_run import GraphStepRun, tensor_leaves
+from dualframe.torch.tied import find_stage_tied
 
 
 
@@ -69,6 +71,7 @@ class GraphStages:
             raise DeviceError(f"one device per stage (stages: {self.split.stages}, devices: {list(devices)})")
         self.modules = self._place(self.captured, self.split)
         self.params = [list(stage.parameters()) for stage in self.modules]
+        self.tied = find_stage_tied(module, self.modules)  # one parameter object: autograd sums its stages' shares
         self.mode = module.training
         self._modes = {self.mode: ModeStages(self.captured, self.split, self.modules, self.params)}
         self._other = (module, leaves, sample)  # the other mode is captured when first run (one capture to build)
@@ -114,7 +117,8 @@ class GraphStages:
                 if self.devices[first[0]] != self.devices[j]:
                     raise DeviceError(
                         f"{name!r} is used by stage {first[0]} ({self.devices[first[0]]}) and stage {j} "
-                        f"({self.devices[j]}); put both stages on one device or cut so that one stage uses it")
+                        f"({self.devices[j]}); put both stages on one device or cut so that one stage uses it "
+                        "(DistributedPipeline gives each process stage a copy and sums their gradients)")
 
     def run(self, plan: Any, parts: Sequence[Dict[str, Any]], training: bool, **walk: Any) -> GraphStepRun:
         """A step over ``parts`` (micro-batches of the inputs); value shapes are noted from micro-batch 0."""
@@ -153,7 +157,7 @@ class GraphStages:
                 to = ", ".join("output" if c == split.stages else f"stage {c}" for c in readers)
                 source = "input" if split.producer[name] < 0 else f"stage {split.producer[name]}"
                 lines.append(f"    {name}: {_shape_text(self.shapes.get(name))} ({source} -> {to})")
-        return "\n".join(lines)
+        return "\n".join(lines + tied_description(self.tied))
 
 
 def _shape_text(shapes: Optional[List[Tuple[Tuple[int, ...], torch.dtype]]]) -> str:

@@ -138,16 +138,18 @@ def merge_stage_checkpoints(stages: Union[str, Sequence[str]], output: str) -> s
         output: the merged file's path (written atomically).
 
     Raises:
-        CheckpointError: no common step, or two stages holding the same key.
+        CheckpointError: no common step, or two stages holding the same key with different values (a tied
+            weight's copies are equal and merge into one entry per name).
     """
     output = check_directory(output)
     step, blobs = read_common(stages, SUFFIX)
     parts: List[Dict[str, Any]] = [from_bytes(blob) for blob in blobs]
     model: Dict[str, Any] = {}
     for j, part in enumerate(parts):
-        overlap = sorted(set(model) & set(part["model"]))
+        # A tied weight: each holding stage has a copy, equal after every step; any other repeat is an error.
+        overlap = sorted(key for key in set(model) & set(part["model"]) if not torch.equal(model[key], part["model"][key]))
         if overlap:
-            raise CheckpointError(f"stage {j} repeats keys another stage holds (keys: {overlap[:5]})")
+            raise CheckpointError(f"stage {j} repeats keys another stage holds, with other values (keys: {overlap[:5]})")
         model.update(part["model"])
     merged = {key: value for key, value in parts[0].items() if key not in ("stage", "stages")}
     merged.update(model=model, optimizer=None, rng=[], step=step)

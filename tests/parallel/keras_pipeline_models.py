@@ -101,3 +101,39 @@ def assert_weights(got, want, what="merged vs one process", atol=1e-5):
     assert len(got) == len(want), f"rank {hvd.rank()}: {what}: {len(got)} weights, want {len(want)}"
     for i, (a, b) in enumerate(zip(got, want)):
         np.testing.assert_allclose(a, b, atol=atol, rtol=0, err_msg=f"rank {hvd.rank()}: {what}, weight {i}")
+
+
+def shared_ends(seed=3):
+    """x -> Dense "shared" -> tanh -> Dense "mid" (tanh) -> the same "shared" again (float64): cut at "mid",
+    the first and the last stage both read its kernel and bias (a tied weight)."""
+    init = keras.initializers.GlorotUniform
+    x = keras.Input((6,), name="x", dtype="float64")
+    shared = keras.layers.Dense(6, name="shared", kernel_initializer=init(seed), bias_initializer="ones",
+                                dtype="float64")
+    h = keras.layers.Activation("tanh", dtype="float64")(shared(x))
+    h = keras.layers.Dense(6, activation="tanh", name="mid", kernel_initializer=init(seed + 1), dtype="float64")(h)
+    return keras.Model(x, shared(h))
+
+
+def tied_gpt2(seed=0):
+    """keras_hub's GPT2CausalLM, tiny, float64, no dropout: its head is the token embedding called in reverse
+    (``ReversibleEmbedding``), inside the backbone on stage 0 and as the head on stage 1 when cut at "token_embedding"."""
+    keras_hub = pytest.importorskip("keras_hub")
+    keras.utils.set_random_seed(seed)
+    backbone = keras_hub.models.GPT2Backbone(vocabulary_size=VOCAB, num_layers=2, num_heads=2, hidden_dim=8,
+                                             intermediate_dim=16, max_sequence_length=16, dropout=0.0, dtype="float64")
+    return keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+
+
+def token_batches(steps, rows, seed=5):
+    """({token_ids, padding_mask}, next token ids) pairs of ``rows`` rows of ``T`` tokens."""
+    rng = np.random.default_rng(seed)
+    return [({"token_ids": rng.integers(0, VOCAB, (rows, T)).astype("int32"),
+              "padding_mask": np.ones((rows, T), dtype=bool)}, rng.integers(0, VOCAB, (rows, T)).astype("int32"))
+            for _ in range(steps)]
+
+
+def float64_batches(steps, rows, seed=6):
+    """(x, y) pairs of ``rows`` rows of 6 float64 features."""
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal((rows, 6)), rng.standard_normal((rows, 6))) for _ in range(steps)]

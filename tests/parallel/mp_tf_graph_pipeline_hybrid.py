@@ -2,7 +2,8 @@
 
 The twin of mp_torch_graph_pipeline_hybrid.py. Each replica's stage 0 sends its stage 1 the hidden states
 and the bool attention mask in one exact byte message per micro-batch; gradients are averaged among the
-replicas of each stage.
+replicas of each stage. A layer called by both stages (tied) has a copy on each: its gradient is summed
+over the holders, then averaged over the replicas.
 """
 # np: 4
 # timeout: 400
@@ -13,8 +14,8 @@ import dualframe.tensorflow as hvd
 from dualframe.pipeline.layout import pipeline_process_sets
 from dualframe.tensorflow.distributed_pipeline import DistributedPipeline
 # tests/parallel is on sys.path (pytest rootdir import)
-from keras_pipeline_models import (assert_weights, encoder_batches, make_encoder, one_process, replica_feed,
-                                   train_pipeline)
+from keras_pipeline_models import (assert_weights, encoder_batches, float64_batches, make_encoder, one_process,
+                                   replica_feed, shared_ends, train_pipeline)
 
 STEPS, GLOBAL_BATCH = 3, 16
 ENCODER = {"outputs": 2, "token_dtype": "int64"}  # mp_tf_dpipe_graph.py's encoder: 3 outputs, int32 tokens
@@ -35,3 +36,14 @@ def test_hybrid_graph_equals_one_process_on_the_global_batch(schedule):
     optimizer = pipe.distributed_optimizer(keras.optimizers.SGD(0.2))
     train_pipeline(pipe, optimizer, data, expected_losses, feed=replica_feed)  # each replica its half of the batch
     assert_weights(pipe.gather_weights(), expected_weights)  # every replica's pipeline holds the one-process weights
+
+
+def test_hybrid_with_a_layer_both_stages_call_equals_one_process_on_the_global_batch():
+    data = float64_batches(STEPS, GLOBAL_BATCH)
+    loss = keras.losses.MeanSquaredError(dtype="float64")
+    expected_losses, expected_weights = one_process(shared_ends(), data, keras.optimizers.SGD(0.5), loss)
+    pipe = DistributedPipeline(shared_ends(), split_points=["mid"], chunks=2, loss_fn=loss, data_parallel=2)
+    assert [w.stages for w in pipe.tied.plan.tied] == [(0, 1), (0, 1)]
+    optimizer = pipe.distributed_optimizer(keras.optimizers.SGD(0.5))
+    train_pipeline(pipe, optimizer, data, expected_losses, feed=replica_feed)
+    assert_weights(pipe.gather_weights(), expected_weights, atol=1e-9)

@@ -1,7 +1,8 @@
 """Hybrid of a graph on 4 processes: 2 replicas x 2 stages of a masked encoder, against one process on the global batch.
 
 Each replica's stage 0 sends its stage 1 both the hidden states and the padding mask (one message per
-micro-batch); gradients are averaged among the replicas of each stage.
+micro-batch); gradients are averaged among the replicas of each stage. With the head reading the
+embedding's weight too (tied), both stages hold a copy: averaged over replicas, then summed over holders.
 """
 # np: 4
 # timeout: 400
@@ -44,16 +45,24 @@ class Encoder(nn.Module):
         return self.head((h * keep).sum(1) / keep.sum(1))
 
 
+class TiedEncoder(Encoder):
+    """The output scaled by a row of the embedding's weight: stage 1 reads the weight stage 0 embeds with."""
+
+    def forward(self, tokens, pad):
+        return super().forward(tokens, pad) * self.embed.weight[0, :2]
+
+
 @pytest.fixture(scope="module", autouse=True)
 def started():
     hvd.init(process_sets=pipeline_process_sets(4, 2))  # 2 stages: every edge is a neighbour pair
     assert hvd.size() == 4
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
-def test_hybrid_graph_equals_one_process_on_the_global_batch(schedule):
+@pytest.mark.parametrize("schedule, model_class", [("gpipe", Encoder), ("1f1b", Encoder), ("zb-h1", Encoder),
+                                                  ("gpipe", TiedEncoder), ("zb-h1", TiedEncoder)])
+def test_hybrid_graph_equals_one_process_on_the_global_batch(schedule, model_class):
     torch.manual_seed(3)
-    model = Encoder()
+    model = model_class()
     g = torch.Generator().manual_seed(5)
     data = []
     for _ in range(STEPS):
@@ -65,6 +74,7 @@ def test_hybrid_graph_equals_one_process_on_the_global_batch(schedule):
     ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.2)
     pipe = DistributedPipeline(copy.deepcopy(model), chunks=4, schedule=schedule, loss_fn=nn.MSELoss(),
                                data_parallel=2, split_points=["blocks.2"])
+    assert [w.stages for w in pipe.tied.plan.tied] == ([(0, 1)] if model_class is TiedEncoder else [])
     edges = pipe.role.edges
     assert (edges.sources, edges.targets) == {0: ((), (1,)), 1: ((0,), ())}[pipe.stage_index]
     optimizer = pipe.distributed_optimizer(torch.optim.SGD(pipe.parameters(), lr=0.2))

@@ -63,3 +63,60 @@ def pipeline_reference(model, data):
         optimizer.step()
         losses.append(loss.item())
     return losses, model.state_dict()
+
+
+# -- tied weights (mp_torch_tied.py, tests/torch/test_tied_torch.py) -------------------------------------
+TIED_VOCAB = 40
+
+
+class SharedEnds(nn.Module):
+    """Its first and last layers are one weight (6 x 6), read by the first and the last stage."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.mid, self.last = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 6)
+        self.last.weight = self.first.weight
+
+    def forward(self, x):
+        return self.last(torch.tanh(self.mid(torch.tanh(self.first(x)))))
+
+
+def shared_ends(sequential=False):
+    """``SharedEnds`` in float64 (seed 3), or its layers as an ``nn.Sequential`` (first ... last)."""
+    torch.manual_seed(3)
+    model = SharedEnds().double()
+    if sequential:
+        return nn.Sequential(model.first, nn.Tanh(), model.mid, nn.Tanh(), model.last)
+    return model
+
+
+def tied_gpt2(layers=2):
+    """A tiny GPT-2 (transformers) in float64 with its head tied to the token embedding, dropout off."""
+    import pytest
+
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=TIED_VOCAB, n_positions=16, n_embd=8, n_layer=layers, n_head=2,
+                                     use_cache=False, bos_token_id=0, eos_token_id=0,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).double()
+    assert model.lm_head.weight is model.transformer.wte.weight
+    return model
+
+
+def lm_loss(output, target):
+    """Next-token cross entropy of a causal LM's output (a ModelOutput or its dict) against token ids."""
+    logits = output["logits"] if isinstance(output, dict) else output.logits
+    return nn.functional.cross_entropy(logits.reshape(-1, TIED_VOCAB), target.reshape(-1))
+
+
+def token_batches(steps=2, rows=4, length=6):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, TIED_VOCAB, (rows, length), generator=g),
+             torch.randint(0, TIED_VOCAB, (rows, length), generator=g)) for _ in range(steps)]
+
+
+def float_batches(steps=2, rows=4):
+    g = torch.Generator().manual_seed(2)
+    return [(torch.randn(rows, 6, generator=g, dtype=torch.float64),
+             torch.randn(rows, 6, generator=g, dtype=torch.float64)) for _ in range(steps)]
