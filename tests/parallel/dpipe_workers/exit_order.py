@@ -19,3 +19,10 @@ def train_then_leave(train, layers, rank):
     else:
         time.sleep(1.0)
         print(f"rank {rank}: leaving after the other rank", flush=True)
+
+
+def check_losses(losses, expected, tolerance, rank, balance):
+    """Each step's pipeline loss within ``tolerance`` of one process's; say so on this rank."""
+    for step, (got, want) in enumerate(zip(losses, expected)):
+        assert abs(got - want) < tolerance, f"rank {rank} balance {balance} step {step}: loss {got}, one process {want}"
+    print(f"rank {rank}: balance {balance}: {len(losses)} losses equal one process", flush=True)

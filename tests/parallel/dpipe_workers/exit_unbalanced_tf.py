@@ -10,7 +10,7 @@ import numpy as np
 import tensorflow as tf
 
 import dualframe.tensorflow as hvd
-from exit_order import train_then_leave
+from exit_order import check_losses, train_then_leave
 
 hvd.init()
 LAYERS, WIDTH, ROWS, STEPS = 12, 512, 256, 3  # the heavy stage computes ~0.1 s a step on one thread
@@ -44,9 +44,7 @@ def train(balance, expected):
     for _ in range(STEPS):
         losses.append(pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None))
         pipe.apply_gradients(optimizer)
-    for step, (got, want) in enumerate(zip(losses, expected)):
-        assert abs(got - want) < 1e-4, f"rank {hvd.rank()} balance {balance} step {step}: loss {got}, one process {want}"
-    print(f"rank {hvd.rank()}: balance {balance}: {STEPS} losses equal one process", flush=True)
+    check_losses(losses, expected, 1e-4, hvd.rank(), balance)
     return pipe
 
 
