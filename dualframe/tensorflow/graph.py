@@ -19,6 +19,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from dualframe.pipeline.units import block_units as units_of
 from dualframe.errors import TraceError
 from dualframe.pipeline.graph import Graph, GraphNode
 
@@ -234,13 +235,7 @@ def block_units(operations: Sequence[Any]) -> List[str]:
         between = range(found[0], found[-1] + 1)
         if len(found) >= 2 and all(k in found or not getattr(operations[k], "weights", ()) for k in between):
             blocks.update(found)
-    if not blocks:
-        return [op.name for op in operations]
-    current, units = operations[min(blocks)].name, []
-    for k, op in enumerate(operations):
-        current = op.name if k in blocks else current
-        units.append(current)
-    return units
+    return units_of([op.name for op in operations], [k in blocks for k in range(len(operations))])
 
 
 def _holds_layers(op: Any) -> bool:
