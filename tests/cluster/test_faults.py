@@ -47,6 +47,11 @@ EXPECTED = {
 }
 
 
+#: The survivor's lines (rank 0, on dfn1), and what its last one must say.
+SURVIVOR = re.compile(r"dualframe: rank 0/2 \(pid \d+ on dfn1\) (.*)")
+LOST = re.compile(r"lost rank 1 \(host dfn2, pid \d+\)")
+
+
 @pytest.fixture(scope="module", autouse=True)
 def cluster():
     require()
@@ -143,3 +148,6 @@ def test_a_lost_node_ends_the_job(launcher, fault):
     assert re.search(EXPECTED[launcher, fault], output), (
         f"{launcher} {fault}: nothing names the lost node or rank ({EXPECTED[launcher, fault]!r}; "
         f"ended {elapsed:.1f} s after the fault, exit {process.returncode}):\n{output[-6000:]}")
+    said = SURVIVOR.findall(output)
+    assert said and LOST.search(said[-1]), (
+        f"{launcher} {fault}: the survivor's last line does not name rank 1 on dfn2 ({said[-1:]}):\n{output[-6000:]}")
