@@ -33,7 +33,7 @@ import time
 
 import pytest
 
-from _cluster import HOROVODRUN, ROOT, require, wait_slurm_idle, worker_env
+from _cluster import HOROVODRUN, ROOT, require, survivor_names_the_lost_rank, wait_slurm_idle, worker_env
 from dualframe.launch.commands import horovodrun_command
 
 WORKER = ROOT / "tests" / "cluster" / "fault_worker.py"
@@ -54,11 +54,6 @@ EXPECTED = {
     ("srun", "cut"): r"srun: error: Node failure on dfn2",
     ("srun", "kill"): r"srun: error: dfn2: task 1: Killed",
 }
-
-
-#: The survivor's lines (rank 0, on dfn1), and what its last one must say.
-SURVIVOR = re.compile(r"dualframe: rank 0/2 \(pid \d+ on dfn1\) (.*)")
-LOST = re.compile(r"lost rank 1 \(host dfn2, pid \d+\)")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -159,6 +154,5 @@ def test_a_lost_node_ends_the_job(launcher, fault):
     assert re.search(EXPECTED[launcher, fault], output), (
         f"{launcher} {fault}: nothing names the lost node or rank ({EXPECTED[launcher, fault]!r}; "
         f"ended {elapsed:.1f} s after the fault, exit {process.returncode}):\n{output[-6000:]}")
-    said = SURVIVOR.findall(output)
-    assert said and LOST.search(said[-1]), (
-        f"{launcher} {fault}: the survivor's last line does not name rank 1 on dfn2 ({said[-1:]}):\n{output[-6000:]}")
+    named, line = survivor_names_the_lost_rank(output)
+    assert named, f"{launcher} {fault}: the survivor's last line does not name rank 1 on dfn2 ({line}):\n{output[-6000:]}"
