@@ -150,9 +150,12 @@ def _fallback(beat: Optional[Heartbeat]) -> str:
     if beat is not None and beat.ended():
         return "; ".join(f"{peers.peers[r].label()}: {how}" for r, how in beat.ended()) if peers else ""
     if peers is not None and peers.size == 2:
-        return f"lost {peers.describe(peers.others())} (the only other rank)"
+        other = peers.others()[0]
+        heard = beat.heard.get(other) if beat is not None else None
+        last = f"; its last heartbeat {time.monotonic() - heard:.1f} s ago" if heard is not None else ""
+        return f"lost {peers.describe([other])} (the only other rank{last})"
     if peers is not None and beat is not None:
-        return f"no rank is known lost (every other rank's heartbeat answered within {EVIDENCE_S:g} s)"
+        return f"no rank is known lost yet (every other rank's heartbeat answered within {EVIDENCE_S:g} s)"
     return "(its own 'dualframe: rank ... failed' line names the rank that failed)"
 
 

@@ -152,3 +152,13 @@ def test_the_timeout_variable_is_checked():
     for bad in ("-1", "soon", "nan"):
         with pytest.raises(StrategyError, match=r"DUALFRAME_PEER_TIMEOUT must be a number of seconds >= 0"):
             peer_timeout({"DUALFRAME_PEER_TIMEOUT": bad})
+
+
+def test_a_two_rank_job_names_the_other_rank_with_its_last_heartbeat_when_nothing_else_is_known(monkeypatch):
+    monkeypatch.setattr(lost_rank, "WAIT_S", 0.3)
+    sockets = [heartbeat_socket(), heartbeat_socket()]
+    peers = [Peer(r, f"node{r}", (), 100 + r, s.getsockname()[1], "127.0.0.1") for r, s in enumerate(sockets)]
+    beat = Heartbeat(PeerTable(peers, 0), Seal(SECRET, 0), sockets[0])  # not started: rank 1 stays "just heard"
+    monkeypatch.setattr(lost_rank, "_state", {"table": beat.table, "heartbeat": beat})
+    said = lost_rank.who_was_lost("Horovod has been shut down.")
+    assert said.startswith("lost rank 1 (host node1, pid 101) (the only other rank; its last heartbeat 0.")
