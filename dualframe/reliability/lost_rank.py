@@ -50,8 +50,9 @@ def watch_sigterm() -> bool:
         return False
     read, write = os.pipe()
     os.set_blocking(write, False)
-    if signal.set_wakeup_fd(write, warn_on_full_buffer=False) != -1:
-        signal.set_wakeup_fd(-1)  # someone else's: leave SIGTERM alone
+    previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    if previous != -1:
+        signal.set_wakeup_fd(previous)  # someone else's (asyncio's): give it back, leave SIGTERM alone
         os.close(read)
         os.close(write)
         return False

@@ -4,7 +4,12 @@ Each "rank" is a Heartbeat with its own socket; a rank is lost by stopping its t
 cut link), by closing its socket (the port refuses, as a killed process) or by its ``bye``.
 """
 import contextlib
+import os
+import pathlib
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -162,3 +167,47 @@ def test_a_two_rank_job_names_the_other_rank_with_its_last_heartbeat_when_nothin
     monkeypatch.setattr(lost_rank, "_state", {"table": beat.table, "heartbeat": beat})
     said = lost_rank.who_was_lost("Horovod has been shut down.")
     assert said.startswith("lost rank 1 (host node1, pid 101) (the only other rank; its last heartbeat 0.")
+
+
+SIGTERMED = """
+import os, socket, sys, time
+from dualframe.reliability import lost_rank
+from dualframe.reliability.heartbeat import Heartbeat, Seal
+from dualframe.reliability.peers import Peer, PeerTable
+sockets = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(2)]
+for sock in sockets:
+    sock.bind(("127.0.0.1", 0))
+peers = [Peer(r, f"node{r}", (), 100 + r, s.getsockname()[1], "127.0.0.1") for r, s in enumerate(sockets)]
+beat = Heartbeat(PeerTable(peers, 0), Seal(bytes(32), 0), sockets[0])
+sockets[1].close()                                    # rank 1 was killed: its port refuses
+lost_rank._state.update(table=beat.table, heartbeat=beat, write=lambda line: print("said:", line, flush=True))
+print("watching:", lost_rank.watch_sigterm(), flush=True)
+time.sleep(60)
+"""
+
+
+def test_sigterm_names_the_lost_rank_and_exits_143(tmp_path):
+    script = tmp_path / "sigtermed.py"
+    script.write_text(SIGTERMED)
+    root = pathlib.Path(__file__).resolve().parents[3]
+    child = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": str(root)})
+    assert child.stdout.readline().strip() == "watching: True"
+    child.send_signal(signal.SIGTERM)
+    out, _ = child.communicate(timeout=30)
+    assert child.returncode == 143, out
+    assert out.strip() == ("said: ended by SIGTERM (the launcher or the scheduler ends the job); lost rank 1 "
+                           "(host node1, pid 101): its process ended (its heartbeat port refuses)")
+
+
+def test_sigterm_is_left_alone_where_someone_else_handles_it():
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    previous = signal.set_wakeup_fd(write)
+    try:
+        assert lost_rank.watch_sigterm() is False              # asyncio's wakeup fd: kept
+        assert signal.set_wakeup_fd(write) == write and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        signal.set_wakeup_fd(previous)
+        os.close(read)
+        os.close(write)
