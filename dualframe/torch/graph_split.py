@@ -19,6 +19,7 @@ from dualframe.pipeline.tied import TiedWeight, tied_description
 from dualframe.torch.graph import Captured, Leaves, capture, capture_other_mode, stage_module
 from dualframe.torch.graph_cost import BY, Shapes, _attr, measure
 from dualframe.torch.graph_run import GraphStepRun, tensor_leaves
+from dualframe.torch.model_loss import loss_value
 from dualframe.torch import tied_devices
 from dualframe.torch.tied import find_stage_tied, tensor_names
 from dualframe.torch.tied_devices import DeviceCopies
@@ -32,6 +33,7 @@ class ModeStages(NamedTuple):
     split: GraphSplit
     modules: List[Any]
     params: List[List[nn.Parameter]]
+    loss: Optional[str]  # the output value that is the model's own loss (``model_loss``), if any
 
 
 class GraphStages:
@@ -76,7 +78,8 @@ class GraphStages:
         self.modules, self.tied = self._place(self.captured, self.split)
         self.params = [list(stage.parameters()) for stage in self.modules]
         self.mode = module.training
-        self._modes = {self.mode: ModeStages(self.captured, self.split, self.modules, self.params)}
+        self._modes = {self.mode: ModeStages(self.captured, self.split, self.modules, self.params,
+                                             loss_value(self.captured))}
         self._other = (module, leaves, sample)  # the other mode is captured when first run (one capture to build)
 
     def _other_mode(self, other: Captured) -> ModeStages:
@@ -89,7 +92,7 @@ class GraphStages:
                              "split it in the mode you run it, or keep mode-dependent code in leaf modules "
                              "(nn.Dropout, not F.dropout(training=self.training))") from None
         modules, _ = self._place(other, split)
-        return ModeStages(other, split, modules, [list(stage.parameters()) for stage in modules])
+        return ModeStages(other, split, modules, [list(stage.parameters()) for stage in modules], loss_value(other))
 
     def _place(self, captured: Captured, split: GraphSplit) -> Tuple[List[Any], List[TiedWeight]]:
         """Stage modules on their devices (a tensor read on several devices copied to the later ones), and the
@@ -122,7 +125,7 @@ class GraphStages:
         if view.split is self.split:  # describe() shows the capture mode's cut
             self.shapes, self.shapes_from = shapes, "micro-batch 0 of the last step"
         return GraphStepRun(view.modules, self.devices, plan, view.split, parts, view.params, shapes=shapes,
-                            masters=self.copies.masters, **walk)
+                            masters=self.copies.masters, loss=view.loss, **walk)
 
     def unit_balance(self) -> Optional[List[int]]:
         """Top-level units per stage, or None when a cut falls inside a unit."""
