@@ -232,7 +232,8 @@ class DistributedPipeline(StageView, nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
         """Inference through the pipeline (no gradients): the output on the last stage, None elsewhere.
 
-        Takes what the model takes (positional and keyword inputs), or one tuple or dict as ``train_step``.
+        Takes what the model takes (positional and keyword inputs), or one tuple or dict as ``train_step``;
+        a loss the model computes itself (labels among the inputs) is the micro-batches' weighted by rows.
         """
         forwards = [Action("F", i) for i in range(self.chunks)]
         inputs = args[0] if len(args) == 1 else (args if args else None)

@@ -95,7 +95,9 @@ class ModelParallel(Recording, nn.Module):
     device of every later stage that reads it; the outputs stay on the devices that made them.
     ``state_dict()`` keeps the original model's keys, ``parameters()`` its order. A parameter that stages
     on different devices read (a tied head) is copied to the later devices, the copies' gradients summed
-    into it and their values renewed from it before each forward (``dualframe.torch.tied_devices``).
+    into it and their values renewed from it before each forward (``dualframe.torch.tied_devices``). A model
+    that computes its own loss (a Hugging Face model given ``labels=``) returns it as with the unsplit
+    model, over ``chunks`` micro-batches their losses weighted by rows (``dualframe.torch.model_loss``).
 
     Example:
         >>> import dualframe.torch as hvd
