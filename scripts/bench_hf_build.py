@@ -4,11 +4,11 @@
         .venv/bin/python scripts/bench_hf_build.py
 
 A 4-block GPT-2 (hidden 64, 4 heads, vocabulary 256) from a config, ``stages=2`` (cut at ``transformer.h.2``:
-the blocks counted, by parameter bytes), GPipe with 4 micro-batches of 8 x 32 tokens each (batch 32). Each rank times its imports, the pipeline's build (from
-the built model to a pipeline ready to step), the first training step and the median of the next
-``--steps`` steps, and splits the build into its parts by timing the functions that make it (the torch.fx
-attempt, torch.export, the gradient check, the cut, the stage modules, opening the stage's links); rank 0
-prints every rank's line. The build is measured ``--builds`` times in turn (a fresh model copy each time;
+the blocks counted, by parameter bytes), GPipe with 4 micro-batches of 8 x 32 tokens each (batch 32). Each
+rank times its imports, the pipeline's build (from the built model to a pipeline ready to step), the first
+training step and the median of the next ``--steps`` steps, and splits the build into its parts by timing
+the functions that make it (the torch.fx attempt, torch.export, the gradient check, the cut, the stage
+modules, opening the stage's links); rank 0 prints every rank's line. The build is measured ``--builds`` times in turn (a fresh model copy each time;
 the first build also pays torch.export's one-time warm-up in the process), each followed by its first step.
 Last, ``--rounds`` interleaved rounds (A B C A B C, medians) of dualframe's capture alone and of torch.export
 on the same call with the batch dimension left free (as the capture does: micro-batches differ in rows)
@@ -79,7 +79,8 @@ class Timers:
 
 def gpt2() -> torch.nn.Module:
     config = transformers.GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=4, n_head=4, use_cache=False,
-                                     bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=False)
+                                     bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                     tie_word_embeddings=False)
     torch.manual_seed(0)
     return transformers.GPT2LMHeadModel(config)
 
@@ -87,7 +88,8 @@ def gpt2() -> torch.nn.Module:
 def batch(rows: int, length: int) -> Tuple[Dict[str, torch.Tensor], torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 256, (rows, length), generator=g)
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, torch.randint(0, 256, (rows, length), generator=g)
+    target = torch.randint(0, 256, (rows, length), generator=g)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, target
 
 
 def loss_fn(output, target: torch.Tensor) -> torch.Tensor:

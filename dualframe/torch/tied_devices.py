@@ -148,4 +148,5 @@ def substitute(module: nn.Module, replace: Mapping[int, torch.Tensor]) -> None:
 
 
 def _tensors(module: nn.Module) -> List[torch.Tensor]:
-    return [t for _, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]]
+    named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+    return [tensor for _, tensor in named]

@@ -87,6 +87,9 @@ def test_stages_2_cuts_in_the_middle_of_the_decoder_and_loads_the_models_state_d
         torch.testing.assert_close(out.logits, ref.logits, atol=1e-9, rtol=0)
     else:
         assert out is None
+    pipe.loss_fn = None  # the model's own loss: its sample had no labels, so its output holds none
+    with pytest.raises(StrategyError, match=r"the model's output \(captured on the sample\) holds no loss of its own"):
+        pipe.train_step(inputs if pipe.is_first else None)
 
 
 def test_labels_among_the_inputs_train_on_the_models_own_loss():
