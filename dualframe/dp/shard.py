@@ -1,11 +1,13 @@
-"""Sharded data parallelism (ZeRO-1/2) as data: which slice of the flat parameters each rank owns, for both adapters.
+"""Sharded data parallelism (ZeRO-1/2/3) as data: which slice of the flat parameters each rank owns, for both adapters.
 
 A rank in plain data parallelism holds every parameter's gradient and optimizer state. With
 ``shard="optimizer"`` (ZeRO stage 1) the parameters, flattened and concatenated bucket by bucket,
 are cut into one equal slice per rank: gradients are reduce-scattered so a rank receives the reduced
 gradient of its slice only, it updates that slice with an optimizer whose state covers the slice,
 and the updated slices are allgathered back into every parameter. ``shard="gradients"`` (ZeRO
-stage 2) also drops the full gradient as soon as its bucket is reduce-scattered.
+stage 2) also drops the full gradient as soon as its bucket is reduce-scattered. ``shard="parameters"``
+(ZeRO stage 3) also keeps only the rank's slice of the parameters themselves: the adapter allgathers the
+full values for the step and lets them go after it.
 
 The core decides the cut (this module); the adapters move the bytes (Horovod's reducescatter and
 allgather) and run the optimizer. Slices are contiguous ranges of a bucket's flat buffer, so an
@@ -21,7 +23,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from dualframe.errors import StrategyError
 
 #: The values of ``DistributedOptimizer(shard=...)`` besides None.
-SHARD_MODES = ("optimizer", "gradients")
+SHARD_MODES = ("optimizer", "gradients", "parameters")
 #: The reduction ops a reduce-scatter can carry.
 SHARD_OPS = ("average", "sum")
 #: The adapters' largest bucket, in elements (16 MiB of float32): small enough that the first
@@ -30,10 +32,10 @@ BUCKET_ELEMENTS = 1 << 22
 
 
 def check_shard(shard: object, op: str = "average") -> Optional[str]:
-    """The shard mode meant by ``shard`` (None, ``"optimizer"`` or ``"gradients"``), checked against ``op``.
+    """The shard mode meant by ``shard`` (None, ``"optimizer"``, ``"gradients"``, ``"parameters"``), checked against ``op``.
 
     Args:
-        shard: None (or ``"none"``), ``"optimizer"`` or ``"gradients"``.
+        shard: None (or ``"none"``), ``"optimizer"``, ``"gradients"`` or ``"parameters"``.
         op: the core's name of the reduction op (``"average"`` ...).
 
     Raises:
@@ -45,12 +47,13 @@ def check_shard(shard: object, op: str = "average") -> Optional[str]:
         >>> check_shard("weights")
         Traceback (most recent call last):
         ...
-        dualframe.errors.StrategyError: unknown shard 'weights'; use None, 'optimizer' (ZeRO-1) or 'gradients' (ZeRO-2)
+        dualframe.errors.StrategyError: unknown shard 'weights'; use None, 'optimizer' (ZeRO-1), 'gradients' (ZeRO-2) or 'parameters' (ZeRO-3)
     """
     if shard is None or (isinstance(shard, str) and shard.lower() == "none"):
         return None
     if not isinstance(shard, str) or shard.lower() not in SHARD_MODES:
-        raise StrategyError(f"unknown shard {shard!r}; use None, 'optimizer' (ZeRO-1) or 'gradients' (ZeRO-2)")
+        raise StrategyError(f"unknown shard {shard!r}; use None, 'optimizer' (ZeRO-1), 'gradients' (ZeRO-2) "
+                           f"or 'parameters' (ZeRO-3)")
     if op not in SHARD_OPS:
         why = (" Adasum combines whole gradients pairwise, so it cannot be split by rank."
                if op == "adasum" else "")

@@ -75,18 +75,28 @@ class ShardedState:
         self.slices: List[Any] = []
         self.buffers: List[Any] = []
         self.counter: Any = None
+        #: ZeRO-3: the model's full values until ``build`` cuts them (then []); None: read the model's variables.
+        self.values: Optional[List[Any]] = None
+        #: ZeRO-3: the model whose values the slices hold, and the values of its non-trainable variables
+        #: (replicated, as in plain data parallelism: batch-norm statistics, counters).
+        self.model: Any = None
+        self.replicated: List[Any] = []
         #: Whether every rank was seen to hold the same parameters (at the first apply after a build or sync).
         self.checked = False
 
-    def build(self, layout: ShardLayout, variables: List[Any], rank: int) -> None:
-        """One flat slice variable per bucket, holding this rank's part of the model; the inner optimizer's slots."""
+    def build(self, layout: ShardLayout, variables: List[Any], rank: int,
+              values: Optional[Sequence[Any]] = None) -> None:
+        """One flat slice variable per bucket, holding this rank's part of the model; the inner optimizer's slots.
+
+        ``values`` (one per variable) are read instead of the variables (ZeRO-3: the model holds none).
+        """
         self.layout, self.variables, self.rank = layout, variables, rank
         self.slices = []
         for b, bucket in enumerate(layout.buckets):
             dtype = variables[bucket.tensors[0]].dtype if bucket.tensors else "float32"
             self.slices.append(keras.Variable(tf.zeros([bucket.shard], dtype=dtype), trainable=False,
                                               name=f"{SLICE_NAME}{b}"))
-        self.load_slices()
+        self.load_slices(values)
         self.inner.build(self.slices)
 
     def check_variables(self, grads: Sequence[Any], variables: Optional[Sequence[Any]]) -> None:
@@ -130,19 +140,25 @@ class ShardedState:
             out.append(self._pad(parts, bucket.shard - owned, slice_variable.dtype))
         return out
 
-    def load_slices(self) -> None:
-        """Copy this rank's slice of the model's current values into the slice variables."""
-        for slice_variable, value in zip(self.slices, self.own_slices(self.variables)):
+    def load_slices(self, values: Optional[Sequence[Any]] = None) -> None:
+        """Copy this rank's slice of the model's current values (or of ``values``) into the slice variables."""
+        for slice_variable, value in zip(self.slices, self.own_slices(self.variables if values is None else values)):
             slice_variable.assign(value)
 
-    def write_back(self, gathered: Sequence[Any]) -> None:
-        """Write every bucket's allgathered flat buffer into the model's variables (one split per bucket)."""
+    def unflatten(self, gathered: Sequence[Any]) -> List[tf.Tensor]:
+        """Every bucket's allgathered flat buffer cut back into one tensor per model variable (one split per bucket)."""
         assert self.layout is not None
+        out: List[Any] = [None] * len(self.variables)
         for bucket, flat in zip(self.layout.buckets, gathered):
             sizes = list(bucket.sizes) + ([bucket.padded - bucket.length] if bucket.padded > bucket.length else [])
             for t, part in zip(bucket.tensors, tf.split(flat, sizes)):
-                variable = self.variables[t]
-                variable.assign(tf.reshape(part, variable.shape))
+                out[t] = tf.reshape(part, self.variables[t].shape)
+        return out
+
+    def write_back(self, gathered: Sequence[Any]) -> None:
+        """Write every bucket's allgathered flat buffer into the model's variables."""
+        for variable, value in zip(self.variables, self.unflatten(gathered)):
+            variable.assign(value)
 
     @staticmethod
     def _pad(parts: List[Any], pad: int, dtype: Any) -> tf.Tensor:

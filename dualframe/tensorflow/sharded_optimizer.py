@@ -1,4 +1,4 @@
-"""ZeRO-1/2 for Keras 3: ``DistributedOptimizer(shard=...)``, an optimizer whose state covers this rank's slice of the parameters.
+"""ZeRO-1/2/3 for Keras 3: ``DistributedOptimizer(shard=...)``, an optimizer whose state covers this rank's slice of the parameters.
 
 The cut is the core's :class:`dualframe.dp.shard.ShardLayout`; this module moves the bytes. Per bucket
 the gradients are flattened, concatenated, zero-padded and reduce-scattered (one grouped Horovod
@@ -11,6 +11,8 @@ communicates once per step, as the plain wrapper does. ``shard="gradients"`` (Ze
 every pass and accumulates only the rank's slice, so no full-size gradient outlives its backward pass.
 (Keras's tape returns every gradient before the optimizer runs, so within one pass the full gradient
 exists in both modes; ZeRO-2 saves the accumulators and lets each bucket's flat copy go once scattered.)
+``shard="parameters"`` (ZeRO-3) steps as ZeRO-2 but never writes the model back: the slices are the
+parameters, and ``dualframe.tensorflow.sharded_parameters`` gathers them for each step.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from dualframe.dp.shard import (BUCKET_ELEMENTS, ShardLayout, check_same_paramet
                                 parameter_signature)
 from dualframe.errors import StrategyError
 from dualframe.tensorflow.collectives import hvd
+from dualframe.tensorflow import sharded_parameters
 from dualframe.tensorflow.compression import Compression
 from dualframe.tensorflow.gradients import SHARD_SCOPE, collective_scope, named
 from dualframe.tensorflow.optimizer import KerasTwoNames, _config, register_wrapper, wrap_settings
@@ -90,8 +93,8 @@ class ShardedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
             average_aggregated_gradients, process_set, device_dense, device_sparse)
         mode = check_shard(shard, settings.op)
         if mode is None:
-            raise StrategyError("ShardedOptimizer needs shard='optimizer' or 'gradients'; for shard=None use "
-                                "hvd.DistributedOptimizer")
+            raise StrategyError("ShardedOptimizer needs shard='optimizer', 'gradients' or 'parameters'; for "
+                                "shard=None use hvd.DistributedOptimizer")
         check_elementwise(optimizer)
         scatter = check_scatter(scatter, mode)  # type: ignore[assignment]
         ShardLayout.build([], 1, bucket_elements=bucket_elements)  # checks bucket_elements now, not at build
@@ -115,17 +118,26 @@ class ShardedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
         that joins builds its optimizer while the others wait in ``sync``.
         """
         variables = list(var_list)
+        if self.shard == "parameters" and self._zero.values is None:
+            raise StrategyError(
+                "shard='parameters' keeps only this rank's slice of the model's values, so the model must be "
+                "sharded first: model = opt.shard_model(model), or model = hvd.distribute(model, "
+                "dualframe.DataParallel(shard='parameters'))")
         ranks = self.reduction.process_set.size()
         with tf.init_scope():
             layout = ShardLayout.build([int(np.prod(v.shape)) for v in variables], ranks,
                                        dtypes=[str(v.dtype) for v in variables],
                                        bucket_elements=self.bucket_elements)
-            self._zero.build(layout, variables, self.reduction.process_set.rank())
-            if self.shard == "gradients":
+            self._zero.build(layout, variables, self.reduction.process_set.rank(), self._zero.values)
+            if self.shard == "parameters":
+                self._zero.values = []  # the full values go: from now on the slices are the parameters
+            if self.shard != "optimizer":
                 self._build_slice_accumulators()
         if self.shard == "optimizer":
             self.accumulation.build(self, variables)
-        super().build(variables)
+        # ZeRO-3's model variables have no values, and Keras keys the variables it builds on by their values'
+        # handles; this wrapper never updates them itself (the inner optimizer updates the slices).
+        super().build([] if self.shard == "parameters" else variables)
 
     def reshard(self) -> None:
         """Cut the state again for the process set's current size (an elastic job resized; no communication).
@@ -134,6 +146,9 @@ class ShardedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
         ``hvd.elastic.KerasState.sync`` does. A traced train step keeps the old slices: drop it (the
         elastic state's ``reset`` does).
         """
+        if self.shard == "parameters":
+            raise StrategyError("shard='parameters' cannot be re-cut for a resized job (the slices are the only "
+                                "copy of the parameters); save_weights, then load them on the new job")
         zero = self._zero
         self._zero = ShardedState(type(zero.inner).from_config(zero.inner.get_config()))
         with tf.init_scope():
@@ -142,7 +157,7 @@ class ShardedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
                                        dtypes=[str(v.dtype) for v in zero.variables],
                                        bucket_elements=self.bucket_elements)
             self._zero.build(layout, zero.variables, self.reduction.process_set.rank())
-            if self.shard == "gradients":
+            if self.shard != "optimizer":
                 self._build_slice_accumulators()
 
     def recheck(self) -> None:
@@ -176,6 +191,11 @@ class ShardedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
             self.build(list(trainable_variables))
         grads = list(grads)
         self._zero.check_variables(grads, trainable_variables)
+        if self.shard == "parameters" and grads and all(g is None for g in grads):
+            raise StrategyError(
+                "shard='parameters': no gradient reached the model's variables, which hold no values; take the "
+                "gradients with respect to opt.gather()'s tensors (see opt.shard_model), or train the model "
+                "opt.shard_model returned with fit")
         if not self._zero.checked:
             with tf.init_scope():  # eager even while fit traces the step: every rank raises alike, now
                 self._check_same_everywhere(self._zero.variables, self.reduction.process_set.size())
@@ -228,8 +248,11 @@ class ShardedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
 
     def _update(self, slice_grads: List[tf.Tensor]) -> None:
         zero = self._zero
-        zero.load_slices()  # the model may have been set, loaded or broadcast since the last step
+        if self.shard != "parameters":
+            zero.load_slices()  # the model may have been set, loaded or broadcast since the last step
         zero.inner.apply(self._clip(slice_grads), zero.slices)
+        if self.shard == "parameters":
+            return  # the slices are the parameters; the next step gathers them
         values = [tf.convert_to_tensor(s) for s in zero.slices]
         if self.reduction.process_set.size() > 1:
             with collective_scope(SHARD_SCOPE):
@@ -255,6 +278,27 @@ class ShardedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
     def variables(self) -> List[Any]:
         """What every rank holds alike: this wrapper's variables and the inner optimizer's non-slot ones."""
         return list(super().variables) + self._zero.replicated_variables()
+
+    # --- ZeRO-3 (shard="parameters"): the model's values are the slices -------------------------------------------
+    def shard_model(self, model: keras.Model, root_rank: int = 0) -> keras.Model:
+        """A copy of ``model`` holding no values, trained from this optimizer's slices of ``root_rank``'s values.
+
+        See :mod:`dualframe.tensorflow.sharded_parameters`. Fit the returned model (compile it with this
+        optimizer) or, in a GradientTape loop, differentiate with respect to :meth:`gather`'s tensors.
+        """
+        return sharded_parameters.shard_model(self, model, root_rank)
+
+    def gather(self) -> List[Any]:
+        """The sharded model's full trainable values for one step (an allgather: every rank calls)."""
+        return sharded_parameters.gather(self)
+
+    def parameters(self, values: Sequence[Any]) -> Any:
+        """A ``keras.StatelessScope`` in which the sharded model reads ``values`` (from :meth:`gather`)."""
+        return sharded_parameters.parameters(self, values)
+
+    def parameter_bytes(self) -> int:
+        """Bytes of this rank's slices of the parameters (with ``shard="parameters"``, all of them it keeps)."""
+        return sum(int(np.prod(v.shape)) * np.dtype(str(v.dtype)).itemsize for v in self._zero.slices)
 
     def shard_variables(self) -> List[Any]:
         """This rank's slot variables (each covering one bucket's slice)."""
