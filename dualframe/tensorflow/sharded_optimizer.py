@@ -126,7 +126,7 @@ class ShardedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
         ranks = self.reduction.process_set.size()
         with tf.init_scope():
             layout = ShardLayout.build([int(np.prod(v.shape)) for v in variables], ranks,
-                                       dtypes=[str(v.dtype) for v in variables],
+                                       dtypes=self._zero.groups or [str(v.dtype) for v in variables],
                                        bucket_elements=self.bucket_elements)
             self._zero.build(layout, variables, self.reduction.process_set.rank(), self._zero.values)
             if self.shard == "parameters":
@@ -187,23 +187,35 @@ class ShardedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
     # --- one step --------------------------------------------------------------------------------------------------
     def apply(self, grads: Sequence[Any], trainable_variables: Optional[Sequence[Any]] = None) -> None:
         """Reduce-scatter ``grads`` (every pass with ZeRO-2, every N-th with ZeRO-1), update the slice, allgather."""
+        if self.shard == "parameters":
+            self._apply_to_slices(list(grads), trainable_variables)
+            return
         if trainable_variables is not None and not self.built:
             self.build(list(trainable_variables))
         grads = list(grads)
         self._zero.check_variables(grads, trainable_variables)
-        if self.shard == "parameters" and grads and all(g is None for g in grads):
-            raise StrategyError(
-                "shard='parameters': no gradient reached the model's variables, which hold no values; take the "
-                "gradients with respect to opt.gather()'s tensors (see opt.shard_model), or train the model "
-                "opt.shard_model returned with fit")
+        self._check_once()
+        if self.shard == "optimizer":
+            self.accumulation.step(grads, lambda g: self._update(self._reduce_scatter(g)))
+        else:
+            self._sliced_step(self._reduce_scatter(grads))
+
+    def _check_once(self) -> None:
         if not self._zero.checked:
             with tf.init_scope():  # eager even while fit traces the step: every rank raises alike, now
                 self._check_same_everywhere(self._zero.variables, self.reduction.process_set.size())
             self._zero.checked = True
-        if self.shard == "optimizer":
-            self.accumulation.step(grads, lambda g: self._update(self._reduce_scatter(g)))
-        else:
-            self._sliced_step(grads)
+
+    def _apply_to_slices(self, grads: List[Any], variables: Optional[Sequence[Any]]) -> None:
+        """ZeRO-3: the gradients of :meth:`parameter_slices`, already reduced by each layer's backward."""
+        zero = self._zero
+        if zero.model is None or variables is None or not zero.are_slices(variables):
+            raise StrategyError(
+                "shard='parameters': the model's own variables hold no values; shard it (model = "
+                "opt.shard_model(model)), then apply the gradients of opt.parameter_slices(): slices = "
+                "opt.parameter_slices(); opt.apply(tape.gradient(loss, slices), slices); fit does this")
+        self._check_once()
+        self._sliced_step([tf.zeros_like(s) if g is None else g for g, s in zip(grads, zero.slices)])
 
     def apply_gradients(self, grads_and_vars: Any) -> Any:
         """``apply`` on (gradient, variable) pairs; returns the inner optimizer's iterations."""
@@ -211,12 +223,13 @@ class ShardedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
         self.apply(grads, variables)
         return self.iterations
 
-    def _sliced_step(self, grads: List[Any]) -> None:
+    def _sliced_step(self, slice_grads: List[Any]) -> None:
+        """Update the slices with reduced ``slice_grads`` (every N-th call; accumulated in slices till then)."""
         zero, steps = self._zero, self.accumulation.steps
         if steps == 1:
-            self._update(self._reduce_scatter(grads))
+            self._update(slice_grads)
             return
-        for buffer, piece in zip(zero.buffers, self._reduce_scatter(grads)):
+        for buffer, piece in zip(zero.buffers, slice_grads):
             buffer.assign_add(piece)
         zero.counter.assign_add(1)
 
@@ -229,22 +242,28 @@ class ShardedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
 
         ops.cond(ops.equal(zero.counter, steps), boundary, lambda: None)
 
-    def _reduce_scatter(self, grads: List[Any]) -> List[tf.Tensor]:
-        settings = self.reduction
-        if settings.process_set.size() == 1:
-            return self._zero.own_slices(self._zero.dense(grads))
+    def _reduce_scatter(self, grads: List[Any], buckets: Optional[Sequence[int]] = None,
+                        role: str = "") -> List[tf.Tensor]:
+        """This rank's reduced slice of each bucket (all, or ``buckets``) of ``grads`` (indexed like the variables)."""
+        settings, zero = self.reduction, self._zero
         prescale, postscale = settings.scale_factors()
-        with collective_scope(SHARD_SCOPE):
-            if scatter_path(self.scatter) == "allreduce":
+        if settings.process_set.size() > 1 and scatter_path(self.scatter) != "allreduce":
+            with collective_scope(SHARD_SCOPE):
+                return list(hvd.grouped_reducescatter(
+                    named(zero.flatten(grads, buckets), f"{role}bucket"), op=settings.horovod_op,
+                    compression=settings.compression, process_set=settings.process_set, prescale_factor=prescale,
+                    postscale_factor=postscale, device_dense=settings.device_dense))
+        members = zero.members(buckets)
+        dense = zero.dense(grads, members)
+        if settings.process_set.size() > 1:
+            with collective_scope(SHARD_SCOPE):
                 reduced = hvd.grouped_allreduce(
-                    named(self._zero.dense(grads), "grad"), op=settings.horovod_op, compression=settings.compression,
-                    process_set=settings.process_set, prescale_factor=prescale, postscale_factor=postscale,
-                    device_dense=settings.device_dense)
-                return self._zero.own_slices(list(reduced))
-            return list(hvd.grouped_reducescatter(
-                named(self._zero.flatten(grads), "bucket"), op=settings.horovod_op, compression=settings.compression,
-                process_set=settings.process_set, prescale_factor=prescale, postscale_factor=postscale,
-                device_dense=settings.device_dense))
+                    named([dense[t] for t in members], f"{role}grad"), op=settings.horovod_op,
+                    compression=settings.compression, process_set=settings.process_set, prescale_factor=prescale,
+                    postscale_factor=postscale, device_dense=settings.device_dense)
+            for t, value in zip(members, reduced):
+                dense[t] = value
+        return zero.own_slices(dense, buckets)
 
     def _update(self, slice_grads: List[tf.Tensor]) -> None:
         zero = self._zero
@@ -288,13 +307,13 @@ class ShardedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
         """
         return sharded_parameters.shard_model(self, model, root_rank)
 
-    def gather(self) -> List[Any]:
-        """The sharded model's full trainable values for one step (an allgather: every rank calls)."""
-        return sharded_parameters.gather(self)
+    def parameter_slices(self) -> List[Any]:
+        """ZeRO-3: this rank's slices of the parameters, what a GradientTape loop differentiates and applies to.
 
-    def parameters(self, values: Sequence[Any]) -> Any:
-        """A ``keras.StatelessScope`` in which the sharded model reads ``values`` (from :meth:`gather`)."""
-        return sharded_parameters.parameters(self, values)
+        Their gradients come out of the tape already reduced (each layer's backward reduce-scatters), so
+        ``opt.apply(tape.gradient(loss, slices), slices)`` only updates them.
+        """
+        return list(self._zero.slices)
 
     def parameter_bytes(self) -> int:
         """Bytes of this rank's slices of the parameters (with ``shard="parameters"``, all of them it keeps)."""

@@ -1,20 +1,17 @@
-"""ZeRO-3 for Keras 3: a model that holds no values of its own; each step gathers them from every rank's slices.
+"""ZeRO-3 for Keras 3: a model that holds no values of its own, its layers gathering theirs from every rank's slices.
 
 ``opt.shard_model(model)`` (``opt = hvd.DistributedOptimizer(..., shard="parameters")``) rebuilds the
-model under ``keras.StatelessScope(initialize_variables=False)`` (``keras.models.clone_model``), so its
-variables have shapes but no storage, and cuts root's values into this rank's slices (the optimizer's
-flat slice variables, the core's :class:`dualframe.dp.shard.ShardLayout`). A step then allgathers the
-slices into full tensors, runs the model on them inside a ``keras.StatelessScope`` that maps each
-variable to its tensor, takes the gradients with respect to those tensors, and lets the optimizer
-reduce-scatter them and update the slices (ZeRO-2's path). The gathered tensors and the full gradients
-live for that step only: the whole model is gathered before the step and freed after it (not layer by
-layer: a Keras model's call cannot be interrupted between layers through public APIs).
+model from its config under ``keras.StatelessScope(initialize_variables=False)``, so its variables have
+shapes but no storage, and cuts root's values into this rank's slices (the optimizer's flat slice
+variables, one or more buckets per layer: the core's :class:`dualframe.dp.shard.ShardLayout`). Each
+layer then gathers its values just before its call and again for its backward, and reduce-scatters
+its gradient (:mod:`dualframe.tensorflow.sharded_layers`); the optimizer updates the slices.
 
-Non-trainable variables (batch-norm statistics) stay whole on every rank, as in plain data parallelism.
-Reading the model's variables outside such a scope gives their initializers' values, not the weights:
-the returned model's ``train_step``, ``test_step``, ``predict_step``, ``get_weights``, ``set_weights``,
-``save_weights`` and ``load_weights`` are replaced by versions that gather first (the weight-reading
-ones are collectives: every rank calls them).
+Non-trainable variables (batch-norm statistics) stay whole on every rank, as in plain data
+parallelism. The model can be called, evaluated and fitted as usual; the returned model's
+``train_step`` differentiates with respect to the slices, and ``get_weights``, ``set_weights``,
+``save_weights`` and ``load_weights`` work on the full values in Keras's plain layout (``get_weights``
+and ``save_weights`` gather: every rank calls them).
 """
 from __future__ import annotations
 
@@ -28,6 +25,7 @@ import tensorflow as tf
 
 from dualframe.dp.checks import check_root_rank
 from dualframe.errors import StrategyError
+from dualframe.tensorflow import sharded_layers
 from dualframe.tensorflow.collectives import hvd
 from dualframe.tensorflow.gradients import SHARD_SCOPE, collective_scope, named
 
@@ -35,11 +33,13 @@ from dualframe.tensorflow.gradients import SHARD_SCOPE, collective_scope, named
 def shard_model(optimizer: Any, model: keras.Model, root_rank: int = 0) -> keras.Model:
     """A storage-free copy of ``model`` whose values are ``optimizer``'s slices, cut from ``root_rank``'s values.
 
-    Checks everything before the one broadcast; the given model is only read (drop it to free its memory).
+    Checks everything (the model on every rank alike included) before the broadcast of root's values;
+    the given model is only read (drop it to free its memory).
 
     Raises:
         StrategyError: the optimizer is not ``shard="parameters"`` or already holds a model, the model is
-            not built, or Keras cannot rebuild it from its config.
+            not built, Keras cannot rebuild it from its config, a variable is shared by two layers, or
+            the ranks' models differ.
     """
     process_set = optimizer.reduction.process_set
     if getattr(optimizer, "shard", None) != "parameters":
@@ -54,14 +54,26 @@ def shard_model(optimizer: Any, model: keras.Model, root_rank: int = 0) -> keras
                             f"(model {model.name!r} is not built)")
     check_root_rank(root_rank, process_set.size())
     clone = storage_free_clone(model)
-    trainable = [_broadcast(v, root_rank, process_set) for v in model.trainable_variables]
+    shapes = [tuple(v.shape) for v in model.trainable_variables]
+    if [tuple(v.shape) for v in clone.trainable_variables] != shapes:
+        raise StrategyError(
+            f"shard='parameters' rebuilt {model.name!r} from its config with other trainable variables "
+            f"({len(clone.trainable_variables)} against {len(shapes)}): Keras's config does not keep a layer "
+            f"shared between nested models; use shard='gradients' for it")
     zero = optimizer._zero
+    zero.groups = sharded_layers.layer_groups(clone)
+    optimizer._check_same_everywhere(clone.trainable_variables, process_set.size())  # the one collective before
+    zero.checked = True
+    zero.values = [_broadcast(v, root_rank, process_set) for v in model.trainable_variables]
     zero.replicated = [keras.Variable(_broadcast(v, root_rank, process_set), trainable=False,
                                       name=f"dualframe_replicated_{i}")
                        for i, v in enumerate(model.non_trainable_variables)]
-    zero.values, zero.model = trainable, clone
+    zero.model = clone
     optimizer.build(clone.trainable_variables)
-    _install(clone, optimizer)
+    sharded_layers.install(optimizer, clone)
+    for name, function in (("train_step", _train_step), ("get_weights", _get_weights), ("set_weights", _set_weights),
+                           ("save_weights", _save_weights), ("load_weights", _load_weights), ("save", _save)):
+        setattr(clone, name, functools.partial(function, optimizer))
     return clone
 
 
@@ -94,73 +106,27 @@ def _broadcast(variable: Any, root_rank: int, process_set: Any) -> tf.Tensor:
 def gather(optimizer: Any) -> List[tf.Tensor]:
     """Every trainable variable's full value, allgathered from the ranks' slices (a collective)."""
     zero, process_set = optimizer._zero, optimizer.reduction.process_set
-    if zero.model is None:
-        raise StrategyError("gather needs a sharded model first: model = opt.shard_model(model)")
     values = [tf.convert_to_tensor(s) for s in zero.slices]
     if process_set.size() > 1:
         with collective_scope(SHARD_SCOPE):
             values = list(hvd.grouped_allgather(named(values, "parameter"), process_set=process_set))
-    return zero.unflatten(values)
-
-
-def parameters(optimizer: Any, values: Sequence[Any]) -> keras.StatelessScope:
-    """A scope in which the sharded model reads ``values`` (from :func:`gather`) and its non-trainable values."""
-    zero = optimizer._zero
-    model = zero.model
-    mapping = list(zip(model.trainable_variables, values)) + list(zip(model.non_trainable_variables, zero.replicated))
-    return keras.StatelessScope(state_mapping=mapping, initialize_variables=False)
-
-
-def keep_updates(optimizer: Any, scope: keras.StatelessScope) -> None:
-    """Keep what the model assigned to its non-trainable variables inside ``scope`` (moving statistics)."""
-    zero = optimizer._zero
-    for variable, holder in zip(zero.model.non_trainable_variables, zero.replicated):
-        holder.assign(scope.get_current_value(variable))
-
-
-def _install(model: keras.Model, optimizer: Any) -> None:
-    for name, function in (("train_step", _train_step), ("test_step", _test_step), ("predict_step", _predict_step),
-                           ("get_weights", _get_weights), ("set_weights", _set_weights),
-                           ("save_weights", _save_weights), ("load_weights", _load_weights)):
-        setattr(model, name, functools.partial(function, optimizer))
-
-
-def _track_loss(model: keras.Model, loss: Any, x: Any) -> None:
-    first = next(t for t in tf.nest.flatten(x) if t is not None)
-    for metric in model.metrics:
-        if metric.name == "loss":  # Keras's loss tracker, which fit and evaluate report
-            metric.update_state(loss, sample_weight=tf.shape(first)[0])
+    return zero.unflatten(values)  # type: ignore[no-any-return]
 
 
 def _train_step(optimizer: Any, data: Any) -> Dict[str, Any]:
+    """Keras's train step, differentiating with respect to the slices (each layer's backward reduces its share)."""
     model = optimizer._zero.model
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-    values = gather(optimizer)
     with tf.GradientTape() as tape:
-        tape.watch(values)
-        with parameters(optimizer, values) as scope:
-            y_pred = model(x, training=True)
-            loss = model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
-    keep_updates(optimizer, scope)
-    _track_loss(model, loss, x)
-    optimizer.apply(tape.gradient(loss, values), model.trainable_variables)
+        y_pred = model(x, training=True)
+        loss = model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
+    first = next(t for t in tf.nest.flatten(x) if t is not None)
+    for metric in model.metrics:
+        if metric.name == "loss":  # Keras's loss tracker, which fit reports
+            metric.update_state(loss, sample_weight=tf.shape(first)[0])
+    slices = optimizer.parameter_slices()
+    optimizer.apply(tape.gradient(loss, slices), slices)
     return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)  # type: ignore[no-any-return]
-
-
-def _test_step(optimizer: Any, data: Any) -> Dict[str, Any]:
-    model = optimizer._zero.model
-    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-    with parameters(optimizer, gather(optimizer)):
-        y_pred = model(x, training=False)
-        loss = model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False)
-    _track_loss(model, loss, x)
-    return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)  # type: ignore[no-any-return]
-
-
-def _predict_step(optimizer: Any, data: Any) -> Any:
-    x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
-    with parameters(optimizer, gather(optimizer)):
-        return optimizer._zero.model(x, training=False)
 
 
 def _get_weights(optimizer: Any) -> List[np.ndarray]:
@@ -184,7 +150,8 @@ def _take(by_variable: Dict[int, Any], optimizer: Any) -> None:
     zero = optimizer._zero
     zero.load_slices([tf.convert_to_tensor(by_variable[id(v)], dtype=v.dtype) for v in zero.model.trainable_variables])
     for variable, holder in zip(zero.model.non_trainable_variables, zero.replicated):
-        holder.assign(by_variable[id(variable)])
+        if id(variable) in by_variable:  # a seed generator's state is no weight: it goes on as it was
+            holder.assign(by_variable[id(variable)])
 
 
 def _save_weights(optimizer: Any, filepath: Any, *args: Any, **kwargs: Any) -> None:
@@ -198,6 +165,13 @@ def _save_weights(optimizer: Any, filepath: Any, *args: Any, **kwargs: Any) -> N
         plain = _rebuilt(optimizer._zero.model, contextlib.nullcontext())
         plain.set_weights(weights)
         plain.save_weights(filepath, *args, **kwargs)
+
+
+def _save(optimizer: Any, *args: Any, **kwargs: Any) -> None:
+    """Refused: Keras's whole-model saving reads the variables, which hold no values here."""
+    raise StrategyError("model.save of a shard='parameters' (ZeRO-3) model would write its variables' placeholders; "
+                        "use model.save_weights (every rank calls; the file is plain Keras) and the optimizer's "
+                        "opt.state_arrays()")
 
 
 def _load_weights(optimizer: Any, filepath: Any, *args: Any, **kwargs: Any) -> None:

@@ -66,6 +66,13 @@ def test_distribute_parameters_is_checked_before_any_communication():
         hvd.DistributedOptimizer(keras.optimizers.SGD(), shard="gradients").shard_model(zero3_model(SEED0))
     with pytest.raises(dualframe.StrategyError, match="root_rank must be an int in \\[0, 2\\)"):
         hvd.DistributedOptimizer(keras.optimizers.SGD(), shard="parameters").shard_model(zero3_model(SEED0), 5)
+    # A layer shared by two nested models (the rebuilt model would not share it): refused before the broadcast.
+    inputs = keras.Input((FEATURES,))
+    shared = keras.layers.Dense(FEATURES)
+    twice = keras.Model(inputs, keras.layers.Dense(1)(shared(inputs)))
+    nested = keras.Model(inputs, twice(keras.Sequential([shared])(inputs)))
+    with pytest.raises(dualframe.StrategyError, match="does not keep a layer shared between nested models"):
+        hvd.DistributedOptimizer(keras.optimizers.SGD(), shard="parameters").shard_model(nested)
     # Compiled with it, but the model never sharded: refused when fit builds the optimizer, before any step.
     plain = zero3_model(SEED0)
     plain.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(), shard="parameters"), loss="mse")
@@ -94,8 +101,11 @@ def test_fit_equals_plain_data_parallelism_with_a_fraction_of_the_bytes(name, pa
     np.testing.assert_allclose(flat, weights(ref), atol=1e-5)
     assert int(model.optimizer.iterations) == STEPS
     assert np.isfinite(history.history["loss"][0]) and history.history["loss"][0] > 0
-    # The model's own variables never held values (Keras's placeholders, private: the test looks inside).
+    # The model's own variables never held values (Keras's placeholders, private: the test looks inside),
+    # and each layer with weights has buckets of its own (what it gathers alone).
     assert all(v._value is None for v in model.trainable_variables)
+    layers = [layer for layer in model.layers if layer.trainable_variables]
+    assert len(model.optimizer._zero.layout.buckets) == len(layers) == 4
     # Per rank: parameter slices + optimizer slots + accumulated gradient slices = 1/N of plain's.
     trainable = sum(int(np.prod(v.shape)) for v in ref.trainable_variables) * 4
     slots = sum(int(np.prod(v.shape)) * 4 for v in ref.optimizer.variables if len(v.shape))
@@ -112,12 +122,10 @@ def test_gradient_tape_loop_equals_plain_data_parallelism(traced):
     model = opt.shard_model(zero3_model(SEED0 + RANK), root_rank=0)
 
     def step(xb, yb):
-        params = opt.gather()  # the full values, for this step only
-        with tf.GradientTape() as tape:
-            tape.watch(params)
-            with opt.parameters(params):
-                loss = tf.reduce_mean(tf.square(model(xb, training=True) - yb))
-        opt.apply(tape.gradient(loss, params), model.trainable_variables)
+        with tf.GradientTape() as tape:  # each layer gathers its values for its call, and again for its backward
+            loss = tf.reduce_mean(tf.square(model(xb, training=True) - yb))
+        slices = opt.parameter_slices()
+        opt.apply(tape.gradient(loss, slices), slices)  # already reduce-scattered: only the update is left
 
     step = tf.function(step) if traced else step
     xs, ys = rank_rows(x), rank_rows(y)
@@ -151,6 +159,11 @@ def test_save_weights_is_plain_keras_and_resumes_on_another_number_of_ranks(tmp_
     path = hvd.allgather_object(str(tmp_path_factory.mktemp(f"rank{RANK}") / "zero3.weights.h5"))[0]
     model.save_weights(path)  # every rank gathers; rank 0 writes
     hvd.barrier()
+    # What would read the variables' placeholders is refused (no communication before it).
+    with pytest.raises(dualframe.StrategyError, match="model.save of a shard='parameters'"):
+        model.save(path.replace(".weights.h5", ".keras"))
+    with pytest.raises(ValueError, match="ZeRO-3"):  # a CheckpointError
+        hvd.save_checkpoint(str(tmp_path_factory.mktemp("ckpt")), model, step=STEPS)
     plain = zero3_model(SEED0 + 7)
     plain.load_weights(path)  # plain Keras reads it: the unsharded layout
     np.testing.assert_array_equal(weights(plain), weights(model))
