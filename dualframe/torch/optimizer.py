@@ -81,9 +81,6 @@ class DistributedOptimizer(WrappedOptimizer):
         self.op_name = dp_checks.check_numbers(backward_passes_per_step, op, gradient_predivide_factor)
         self.op = OPS[self.op_name]
         self.shard = check_shard(shard, self.op_name)
-        if self.shard == "parameters":
-            raise StrategyError("shard='parameters' (ZeRO-3) is built for Keras only so far; in torch use "
-                                "shard='gradients' (ZeRO-2)")
         self._names = dp_checks.parameter_names(optimizer, named_parameters)
         if num_groups:
             warnings.warn("num_groups is deprecated; use groups", DeprecationWarning, stacklevel=2)
