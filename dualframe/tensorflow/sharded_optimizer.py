@@ -50,7 +50,11 @@ def scatter_path(scatter: str) -> str:
 
 @keras.saving.register_keras_serializable(package="dualframe")
 class ShardedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
-    """Data parallelism with the optimizer state (ZeRO-1) or also the gradients (ZeRO-2) sharded across ranks.
+    """Data parallelism with the optimizer state (ZeRO-1), also the gradients (ZeRO-2) or also the parameters (ZeRO-3) sharded.
+
+    With ``shard="parameters"`` the model must go through :meth:`shard_model` (or ``hvd.distribute`` with
+    ``DataParallel(shard="parameters")``), which returns the model to train; see
+    :mod:`dualframe.tensorflow.sharded_parameters`.
 
     Made by ``hvd.DistributedOptimizer(optimizer, shard="optimizer" | "gradients")`` and used as the
     plain wrapper is: ``model.compile(optimizer=...)`` then ``fit``, or ``opt.apply(grads, vars)`` /
@@ -67,7 +71,7 @@ class ShardedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
 
     Args:
         optimizer: the Keras optimizer to shard (only its class and config are used).
-        shard: ``"optimizer"`` (ZeRO-1) or ``"gradients"`` (ZeRO-2).
+        shard: ``"optimizer"`` (ZeRO-1), ``"gradients"`` (ZeRO-2) or ``"parameters"`` (ZeRO-3).
         bucket_elements: largest flat bucket in elements (default 4M: 16 MiB of float32; None: one bucket
             per dtype). Keep buckets well under 32 MiB on CPU: glibc serves larger blocks with a fresh
             mmap each time, and every temporary of the update then pays page faults (a 67 MiB bucket made
