@@ -1,13 +1,11 @@
-"""Sharded data parallelism (ZeRO-1/2/3) as data: which slice of the flat parameters each rank owns, for both adapters.
+"""Sharded data parallelism (ZeRO-1/2) as data: which slice of the flat parameters each rank owns, for both adapters.
 
 A rank in plain data parallelism holds every parameter's gradient and optimizer state. With
 ``shard="optimizer"`` (ZeRO stage 1) the parameters, flattened and concatenated bucket by bucket,
 are cut into one equal slice per rank: gradients are reduce-scattered so a rank receives the reduced
 gradient of its slice only, it updates that slice with an optimizer whose state covers the slice,
 and the updated slices are allgathered back into every parameter. ``shard="gradients"`` (ZeRO
-stage 2) also drops the full gradient as soon as its bucket is reduce-scattered. ``shard="parameters"``
-(ZeRO stage 3) also keeps only the rank's slice of the parameters themselves: the adapter allgathers the
-full values for the step and lets them go after it.
+stage 2) also drops the full gradient as soon as its bucket is reduce-scattered.
 
 The core decides the cut (this module); the adapters move the bytes (Horovod's reducescatter and
 allgather) and run the optimizer. Slices are contiguous ranges of a bucket's flat buffer, so an
@@ -32,10 +30,10 @@ BUCKET_ELEMENTS = 1 << 22
 
 
 def check_shard(shard: object, op: str = "average") -> Optional[str]:
-    """The shard mode meant by ``shard`` (None, ``"optimizer"``, ``"gradients"``, ``"parameters"``), checked against ``op``.
+    """The shard mode meant by ``shard`` (None, ``"optimizer"`` or ``"gradients"``), checked against ``op``.
 
     Args:
-        shard: None (or ``"none"``), ``"optimizer"``, ``"gradients"`` or ``"parameters"``.
+        shard: None (or ``"none"``), ``"optimizer"``, ``"gradients"`` or ``"parameters"`` (ZeRO-3, ``dualframe.dp.zero3``).
         op: the core's name of the reduction op (``"average"`` ...).
 
     Raises:
