@@ -6,8 +6,9 @@ variables (the layout groups variables by layer). Its ``call`` is replaced by on
 ``keras.StatelessScope`` mapping each variable to its gathered value, and lets the values go. Its
 gradient gathers them again, recomputes the layer's call under a tape (the layer's inputs are kept,
 its inner activations and values are not), and reduce-scatters the gradient of the values into the
-gradient of this rank's slices. So at most one layer's full values and full gradients exist at a
-time, at the cost of a second forward of each layer and two gathers per layer and step (no prefetch).
+gradient of this rank's slices. Each gather waits for the layer's inputs (forward) or for the gradient
+reaching the layer (backward), also when traced, so at most one layer's full values and full gradients
+exist at a time, at the cost of a second forward of each layer and two gathers per layer and step (no prefetch).
 
 Non-trainable variables (batch-norm statistics, dropout seeds) are read from their replicated copies;
 the recomputation reads the same values the forward read, so dropout draws the same mask, and the
@@ -109,12 +110,17 @@ def _gathered_call(unit: _Unit, *args: Any, **kwargs: Any) -> Any:
     @tf.custom_gradient
     def gathered(*tensors: Any) -> Any:
         inputs, own = list(tensors[:len(where)]), list(tensors[len(where):])
-        outputs, updated = unit.run(unit.gather(own, "gather"), stats, with_inputs(inputs), kwargs)
+        # Traced, a gather depends on the slices alone and could run at the step's start with every other
+        # layer's: it waits for the layer's inputs (and, backward, for the gradient reaching the layer).
+        with tf.control_dependencies(inputs):
+            values = unit.gather(own, "gather")
+        outputs, updated = unit.run(values, stats, with_inputs(inputs), kwargs)
         structure.append(outputs)
         updates.extend(updated)
 
         def backward(*upstream: Any) -> List[Any]:
-            values = unit.gather(own, "regather")
+            with tf.control_dependencies([g for g in upstream if g is not None]):
+                values = unit.gather(own, "regather")
             with tf.GradientTape() as tape:
                 tape.watch(inputs + values)
                 again, _ = unit.run(values, stats, with_inputs(inputs), kwargs)  # its updates are dropped
