@@ -98,6 +98,11 @@ def _gathered_call(unit: _Unit, *args: Any, **kwargs: Any) -> Any:
     where = [i for i, a in enumerate(flat_args) if _differentiable(a)]
     stats = [tf.convert_to_tensor(h) for h in unit.holders]
     slices = [tf.convert_to_tensor(unit.optimizer._zero.slices[b]) for b in unit.buckets]
+    if not where and not slices:  # nothing to differentiate (a frozen embedding of token ids): just map the state
+        outputs, updated = unit.run([], stats, args, kwargs)
+        for holder, value in zip(unit.holders, updated):
+            holder.assign(value)
+        return outputs
     structure: List[Any] = []
     updates: List[Any] = []
 

@@ -63,3 +63,26 @@ def test_set_weights_and_the_refusals():
     with pytest.raises(dualframe.StrategyError, match="cannot be re-cut"):
         opt.reshard()
     assert hvd.DistributedOptimizer.from_config(opt.get_config()).shard == "parameters"
+
+
+def test_embeddings_of_token_ids_frozen_and_trained_equal_plain():
+    """A layer with integer inputs only: its gradient goes to its slices alone; a frozen one just reads its state."""
+    def embedded():
+        keras.utils.set_random_seed(3)
+        ids = keras.Input((4,), dtype="int32")
+        summed = keras.layers.Add()([keras.layers.Embedding(10, 3, trainable=False)(ids),
+                                     keras.layers.Embedding(10, 3)(ids)])
+        return keras.Model(ids, keras.layers.Dense(1)(keras.layers.Flatten()(summed)))
+
+    x = np.random.RandomState(0).randint(0, 10, (8, 4)).astype("int32")
+    y = np.linspace(-1, 1, 8, dtype="float32")[:, None]
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), shard="parameters")
+    sharded = opt.shard_model(embedded())
+    sharded.compile(optimizer=opt, loss="mse")
+    plain = embedded()
+    plain.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    for m in (sharded, plain):
+        m.fit(x, y, batch_size=4, shuffle=False, verbose=0)
+    for a, b in zip(sharded.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+    assert np.abs(plain.get_weights()[1] - embedded().get_weights()[1]).max() > 1e-3  # the trained one moved
