@@ -253,11 +253,12 @@ class DistributedPipeline(KerasFit, StageView):
     def _batches_weights(self, actions: Sequence[Action], train: bool) -> bool:
         """Whether this step runs GPipe's W passes as one after its last B (``pipeline_work.deferred_weights``).
 
-        Only on a stage whose split passes run (built, no layer with state) and only under GPipe: 1F1B
+        Only on a stage whose split passes run (built, no layer with state) and re-run cheaply (no layer
+        owning weights through sublayers, ``split_backward.reruns_cheaply``), and only under GPipe: 1F1B
         would have to keep every micro-batch's layer inputs until the end, GPipe's memory.
         """
         return (train and self.schedule == "gpipe" and self.batch_weights and self._functions is not None
-                and not splits_backward(actions) and self._functions.splittable())
+                and not splits_backward(actions) and self._functions.batches_weights())
 
     def _run_graph(self, actions: Sequence[Action], inputs: Any, targets: Any,
                    train: bool) -> Tuple[TFGraphStageWork, StepRecord]:

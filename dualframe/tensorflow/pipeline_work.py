@@ -7,7 +7,7 @@ from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Tu
 import tensorflow as tf
 
 from dualframe.pipeline.action import BACKWARD, WEIGHT, Action
-from dualframe.tensorflow.split_backward import SplitFunctions, splittable
+from dualframe.tensorflow.split_backward import SplitFunctions, reruns_cheaply, splittable
 
 Gradients = List[Optional[tf.Tensor]]
 _LOG = logging.getLogger(__name__)
@@ -115,6 +115,10 @@ class StageFunctions:
     def splittable(self) -> bool:
         """Whether B and W may run as separate compiled passes (built, and no layer with state)."""
         return self.ready() and splittable(self.layers)
+
+    def batches_weights(self) -> bool:
+        """Whether GPipe's W passes pay as one batched pass: ``splittable`` and ``reruns_cheaply`` (no re-run blocks)."""
+        return self.splittable() and reruns_cheaply(self.layers)
 
     def tracing_counts(self) -> Dict[str, int]:
         """Traces per function so far (a test checks that no step after the first traces again)."""

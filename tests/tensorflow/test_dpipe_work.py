@@ -318,3 +318,26 @@ def test_gpipe_batched_weights_keep_the_taped_path_for_a_stage_with_state():
     work = TFStageWork(layers, False, False, keras.losses.MeanSquaredError(), [], [0.5, 0.5], "/CPU:0", functions,
                        split=False, batch_weights=True)
     assert not functions.splittable() and not work.batch_weights
+
+
+class _Block(keras.layers.Layer):
+    """Weights through sublayers only, as a transformer block holds them."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner, self.outer = keras.layers.Dense(6, activation="relu"), keras.layers.Dense(5)
+
+    def call(self, x):
+        return x + self.outer(self.inner(x))
+
+
+def test_gpipe_batches_weights_only_where_layers_rerun_cheaply():
+    # A block re-runs its whole forward in B and again in W: GPipe keeps the taped path for it.
+    dense = [keras.layers.Dense(5), keras.layers.ReLU(), keras.layers.Dense(5)]
+    blocks = [keras.layers.Dense(5), _Block()]
+    for layers in (dense, blocks):
+        keras.Sequential([keras.Input((5,))] + layers)
+    dense_functions = StageFunctions(dense, first=False, loss_fn=keras.losses.MeanSquaredError())
+    block_functions = StageFunctions(blocks, first=False, loss_fn=keras.losses.MeanSquaredError())
+    assert dense_functions.splittable() and dense_functions.batches_weights()
+    assert block_functions.splittable() and not block_functions.batches_weights()
