@@ -280,7 +280,7 @@ class TFStageWork:
             if i in self.fused and self.split_passes:
                 self._last_input_pass(i, x)
                 return None
-            if i in self.fused and self.functions is not None and not self.split_passes:
+            if i in self.fused and self.functions is not None and not self.split:  # W i adds a taped B
                 self._last_step(i, x)
                 return None
             if self.recompute is not None and i in self.recompute:

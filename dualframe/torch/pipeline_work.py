@@ -14,6 +14,8 @@ from dualframe.torch.stage_recompute import StageRecompute
 class ActivationMeter:
     """Counts the bytes autograd keeps for backward (activations), and their peak, parameters excluded.
 
+    A tensor saved by several ops (a ReLU's output that the next Linear saves as its input) counts once.
+
     Example:
         >>> meter = ActivationMeter(model.parameters())            # doctest: +SKIP
         >>> with meter.counting(): loss = model(x).sum()            # doctest: +SKIP
@@ -22,8 +24,22 @@ class ActivationMeter:
 
     def __init__(self, parameters: Iterable[torch.Tensor]) -> None:
         self._parameter_storages = {p.untyped_storage().data_ptr() for p in parameters}
+        self._held: Dict[Tuple[int, int], int] = {}  # (address, bytes) of a saved tensor -> how many saved it
         self.live_bytes = 0
         self.peak_bytes = 0
+
+    def _add(self, key: Tuple[int, int]) -> None:
+        count = self._held.get(key, 0)
+        self._held[key] = count + 1
+        if count == 0:
+            self.live_bytes += key[1]
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def _drop(self, key: Tuple[int, int]) -> None:
+        self._held[key] -= 1
+        if self._held[key] == 0:
+            del self._held[key]
+            self.live_bytes -= key[1]
 
     def reset_peak(self) -> None:
         """Start a new peak from what is alive now."""
@@ -53,16 +69,15 @@ class ActivationMeter:
 
 
 class _Counted:
-    """A saved tensor that adds its bytes to the meter while alive."""
+    """A saved tensor that adds its bytes to the meter while alive (once for all saved copies of it)."""
 
     def __init__(self, tensor: torch.Tensor, meter: ActivationMeter) -> None:
         self.tensor, self.meter = tensor, meter
-        self.nbytes = tensor.numel() * tensor.element_size()
-        meter.live_bytes += self.nbytes
-        meter.peak_bytes = max(meter.peak_bytes, meter.live_bytes)
+        self.key = (tensor.data_ptr(), tensor.numel() * tensor.element_size())
+        meter._add(self.key)
 
     def __del__(self) -> None:
-        self.meter.live_bytes -= self.nbytes
+        self.meter._drop(self.key)
 
 
 class TorchStageWork:

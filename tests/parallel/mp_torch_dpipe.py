@@ -128,7 +128,7 @@ def test_checkpointing_keeps_fewer_activations_alive_and_bad_modes_are_refused()
         pipe.train_step(x, y)
         peaks[checkpoint] = pipe.meter.peak_bytes
     if hvd.rank() == 0:  # GPipe: stage 0 holds 8 micro-batches' activations; checkpointed, their inputs and one graph
-        assert peaks["always"] * 3 < peaks["never"], peaks
+        assert peaks["always"] * 2.5 < peaks["never"], peaks
         assert peaks["except_last"] == peaks["always"], peaks  # 8 inputs and one micro-batch's graph either way
     with pytest.raises(StrategyError, match=r"unknown checkpoint 'sometimes'; choose one of always, except_last, never"):
         DistributedPipeline(pipeline_model(), [3, 2], chunks=2, loss_fn=nn.MSELoss(), checkpoint="sometimes")
