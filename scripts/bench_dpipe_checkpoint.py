@@ -28,10 +28,14 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (malloc.h)
 
 
 def mmap_threshold(nbytes: int) -> None:
-    """glibc's malloc: blocks of ``nbytes`` or more are mapped (and unmapped when freed); trims above it."""
+    """glibc's malloc: blocks of ``nbytes`` or more are mapped (and unmapped when freed); trims above it.
+
+    Set before the tensors of the measured steps exist: a freed block already in the heap would
+    otherwise serve them without the resident set growing."""
     libc = ctypes.CDLL("libc.so.6")
     libc.mallopt(M_MMAP_THRESHOLD, nbytes)
     libc.mallopt(M_TRIM_THRESHOLD, nbytes)
+    libc.malloc_trim(0)
 
 
 def peak_rss_growth(step: Callable[[], Any]) -> float:
@@ -118,11 +122,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     args = parser.parse_args()
     build = torch_pipelines if args.framework == "torch" else keras_pipelines
+    mmap_threshold(64 * 1024)
     pipes, stepper, (profile, hvd) = build(args)
     torch_meter = args.framework == "torch"
     for mode in MODES:  # warm-up: first-step tracing and allocations
         stepper(mode)(), stepper(mode)()
-    mmap_threshold(64 * 1024)
     rss: Dict[str, List[float]] = {mode: [] for mode in MODES}
     meter: Dict[str, float] = {}
     for _ in range(args.rounds):
