@@ -7,7 +7,9 @@
 A chain of ``blocks`` x (Linear/Dense(width, width), ReLU) per stage, 2 stages (one per process),
 GPipe, ``chunks`` micro-batches, one thread per process. Per checkpoint mode, each rank measures its
 stage's peak activation bytes during a step: torch, autograd's saved tensors plus the inputs a
-checkpointed micro-batch keeps (the pipeline's ``ActivationMeter``); both frameworks, the growth of the
+checkpointed micro-batch keeps (the pipeline's ``ActivationMeter``); Keras, the growth of TensorFlow's CPU
+allocator's peak over the step (``TF_CPU_ALLOCATOR_USE_BFC=true``, ``get_memory_info``: every tensor,
+weights' gradients and transient buffers included); both frameworks, the growth of the
 process's resident set over a step (peak RSS, reset before the step through /proc/self/clear_refs,
 with glibc's mmap threshold at 64 KiB meanwhile, so a freed tensor goes back to the system and the
 resident set follows what is alive). Beside them, ``dualframe plan``'s activation arithmetic for that
@@ -16,6 +18,7 @@ the modes taking turns (A B A B, median) and their ratio to "never".
 """
 import argparse
 import ctypes
+import os
 import statistics
 from typing import Any, Callable, Dict, List, Tuple
 
@@ -111,6 +114,33 @@ def keras_pipelines(args: argparse.Namespace) -> Tuple[Dict[str, Any], Callable[
     return pipes, stepper, (profile_model(model(), (args.width,)), hvd)
 
 
+def allocator_peak(step: Callable[[], Any]) -> float:
+    """Bytes TensorFlow's CPU allocator held at its peak during ``step()``, above what it held before."""
+    import tensorflow as tf
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    step()
+    return float(tf.config.experimental.get_memory_info("CPU:0")["peak"] - before)
+
+
+def measured_peaks(pipes: Dict[str, Any], stepper: Callable[[str], Callable[[], Any]],
+                   args: argparse.Namespace) -> Tuple[Dict[str, float], Dict[str, List[float]]]:
+    """Per mode, the last round's framework figure (torch: the meter; Keras: the allocator) and each round's RSS."""
+    rss: Dict[str, List[float]] = {mode: [] for mode in MODES}
+    framework: Dict[str, float] = {}
+    for _ in range(args.rounds):
+        for mode in MODES:
+            if args.framework == "torch":
+                pipes[mode].meter.reset_peak()
+                rss[mode].append(peak_rss_growth(stepper(mode)))
+                framework[mode] = pipes[mode].meter.peak_bytes
+            else:  # the allocator's figure taken inside the step the resident set is measured over
+                peaks: List[float] = []
+                rss[mode].append(peak_rss_growth(lambda: peaks.append(allocator_peak(stepper(mode)))))
+                framework[mode] = peaks[0]
+    return framework, rss
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--framework", choices=("torch", "keras"), default="torch")
@@ -121,21 +151,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=2)
     args = parser.parse_args()
+    if args.framework == "keras":  # TensorFlow's CPU allocator keeps statistics only as a BFC allocator
+        os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
     build = torch_pipelines if args.framework == "torch" else keras_pipelines
     mmap_threshold(64 * 1024)
     pipes, stepper, (profile, hvd) = build(args)
-    torch_meter = args.framework == "torch"
     for mode in MODES:  # warm-up: first-step tracing and allocations
         stepper(mode)(), stepper(mode)()
-    rss: Dict[str, List[float]] = {mode: [] for mode in MODES}
-    meter: Dict[str, float] = {}
-    for _ in range(args.rounds):
-        for mode in MODES:
-            if torch_meter:
-                pipes[mode].meter.reset_peak()
-            rss[mode].append(peak_rss_growth(stepper(mode)))
-            if torch_meter:
-                meter[mode] = pipes[mode].meter.peak_bytes
+    meter, rss = measured_peaks(pipes, stepper, args)
     mmap_threshold(32 * 2**20)
     import bench_common
     times = bench_common.interleaved_steps({mode: stepper(mode) for mode in MODES}, (), args.steps, args.rounds,
@@ -159,7 +182,8 @@ def report(hvd: Any, args: argparse.Namespace, mine: Dict[str, Tuple[Any, float,
           f"chunks {args.chunks}, GPipe, 1 thread per process, {args.rounds} rounds (median)")
     for j, rows in enumerate(stages):
         for mode, (metered, rss, planned, seconds) in rows.items():
-            counted = f"meter {metered / mib:7.1f} MiB, " if metered is not None else ""
+            what = "meter" if args.framework == "torch" else "allocator peak growth"
+            counted = f"{what} {metered / mib:7.1f} MiB, " if metered is not None else ""
             print(f"stage {j} {mode:<11} {counted}peak RSS growth {rss / mib:7.1f} MiB, plan {planned / mib:7.1f} MiB, "
                   f"step {seconds:.3f} s ({seconds / rows['never'][3]:.2f} x never)", flush=True)
 
