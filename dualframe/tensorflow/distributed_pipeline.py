@@ -178,7 +178,9 @@ class DistributedPipeline(KerasFit, StageView):
                            else None)
         self._graph_function = (None if self.split is None or self.captured is None else GraphStageFunction(
             self.layers[0], self.split, j, self.captured, loss_fn, jit_compile))
-        self._recompute = StageRecompute(self.layers, layout.recomputed) if layout.recomputed else None
+        # A graph stage calls its own layers and its copies of tied ones: the Keras layers whose state a replay needs.
+        called = self.layers if self.split is None else self.layers[0].layers + self.layers[0].tied
+        self._recompute = StageRecompute(called, layout.recomputed) if layout.recomputed else None
         self.gradients: List[Optional[tf.Tensor]] = []
         self.peak_live = 0
         #: GPipe: a stage whose split passes run computes its micro-batches' weight gradients in one pass

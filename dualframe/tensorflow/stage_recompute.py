@@ -1,4 +1,4 @@
-"""Activation checkpointing for a Keras process pipeline's stage: the variables a replayed forward must find as the first one did."""
+"""Activation checkpointing in a Keras process pipeline's stage: the state a replayed forward must find."""
 from __future__ import annotations
 
 import contextlib

@@ -1,4 +1,4 @@
-"""Activation checkpointing for a process pipeline's stage in torch: forward without a graph, the same forward again in backward."""
+"""Activation checkpointing in a torch process pipeline's stage: a forward without a graph, replayed in backward."""
 from __future__ import annotations
 
 from typing import Callable, Dict, FrozenSet, List, Optional, Tuple, TypeVar
