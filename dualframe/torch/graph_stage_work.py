@@ -169,7 +169,7 @@ class TorchGraphStageWork:
     """
 
     def __init__(self, stage: nn.Module, split: GraphSplit, j: int, captured: Captured, device: torch.device,
-                 loss_fn: Optional[Callable[[Any, torch.Tensor], torch.Tensor]], targets: List[torch.Tensor],
+                 loss_fn: Optional[Callable[[Any, Any], torch.Tensor]], targets: List[torch.Tensor],
                  weights: List[float], meter: ActivationMeter, split_backward: Optional[SplitBackward] = None,
                  recompute: Optional[StageRecompute] = None) -> None:
         self.stage, self.split, self.j, self.captured, self.device = stage, split, j, captured, device
@@ -232,7 +232,8 @@ class TorchGraphStageWork:
             return values, None
         assert self.loss_fn is not None
         outputs = {v: values[v] for v in self.split.graph.outputs}
-        return values, self.loss_fn(self.captured.unflatten(outputs), self.targets[i]) * self.weights[i]
+        target = self.targets[i] if self.targets else None  # None: the model's own loss reads its labels
+        return values, self.loss_fn(self.captured.unflatten(outputs), target) * self.weights[i]
 
     def _sent(self, values: Mapping[str, Any]) -> Dict[int, List[Any]]:
         return {c: [values[v] for v in names] for c, names in self.outgoing.items()}
