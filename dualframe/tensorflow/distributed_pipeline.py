@@ -26,7 +26,7 @@ from dualframe.tensorflow.collectives import hvd
 from dualframe.tensorflow.optimizer import DistributedOptimizer
 from dualframe.tensorflow.pipeline_work import StageFunctions, TFStageWork, deferred_weights, fusable
 from dualframe.pipeline.graph import GraphSplit, stage_count
-from dualframe.tensorflow.graph import KerasGraph, capture
+from dualframe.tensorflow.graph import KerasGraph, capture, chain_masks
 from dualframe.tensorflow.distributed_graph import process_stages
 from dualframe.tensorflow.graph_stage_work import GraphStageFunction, TFGraphStageWork
 from dualframe.tensorflow.pipeline_fit import KerasFit, keras_loss
@@ -43,6 +43,17 @@ def _layers_of(layers: Any) -> List[Any]:
         raise StrategyError(
             f"DistributedPipeline splits a keras.Sequential or a list of Keras layers (layers: {type(layers).__name__})")
     return list(layers)
+
+
+def _refuse_masks_crossing(layers: Sequence[Any], ranges: Sequence[range]) -> None:
+    """Refuse a cut of a chain after a layer whose output has a Keras mask (a Sequential built on a keras.Input)."""
+    masked = chain_masks(layers)
+    for r in ranges[:-1]:
+        if masked[r.stop - 1]:
+            raise StrategyError(
+                f"layer {layers[r.stop - 1].name!r} hands a Keras mask to the next stage, which a chain of layers does "
+                "not carry between processes; pass the functional model (keras.Model(inputs, outputs)), whose masks "
+                "cross, or cut after the layer that reads the mask")
 
 
 def _graph_of(layers: Any) -> Optional[KerasGraph]:
@@ -142,6 +153,7 @@ class DistributedPipeline(KerasFit, StageView):
             layout = layout_pipeline(len(all_layers), balance, chunks, schedule, loss_fn, devices, data_parallel,
                                      timeout, world)
             ranges = layout.ranges
+            _refuse_masks_crossing(all_layers, ranges)
         else:  # a functional model: one GraphStage per stage, the same cut on every rank
             n = stage_count(split_points, balance, stages)
             layout = layout_pipeline(n, [1] * n, chunks, schedule, loss_fn, devices, data_parallel, timeout, world)

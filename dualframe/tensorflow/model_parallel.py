@@ -212,6 +212,7 @@ class ModelParallel(Recording, keras.Model):
         def run(*tensors: tf.Tensor) -> Tuple[tf.Tensor, ...]:
             values = dict(zip(reads, tensors))
             self.captured.run(nodes, values, training)
+            self.captured.check_masks_kept(nodes, values)
             return tuple(values[v] for v in sends)
         return run
 

@@ -19,15 +19,7 @@ ATOL = 1e-9
 DEVICES = ["/CPU:1", "/CPU:2"]
 
 
-@pytest.fixture(autouse=True)
-def float64():
-    """floatx and the global dtype policy (Keras fixes the policy from floatx at its first use), put back after."""
-    floatx, policy = keras.config.floatx(), keras.config.dtype_policy()
-    keras.config.set_floatx("float64")
-    keras.config.set_dtype_policy("float64")
-    yield
-    keras.config.set_floatx(floatx)
-    keras.config.set_dtype_policy(policy)
+pytestmark = pytest.mark.usefixtures("keras_float64")
 
 
 def dropout_net(rate):
