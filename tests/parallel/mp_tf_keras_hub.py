@@ -1,12 +1,14 @@
-"""Keras models nobody here wrote, split across 2 processes: keras_hub GPT-2 and BERT backbones, MobileNetV2.
-# timeout: 400
+"""Keras models nobody here wrote, split across 2 processes: keras_hub GPT-2 and BERT backbones, MobileNetV2, implicit masks.
+# timeout: 480
 
 Float64 (``keras.config.set_floatx``): each step's loss and the merged weights after the steps equal one
 process training the unsplit model to 1e-9. The backbones take a dict batch (token ids, a padding
 mask, BERT's segment ids) and are cut inside the transformer stack (``balance=`` and ``stages=`` count
 the transformer layers); the padding mask crosses as a bool tensor beside the hidden states. With
 Dropout on and one micro-batch, every rank draws the masks the one process draws (each rank built the
-same seeded model, so its seed generators start in the same state).
+same seeded model, so its seed generators start in the same state). Models that hand Keras's implicit masks
+from layer to layer (``Embedding(mask_zero=True)``) are cut between the masking layer and the layers that
+read the mask: the mask crosses beside its tensor.
 """
 import keras
 import numpy as np
@@ -14,9 +16,11 @@ import pytest
 import tensorflow as tf
 
 import dualframe.tensorflow as hvd
+from dualframe.errors import StrategyError
 from dualframe.tensorflow.distributed_pipeline import DistributedPipeline
 # tests/parallel is on sys.path (pytest rootdir import)
 from keras_hub_models import HIDDEN, LENGTH, bert, gpt2, tokens
+from keras_mask_models import MODELS, padded_batches, sequential
 from keras_pipeline_models import assert_weights, one_process, train_pipeline
 
 pytest.importorskip("keras_hub")
@@ -90,3 +94,23 @@ def test_mobilenet_v2_split_by_memory_trains_as_one_process():
     pipe = DistributedPipeline(make(), stages=2, chunks=1, loss_fn="mse")
     train_pipeline(pipe, keras.optimizers.SGD(0.01), data, want_losses, atol=ATOL)
     assert_weights(pipe.gather_weights(), want_weights, atol=ATOL)
+
+
+# The attention model's output keeps its mask, and a Keras loss averages over the unmasked tokens of what
+# it is given: over each micro-batch's tokens in a process pipeline, so that one runs one micro-batch.
+@pytest.mark.parametrize("name, schedule, chunks, cut", [("recurrent", "gpipe", 3, "attention"),
+                                                         ("recurrent", "zb-h1", 3, "lstm"),
+                                                         ("attention", "1f1b", 1, "attention")])
+def test_implicit_masks_cross_processes(name, schedule, chunks, cut):
+    make, outputs = MODELS[name]
+    data = padded_batches(STEPS, ROWS, outputs)
+    want_losses, want_weights = one_process(make(), data, keras.optimizers.SGD(0.1))
+    pipe = DistributedPipeline(make(), split_points=[cut], chunks=chunks, schedule=schedule,
+                               loss_fn=keras.losses.MeanSquaredError())
+    train_pipeline(pipe, keras.optimizers.SGD(0.1), data, want_losses, atol=ATOL)
+    assert_weights(pipe.gather_weights(), want_weights, atol=ATOL)
+
+
+def test_a_sequential_refuses_a_cut_where_a_mask_would_cross():
+    with pytest.raises(StrategyError, match="layer 'embed' hands a Keras mask to the next stage"):
+        DistributedPipeline(sequential(), balance=[1, 3], loss_fn="mse")
