@@ -26,7 +26,8 @@ from dualframe.tensorflow.collectives import hvd
 from dualframe.tensorflow.optimizer import DistributedOptimizer
 from dualframe.tensorflow.pipeline_work import StageFunctions, TFStageWork, deferred_weights, fusable
 from dualframe.pipeline.graph import GraphSplit, stage_count
-from dualframe.tensorflow.graph import KerasGraph, capture, chain_masks
+from dualframe.tensorflow.graph import KerasGraph, capture
+from dualframe.tensorflow.graph_masks import chain_masks
 from dualframe.tensorflow.distributed_graph import process_stages
 from dualframe.tensorflow.graph_stage_work import GraphStageFunction, TFGraphStageWork
 from dualframe.tensorflow.pipeline_fit import KerasFit, keras_loss

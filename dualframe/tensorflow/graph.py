@@ -21,7 +21,8 @@ import tensorflow as tf
 
 from dualframe.pipeline.units import block_units as units_of
 from dualframe.errors import TraceError
-from dualframe.pipeline.graph import Graph, GraphNode
+from dualframe.pipeline.graph import Graph, GraphNode, GraphSplit
+from dualframe.tensorflow.graph_masks import chain_masks, mask_outputs, mask_reads
 
 # Keras has no public getter for the implicit mask a layer sets on its output tensor (the _keras_mask attribute).
 from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
@@ -211,17 +212,6 @@ def _chain(layers: List[Any], model: Optional[Any]) -> KerasGraph:
                       (0,) if len(outputs) == 2 else ())
 
 
-def chain_masks(layers: Sequence[Any]) -> List[bool]:
-    """Per layer of a Sequential built on a ``keras.Input``, whether its output has a Keras mask (else False)."""
-    found = []
-    for layer in layers:
-        try:
-            found.append(get_keras_mask(layer.output) is not None)
-        except (AttributeError, ValueError):  # never called on a keras.Input, or called several times: unknown
-            found.append(False)
-    return found
-
-
 def _ordered_nodes(model: Any) -> List[Any]:
     """The model's Keras nodes in the order Functional runs them: deepest first, then operation order."""
     op_index = {id(op): k for k, op in enumerate(model.operations)}
@@ -266,55 +256,20 @@ def _capture_functional(model: Any) -> KerasGraph:
             if id(kt) not in keys:
                 keys.append(id(kt))
                 reads.append(names[id(kt)])
-        masks = _mask_reads(node, op.name, names, reads)
+        masks = mask_reads(node, op.name, names, reads)
         outputs = [base] if len(node.outputs) == 1 else [f"{base}#{t}" for t in range(len(node.outputs))]
         for kt, value in zip(node.outputs, outputs):
             names[id(kt)], specs[value] = value, kt
-        mask_outputs = _mask_outputs(node, outputs, names, specs)
+        made = mask_outputs(node, outputs, names, specs)
         leaf = isinstance(op, keras.Model)
         if leaf:
             nested[op.name] = tuple(layer.name for layer in _layers_inside(op))
         nodes.append(GraphNode(base, op.name, tuple(reads), tuple(outputs), leaf=leaf, unit=unit))
-        calls.append(Call(op, node.arguments, tuple(keys), masks, mask_outputs))
+        calls.append(Call(op, node.arguments, tuple(keys), masks, made))
     masked = tuple(t for t, kt in enumerate(model.outputs) if get_keras_mask(kt) is not None)
     outputs = [names[id(kt)] for kt in model.outputs] + [names[id(get_keras_mask(model.outputs[t]))] for t in masked]
     graph = Graph(tuple(inputs), tuple(nodes), tuple(outputs))
     return KerasGraph(graph, tuple(calls), tuple(model.layers), model, specs, nested, masked)
-
-
-def _mask_reads(node: Any, layer: str, names: Dict[int, str], reads: List[str]) -> Tuple[Tuple[int, int], ...]:
-    """Per argument of ``node`` that had an implicit Keras mask at build, (its position, its mask's) in ``reads``.
-
-    The mask's value joins ``reads`` (unless the node reads it already, as an LSTM's ``mask=``), so a cut
-    sends it beside the tensor to the stage that reads them.
-    """
-    pairs = []
-    for kt in node.arguments.keras_tensors:
-        mask = get_keras_mask(kt)
-        if mask is None:
-            continue
-        if id(mask) not in names:
-            raise TraceError(f"layer {layer!r} reads {kt.name} with a Keras mask that no layer of the model makes; "
-                             "pass the mask as a model input")
-        if names[id(mask)] not in reads:
-            reads.append(names[id(mask)])
-        pair = (reads.index(names[id(kt)]), reads.index(names[id(mask)]))
-        if pair not in pairs:
-            pairs.append(pair)
-    return tuple(pairs)
-
-
-def _mask_outputs(node: Any, outputs: List[str], names: Dict[int, str], specs: Dict[str, Any]) -> Tuple[int, ...]:
-    """The outputs of ``node`` whose Keras mask is new (not an earlier value's): each gets a value ``<output>~mask``."""
-    found = []
-    for t, kt in enumerate(node.outputs):
-        mask = get_keras_mask(kt)
-        if mask is not None and id(mask) not in names:
-            value = f"{outputs[t]}~mask"
-            names[id(mask)], specs[value] = value, mask
-            outputs.append(value)
-            found.append(t)
-    return tuple(found)
 
 
 def block_units(operations: Sequence[Any]) -> List[str]:
@@ -387,3 +342,13 @@ def layers_called_first(captured: KerasGraph, split: Any, j: int) -> List[Any]:
             seen.add(id(call.operation))
             found.append(call.operation)
     return found
+
+
+def layers_called(captured: KerasGraph, split: GraphSplit, j: int) -> List[Any]:
+    """Every layer stage ``j`` of ``split`` calls, once each, in node order."""
+    found: Dict[int, Any] = {}
+    for k in split.stage_range(j):
+        call = captured.calls[k]
+        if call is not None and isinstance(call.operation, keras.layers.Layer):
+            found.setdefault(id(call.operation), call.operation)
+    return list(found.values())
