@@ -82,6 +82,29 @@ def test_dropout_on_draws_the_one_process_masks():
     assert_weights(pipe.gather_weights(), want_weights, atol=ATOL)
 
 
+def one_process_in_turn(model, data, optimizer, chunks):
+    """One process feeds each batch's micro-batches to the whole model in turn (each Dropout draws the next mask)."""
+    losses = []
+    for x, y in data:
+        rows = len(y) // chunks
+        with tf.GradientTape() as tape:
+            loss = sum(tf.reduce_mean(keras.losses.mean_squared_error(
+                y[i * rows:(i + 1) * rows], model({k: v[i * rows:(i + 1) * rows] for k, v in x.items()}, training=True)))
+                for i in range(chunks)) / chunks
+        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+        losses.append(float(loss))
+    return losses, model.get_weights()
+
+
+def test_dropout_on_with_micro_batches_draws_the_masks_of_one_process_feeding_them_in_turn():
+    data = token_batches(gpt2(), (LENGTH, HIDDEN))
+    make = lambda: gpt2(layers=2, dropout=0.2)  # noqa: E731
+    want_losses, want_weights = one_process_in_turn(make(), data, keras.optimizers.SGD(0.1), chunks=3)
+    pipe = DistributedPipeline(make(), balance=[1, 1], chunks=3, schedule="1f1b", loss_fn="mse")
+    train_pipeline(pipe, keras.optimizers.SGD(0.1), data, want_losses, atol=ATOL)
+    assert_weights(pipe.gather_weights(), want_weights, atol=ATOL)
+
+
 def test_mobilenet_v2_split_by_memory_trains_as_one_process():
     def make():
         keras.utils.set_random_seed(8)
