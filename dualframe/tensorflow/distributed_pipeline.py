@@ -27,7 +27,7 @@ from dualframe.tensorflow.optimizer import DistributedOptimizer
 from dualframe.tensorflow.pipeline_work import StageFunctions, TFStageWork, deferred_weights, fusable
 from dualframe.pipeline.graph import GraphSplit, stage_count
 from dualframe.tensorflow.graph import KerasGraph, capture
-from dualframe.tensorflow.graph_masks import chain_masks
+from dualframe.tensorflow.graph_masks import chain_mask_crossing
 from dualframe.tensorflow.distributed_graph import process_stages
 from dualframe.tensorflow.graph_stage_work import GraphStageFunction, TFGraphStageWork
 from dualframe.tensorflow.pipeline_fit import KerasFit, keras_loss
@@ -47,14 +47,13 @@ def _layers_of(layers: Any) -> List[Any]:
 
 
 def _refuse_masks_crossing(layers: Sequence[Any], ranges: Sequence[range]) -> None:
-    """Refuse a cut of a chain after a layer whose output has a Keras mask (a Sequential built on a keras.Input)."""
-    masked = chain_masks(layers)
-    for r in ranges[:-1]:
-        if masked[r.stop - 1]:
-            raise StrategyError(
-                f"layer {layers[r.stop - 1].name!r} hands a Keras mask to the next stage, which a chain of layers does "
-                "not carry between processes; pass the functional model (keras.Model(inputs, outputs)), whose masks "
-                "cross, or cut after the layer that reads the mask")
+    """Refuse a cut of a chain where a Keras mask may cross: a chain's messages carry tensors, not their masks."""
+    found = chain_mask_crossing(layers, [r.stop for r in ranges[:-1]])
+    if found is not None:
+        raise StrategyError(
+            f"layer {found[0]!r} {found[1]}, which a chain of layers does not carry between processes; pass the "
+            "functional model (keras.Model(inputs, outputs)), whose masks cross, or a keras.Sequential built on a "
+            "keras.Input cut after the layer that reads the mask")
 
 
 def _graph_of(layers: Any) -> Optional[KerasGraph]:

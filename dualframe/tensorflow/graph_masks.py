@@ -8,7 +8,9 @@ capture (``dualframe.tensorflow.graph``) makes each mask a value of the graph, r
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import keras
 
 # Keras has no public getter for the implicit mask a layer sets on its output tensor (the _keras_mask attribute).
 from keras.src.backend.common.masking import get_keras_mask
@@ -51,12 +53,33 @@ def mask_outputs(node: Any, outputs: List[str], names: Dict[int, str], specs: Di
     return tuple(found)
 
 
-def chain_masks(layers: Sequence[Any]) -> List[bool]:
-    """Per layer of a Sequential built on a ``keras.Input``, whether its output has a Keras mask (else False)."""
-    found = []
+def chain_masks(layers: Sequence[Any]) -> List[Optional[bool]]:
+    """Per layer of a chain, whether its output has a Keras mask; None where unknown (not built on a ``keras.Input``)."""
+    found: List[Optional[bool]] = []
     for layer in layers:
         try:
             found.append(get_keras_mask(layer.output) is not None)
-        except (AttributeError, ValueError):  # never called on a keras.Input, or called several times: unknown
-            found.append(False)
+        except (AttributeError, ValueError):  # never called on a keras.Input, or called several times
+            found.append(None)
     return found
+
+
+def chain_mask_crossing(layers: Sequence[Any], stops: Sequence[int]) -> Optional[Tuple[str, str]]:
+    """Where a cut of a chain before ``layers[stop]`` (each of ``stops``) may drop a Keras mask: (the layer, why).
+
+    Known outputs (a Sequential built on a ``keras.Input``) say it; otherwise any mask source before the
+    cut (an ``Embedding(mask_zero=True)``, a ``Masking``) counts, since where its mask ends is unknown.
+
+    Example:
+        >>> chain_mask_crossing([keras.layers.Embedding(9, 4, mask_zero=True), keras.layers.LSTM(4)], [1])
+        ('embedding', 'makes a Keras mask that may still be on the tensor there')
+    """
+    masked = chain_masks(layers)
+    for stop in stops:
+        if masked[stop - 1]:
+            return layers[stop - 1].name, "hands a Keras mask to the next stage"
+        if masked[stop - 1] is None:
+            for layer in layers[:stop]:
+                if isinstance(layer, keras.layers.Masking) or getattr(layer, "mask_zero", False):
+                    return layer.name, "makes a Keras mask that may still be on the tensor there"
+    return None

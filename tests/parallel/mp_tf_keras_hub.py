@@ -134,6 +134,9 @@ def test_implicit_masks_cross_processes(name, schedule, chunks, cut):
     assert_weights(pipe.gather_weights(), want_weights, atol=ATOL)
 
 
-def test_a_sequential_refuses_a_cut_where_a_mask_would_cross():
-    with pytest.raises(StrategyError, match="layer 'embed' hands a Keras mask to the next stage"):
-        DistributedPipeline(sequential(), balance=[1, 3], loss_fn="mse")
+@pytest.mark.parametrize("built, why", [(True, "hands a Keras mask to the next stage"),
+                                        (False, "makes a Keras mask that may still be on the tensor there")])
+def test_a_chain_refuses_a_cut_where_a_mask_may_cross(built, why):
+    """A Sequential on a keras.Input says where its mask is; a plain list only where one begins."""
+    with pytest.raises(StrategyError, match=f"layer 'embed' {why}"):
+        DistributedPipeline(sequential(built), balance=[1, 3], loss_fn="mse")
