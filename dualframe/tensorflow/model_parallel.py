@@ -147,9 +147,6 @@ class ModelParallel(Recording, keras.Model):
         # Tracked in model.layers order, as Functional tracks them: weights and get_weights() are the model's.
         self.split_layers = list(captured.layers)
         self._stage_layers = [self._layers_of(j) for j in range(plan.stages)]
-        # What a recomputed stage must start again from: Dropout's seeds, BatchNormalization's statistics.
-        self._state = [[v for layer in layers_called(captured, split, j) for v in layer.non_trainable_variables]
-                       for j in range(plan.stages)]
         if all(layer.built for layer in captured.layers):  # a model, or layers built by measuring them
             self._place()
         self._cells: Dict[Tuple[int, bool], Callable[..., tf.Tensor]] = {}
@@ -167,6 +164,13 @@ class ModelParallel(Recording, keras.Model):
     def _layers_of(self, j: int) -> List[Any]:
         """The layers stage j calls first (a shared layer's variables go where it first runs)."""
         return layers_called_first(self.captured, self.graph_split, j)
+
+    def _state_of(self, j: int) -> List[Any]:
+        """What a recomputed stage j starts again from: Dropout's seed states, BatchNormalization's statistics.
+
+        Not kept as an attribute: Keras would track the variables in it as the model's own, out of order.
+        """
+        return [v for layer in layers_called(self.captured, self.graph_split, j) for v in layer.non_trainable_variables]
 
     def _place(self) -> None:
         for layers, device in zip(self._stage_layers, self.plan.devices):
@@ -230,7 +234,7 @@ class ModelParallel(Recording, keras.Model):
         def cell(i: int, j: int) -> None:
             fn = self._stage(j, training)
             if self.plan.checkpointed(i) and training:
-                fn = _recomputed(fn, self._state[j])
+                fn = _recomputed(fn, self._state_of(j))
             if record is not None:
                 fn = _timed_backward(fn, i, j, record)
             with tf.device(self.plan.devices[j]):
