@@ -11,9 +11,8 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from dualframe.pipeline.graph import GraphSplit
-from dualframe.tensorflow.graph import KerasGraph, layers_called_first
+from dualframe.tensorflow.graph import KerasGraph, layers_called, layers_called_first
 from dualframe.tensorflow.graph_split import split_model
-from dualframe.tensorflow.tied import layers_called
 
 
 def process_stages(captured: KerasGraph, *, split_points: Optional[Sequence[str]] = None,

@@ -28,6 +28,7 @@ from dualframe.tensorflow.pipeline_work import StageFunctions, TFStageWork, defe
 from dualframe.tensorflow.stage_recompute import StageRecompute
 from dualframe.pipeline.graph import GraphSplit, stage_count
 from dualframe.tensorflow.graph import KerasGraph, capture
+from dualframe.tensorflow.graph_masks import chain_mask_crossing
 from dualframe.tensorflow.distributed_graph import process_stages
 from dualframe.tensorflow.graph_stage_work import GraphStageFunction, TFGraphStageWork
 from dualframe.tensorflow.pipeline_fit import KerasFit, keras_loss
@@ -44,6 +45,16 @@ def _layers_of(layers: Any) -> List[Any]:
         raise StrategyError(
             f"DistributedPipeline splits a keras.Sequential or a list of Keras layers (layers: {type(layers).__name__})")
     return list(layers)
+
+
+def _refuse_masks_crossing(layers: Sequence[Any], ranges: Sequence[range]) -> None:
+    """Refuse a cut of a chain where a Keras mask may cross: a chain's messages carry tensors, not their masks."""
+    found = chain_mask_crossing(layers, [r.stop for r in ranges[:-1]])
+    if found is not None:
+        raise StrategyError(
+            f"layer {found[0]!r} {found[1]}, which a chain of layers does not carry between processes; pass the "
+            "functional model (keras.Model(inputs, outputs)), whose masks cross, or a keras.Sequential built on a "
+            "keras.Input cut after the layer that reads the mask")
 
 
 def _graph_of(layers: Any) -> Optional[KerasGraph]:
@@ -148,6 +159,7 @@ class DistributedPipeline(KerasFit, StageView):
             layout = layout_pipeline(len(all_layers), balance, chunks, schedule, loss_fn, devices, data_parallel,
                                      timeout, world, checkpoint)
             ranges = layout.ranges
+            _refuse_masks_crossing(all_layers, ranges)
         else:  # a functional model: one GraphStage per stage, the same cut on every rank
             n = stage_count(split_points, balance, stages)
             layout = layout_pipeline(n, [1] * n, chunks, schedule, loss_fn, devices, data_parallel, timeout, world,

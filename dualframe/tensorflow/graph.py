@@ -21,8 +21,11 @@ import tensorflow as tf
 
 from dualframe.pipeline.units import block_units as units_of
 from dualframe.errors import TraceError
-from dualframe.pipeline.graph import Graph, GraphNode
+from dualframe.pipeline.graph import Graph, GraphNode, GraphSplit
+from dualframe.tensorflow.graph_masks import chain_masks, mask_outputs, mask_reads
 
+# Keras has no public getter for the implicit mask a layer sets on its output tensor (the _keras_mask attribute).
+from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
 # Keras has no public name for a functional model's class (a subclass calling Model(inputs, outputs)
 # is one too); its nodes and their arguments below are equally internal, read as Functional reads them.
 from keras.src.models.functional import Functional
@@ -32,13 +35,27 @@ CHAIN_INPUT = "input"
 
 @dataclass(frozen=True)
 class Call:
-    """How to run one node: the operation, and its Keras arguments (None: one positional tensor, a chain)."""
+    """How to run one node: the operation, and its Keras arguments (None: one positional tensor, a chain).
+
+    ``masks`` carries Keras's implicit masks (``mask_zero=True``, ``supports_masking``) across a cut:
+    Keras hands a mask from layer to layer as an attribute of the tensor (``_keras_mask``), which a copy
+    onto another device, a message or a compiled function's argument does not keep. Each pair is
+    (position in ``node.inputs`` of a value that had a mask when the model was built, position of that
+    mask's own value); the mask is put back on the tensor before the call when it has none. The last
+    ``len(mask_outputs)`` outputs of a node are the masks Keras set on its outputs (by index).
+    """
 
     operation: Any
     arguments: Any = None
     keys: Tuple[int, ...] = ()  # id() of each KerasTensor argument, aligned with GraphNode.inputs
+    masks: Tuple[Tuple[int, int], ...] = ()
+    mask_outputs: Tuple[int, ...] = ()
 
     def __call__(self, values: Dict[str, Any], node: GraphNode, training: Any) -> List[Any]:
+        for value_at, mask_at in self.masks:
+            tensor = values[node.inputs[value_at]]
+            if get_keras_mask(tensor) is None:
+                set_keras_mask(tensor, values[node.inputs[mask_at]])
         if self.arguments is None:
             args, kwargs = [values[node.inputs[0]]], {}
         else:
@@ -47,7 +64,14 @@ class Call:
         # (a Dropout's node holds training=False), and only for operations that take it (layers, not keras.ops).
         if training is not None and "training" in getattr(self.operation, "_call_context_args", ()):
             kwargs = {**kwargs, "training": training}
-        return list(keras.tree.flatten(self.operation(*args, **kwargs)))
+        outputs = list(keras.tree.flatten(self.operation(*args, **kwargs)))
+        masks = [get_keras_mask(outputs[t]) for t in self.mask_outputs]
+        for t, mask in zip(self.mask_outputs, masks):
+            if mask is None:
+                raise TraceError(f"layer {node.scope!r} set no mask on its output {t} when it ran, though it had one "
+                                 "when the model was built; dualframe carries Keras masks across a cut only when "
+                                 "the layer makes them alike both times")
+        return outputs + masks
 
 
 @dataclass(frozen=True)
@@ -69,6 +93,9 @@ class KerasGraph:
         model: the model given (functional or Sequential), or None for a list of layers.
         specs: per value, its symbolic tensor (shape with the batch first, dtype) when known.
         nested: per nested model, the names of the layers inside it (they cannot begin a stage).
+        output_masks: the model outputs that carry a Keras mask (by index); their masks' values follow
+            the outputs in ``graph.outputs``, and ``pack_outputs`` puts them back on the outputs (a Keras
+            loss weighs by them, as on the unsplit model).
     """
 
     graph: Graph
@@ -77,6 +104,7 @@ class KerasGraph:
     model: Any
     specs: Dict[str, Any]
     nested: Dict[str, Tuple[str, ...]]
+    output_masks: Tuple[int, ...] = ()
 
     @property
     def functional(self) -> bool:
@@ -90,6 +118,24 @@ class KerasGraph:
             if call is not None:
                 values.update(zip(node.outputs, call(values, node, training)))
 
+    def check_masks_kept(self, nodes: range, values: Dict[str, Any]) -> None:
+        """Refuse a stage of a chain whose last output has a Keras mask that the next stage would not get.
+
+        A list of layers (or a Sequential not built on a ``keras.Input``) says nothing about masks
+        before it runs; its masks stay on their tensors inside a stage only.
+
+        Raises:
+            TraceError: the stage's last layer set a mask on the value the next stage reads.
+        """
+        if self.functional or nodes.stop >= len(self.graph.nodes) or not nodes:
+            return
+        node = self.graph.nodes[nodes.stop - 1]
+        if len(node.outputs) == 1 and get_keras_mask(values[node.outputs[0]]) is not None:
+            raise TraceError(f"layer {node.scope!r} hands a Keras mask to the next stage, which a list of layers does "
+                             "not carry across a cut; build the model on a keras.Input (keras.Sequential([keras.Input("
+                             "...), ...]) or the functional API), whose masks cross, or cut after the layer that "
+                             "reads the mask")
+
     def flat_inputs(self, inputs: Any) -> List[Any]:
         """The caller's inputs as one tensor per model input, in ``graph.inputs`` order."""
         if not self.functional:
@@ -98,7 +144,11 @@ class KerasGraph:
         return list(self.model._standardize_inputs(inputs))
 
     def pack_outputs(self, flat: Sequence[Any]) -> Any:
-        """One tensor per ``graph.outputs`` back into the model's output structure."""
+        """One tensor per ``graph.outputs`` back into the model's output structure, each with its Keras mask."""
+        count = len(flat) - len(self.output_masks)
+        for t, mask in zip(self.output_masks, flat[count:]):
+            set_keras_mask(flat[t], mask)
+        flat = flat[:count]
         if not self.functional:
             return flat[0]
         struct = self.model.output
@@ -141,16 +191,25 @@ def capture(model: Any) -> KerasGraph:
 
 
 def _chain(layers: List[Any], model: Optional[Any]) -> KerasGraph:
-    """One node per layer, each reading the previous one's output (a layer listed twice: two units)."""
-    nodes, previous, seen = [], CHAIN_INPUT, set()
+    """One node per layer, each reading the previous one's output (a layer listed twice: two units).
+
+    A layer whose output had a Keras mask when the Sequential was built on a ``keras.Input`` makes a
+    second value, ``<name>~mask``, which the next layer reads beside its input (``chain_masks``).
+    """
+    nodes, calls, previous, seen = [], [], CHAIN_INPUT, set()
+    masked = chain_masks(layers) if model is not None else [False] * len(layers)
     for index, layer in enumerate(layers):
         name = layer.name if layer.name not in seen else f"{layer.name}@{index}"
         unit = name if index == 0 or layers[index - 1].name != layer.name else f"{layer.name}@{index}"
         seen.add(layer.name)
-        nodes.append(GraphNode(name, layer.name, (previous,), (name,), unit=unit))
+        reads = (previous, f"{previous}~mask") if index and masked[index - 1] else (previous,)
+        nodes.append(GraphNode(name, layer.name, reads, (name, f"{name}~mask") if masked[index] else (name,),
+                               unit=unit))
+        calls.append(Call(layer, masks=((0, 1),) if len(reads) == 2 else (), mask_outputs=(0,) if masked[index] else ()))
         previous = name
-    return KerasGraph(Graph((CHAIN_INPUT,), tuple(nodes), (previous,)), tuple(Call(layer) for layer in layers),
-                      tuple(layers), model, {}, {})
+    outputs = (previous, f"{previous}~mask") if layers and masked[-1] else (previous,)
+    return KerasGraph(Graph((CHAIN_INPUT,), tuple(nodes), outputs), tuple(calls), tuple(layers), model, {}, {},
+                      (0,) if len(outputs) == 2 else ())
 
 
 def _ordered_nodes(model: Any) -> List[Any]:
@@ -197,16 +256,20 @@ def _capture_functional(model: Any) -> KerasGraph:
             if id(kt) not in keys:
                 keys.append(id(kt))
                 reads.append(names[id(kt)])
+        masks = mask_reads(node, op.name, names, reads)
         outputs = [base] if len(node.outputs) == 1 else [f"{base}#{t}" for t in range(len(node.outputs))]
         for kt, value in zip(node.outputs, outputs):
             names[id(kt)], specs[value] = value, kt
+        made = mask_outputs(node, outputs, names, specs)
         leaf = isinstance(op, keras.Model)
         if leaf:
             nested[op.name] = tuple(layer.name for layer in _layers_inside(op))
         nodes.append(GraphNode(base, op.name, tuple(reads), tuple(outputs), leaf=leaf, unit=unit))
-        calls.append(Call(op, node.arguments, tuple(keys)))
-    graph = Graph(tuple(inputs), tuple(nodes), tuple(names[id(kt)] for kt in model.outputs))
-    return KerasGraph(graph, tuple(calls), tuple(model.layers), model, specs, nested)
+        calls.append(Call(op, node.arguments, tuple(keys), masks, made))
+    masked = tuple(t for t, kt in enumerate(model.outputs) if get_keras_mask(kt) is not None)
+    outputs = [names[id(kt)] for kt in model.outputs] + [names[id(get_keras_mask(model.outputs[t]))] for t in masked]
+    graph = Graph(tuple(inputs), tuple(nodes), tuple(outputs))
+    return KerasGraph(graph, tuple(calls), tuple(model.layers), model, specs, nested, masked)
 
 
 def block_units(operations: Sequence[Any]) -> List[str]:
@@ -279,3 +342,13 @@ def layers_called_first(captured: KerasGraph, split: Any, j: int) -> List[Any]:
             seen.add(id(call.operation))
             found.append(call.operation)
     return found
+
+
+def layers_called(captured: KerasGraph, split: GraphSplit, j: int) -> List[Any]:
+    """Every layer stage ``j`` of ``split`` calls, once each, in node order."""
+    found: Dict[int, Any] = {}
+    for k in split.stage_range(j):
+        call = captured.calls[k]
+        if call is not None and isinstance(call.operation, keras.layers.Layer):
+            found.setdefault(id(call.operation), call.operation)
+    return list(found.values())

@@ -24,9 +24,10 @@ On the last stage ``F i`` and ``B i`` are one call (``last_input_pass``: forward
 values' gradients and the owners' output gradients from one tape, no weight product), since
 zero-bubble schedules run them back to back there. Re-running a node is exact only for a node without
 state: a stage calling a layer with non-trainable variables (``BatchNormalization``'s moving
-statistics, ``Dropout``'s seed) or reading a value with an implicit Keras mask (which kept tensors do
-not carry) is not ``splittable``; ``TFGraphStageWork`` then runs B as the full backward and W only
-adds it (equal results, no gain, logged once).
+statistics, ``Dropout``'s seed) is not ``splittable``; ``TFGraphStageWork`` then runs B as the full
+backward and W only adds it (equal results, no gain, logged once). An implicit Keras mask is a value
+of the graph like any other (``graph.Call``): it is kept with the tensor it belongs to and put back on
+it when a node re-runs.
 """
 from __future__ import annotations
 
@@ -88,16 +89,14 @@ class GraphSplitPasses:
         self.outgoing = {c: edge_values(split, j, c) for c in stage_edges(split, j).targets}
 
     def splittable(self) -> bool:
-        """Whether re-running each node from its kept inputs gives the forward's values (no state, no implicit mask).
+        """Whether re-running each node from its kept inputs gives the forward's values (no layer with state).
 
         Example:
             >>> GraphSplitPasses(stage, split, 1, captured, None).splittable()   # doctest: +SKIP
             True
         """
-        for k in self.nodes:
-            if getattr(self.captured.calls[k].operation, "non_trainable_variables", None):  # type: ignore[union-attr]
-                return False
-        return all(getattr(self.captured.specs.get(v), "_keras_mask", None) is None for v in self.reads)
+        return not any(getattr(self.captured.calls[k].operation, "non_trainable_variables", None)  # type: ignore[union-attr]
+                       for k in self.nodes)
 
     def _run(self, values: Dict[str, Any]) -> Dict[str, Any]:
         values = dict(values)

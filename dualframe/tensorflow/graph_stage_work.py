@@ -154,9 +154,8 @@ class TFGraphStageWork:
         self.split_passes = self.split_backward and self.bodies.splittable()
         if self.split_backward and not self.split_passes and not _WARNED:
             _WARNED.append(True)
-            _LOG.warning("a layer of this graph stage has state (non-trainable variables) or reads an implicit mask, "
-                         "so its backward cannot be re-run in two passes: B runs the whole backward, W only adds it "
-                         "(no zero-bubble gain)")
+            _LOG.warning("a layer of this graph stage has state (non-trainable variables), so its backward cannot be "
+                         "re-run in two passes: B runs the whole backward, W only adds it (no zero-bubble gain)")
         # i -> what W i needs: ("sums", the weights' gradients) or ("split", owners' inputs, their output gradients)
         self._pending: Dict[int, Tuple[Any, ...]] = {}
         self.loss_fn, self.targets, self.weights = loss_fn, list(targets), list(weights)

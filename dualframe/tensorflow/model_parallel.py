@@ -15,7 +15,7 @@ from dualframe.pipeline.schedule import one_process_ticks
 from dualframe.pipeline.split import Split, validate_split
 from dualframe.observe.timeline import Recording
 from dualframe.pipeline.graph import GraphSplit, graph_units
-from dualframe.tensorflow.graph import KerasGraph, capture, layers_called_first, place_variables
+from dualframe.tensorflow.graph import KerasGraph, capture, layers_called, layers_called_first, place_variables
 from dualframe.tensorflow.graph_split import describe_split, split_model
 
 _NAME = re.compile(r"^/?(?:.*device:)?(cpu|gpu|tpu)(?::(\d+))?$", re.IGNORECASE)
@@ -165,6 +165,13 @@ class ModelParallel(Recording, keras.Model):
         """The layers stage j calls first (a shared layer's variables go where it first runs)."""
         return layers_called_first(self.captured, self.graph_split, j)
 
+    def _state_of(self, j: int) -> List[Any]:
+        """What a recomputed stage j starts again from: Dropout's seed states, BatchNormalization's statistics.
+
+        Not kept as an attribute: Keras would track the variables in it as the model's own, out of order.
+        """
+        return [v for layer in layers_called(self.captured, self.graph_split, j) for v in layer.non_trainable_variables]
+
     def _place(self) -> None:
         for layers, device in zip(self._stage_layers, self.plan.devices):
             place_variables(layers, device)
@@ -212,6 +219,7 @@ class ModelParallel(Recording, keras.Model):
         def run(*tensors: tf.Tensor) -> Tuple[tf.Tensor, ...]:
             values = dict(zip(reads, tensors))
             self.captured.run(nodes, values, training)
+            self.captured.check_masks_kept(nodes, values)
             return tuple(values[v] for v in sends)
         return run
 
@@ -226,7 +234,7 @@ class ModelParallel(Recording, keras.Model):
         def cell(i: int, j: int) -> None:
             fn = self._stage(j, training)
             if self.plan.checkpointed(i) and training:
-                fn = _recomputed(fn)
+                fn = _recomputed(fn, self._state_of(j))
             if record is not None:
                 fn = _timed_backward(fn, i, j, record)
             with tf.device(self.plan.devices[j]):
@@ -279,20 +287,30 @@ class ModelParallel(Recording, keras.Model):
         return self.captured.model.load_weights(filepath, **kwargs)
 
 
-def _recomputed(fn: Callable[..., Tuple[tf.Tensor, ...]]) -> Callable[..., Tuple[tf.Tensor, ...]]:
+def _recomputed(fn: Callable[..., Tuple[tf.Tensor, ...]], state: Sequence[Any]) -> Callable[..., Tuple[tf.Tensor, ...]]:
     """``tf.recompute_grad(fn)`` over floating-point values only: integer and boolean inputs and outputs
     (token ids, masks) carry no gradient, and a traced ``recompute_grad`` cannot make one for them; the
-    non-float outputs are taken from the forward call (the backward's recomputation does not need them)."""
+    non-float outputs are taken from the forward call (the backward's recomputation does not need them).
+
+    The recomputation starts from the ``state`` variables' values of the forward (a Dropout draws the
+    forward's mask again, BatchNormalization's moving statistics move once) and puts back what they
+    held before it (later micro-batches' forwards may have moved them since)."""
 
     def run(*xs: tf.Tensor) -> Tuple[tf.Tensor, ...]:
         where = [k for k, x in enumerate(xs) if x.dtype.is_floating]
         others: List[List[Any]] = []
+        before = [tf.identity(v) for v in state]
 
         def floats_only(*floats: tf.Tensor) -> Tuple[tf.Tensor, ...]:
             args = list(xs)
             for k, x in zip(where, floats):
                 args[k] = x
+            now = [tf.identity(v) for v in state] if others else []
+            for variable, value in zip(state if others else [], before):
+                variable.assign(value)
             ys = fn(*args)
+            for variable, value in zip(state if others else [], now):
+                variable.assign(value)
             if not others:
                 others.append([None if y.dtype.is_floating else y for y in ys])
             return tuple(y for y in ys if y.dtype.is_floating)

@@ -29,9 +29,9 @@ class Pipeline(ModelParallel):
             (see ``ModelParallel``).
         devices: one device per group; None: the visible GPUs, else ``"/CPU:0"`` repeated.
         chunks: micro-batches per mini-batch; a batch must have at least ``chunks`` rows.
-        checkpoint: ``"except_last"`` (default), ``"always"`` or ``"never"``. Recomputation reruns the
-            layers: with Dropout (new random mask) or BatchNormalization (moving statistics updated
-            twice) use ``"never"``.
+        checkpoint: ``"except_last"`` (default), ``"always"`` or ``"never"``. Recomputation reruns a
+            stage's layers from the state its forward started with (Dropout draws the forward's mask
+            again, BatchNormalization's moving statistics move once), so each mode trains alike.
         schedule: a registered schedule one process can run (``"gpipe"``). ``"1f1b"`` and ``"zb-h1"`` are
             refused by name: they interleave backward with forward, which needs the loss inside the
             pipeline, and here Keras computes the loss after ``call`` returns; use ``DistributedPipeline``

@@ -9,26 +9,15 @@ as the unsplit model does.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, List, Mapping, Optional, Sequence, Tuple
 
-import keras
 import tensorflow as tf
 
 from dualframe.pipeline.graph import GraphSplit
 from dualframe.pipeline.tied import TiedPlan, TiedWeight, find_tied, sum_tied
 from dualframe.tensorflow.collectives import hvd
-from dualframe.tensorflow.graph import KerasGraph
+from dualframe.tensorflow.graph import KerasGraph, layers_called
 from dualframe.tensorflow.pipeline_transport import allreduce, broadcast
-
-
-def layers_called(captured: KerasGraph, split: GraphSplit, j: int) -> List[Any]:
-    """Every layer stage ``j`` of ``split`` calls, once each, in node order."""
-    found: Dict[int, Any] = {}
-    for k in split.stage_range(j):
-        call = captured.calls[k]
-        if call is not None and isinstance(call.operation, keras.layers.Layer):
-            found.setdefault(id(call.operation), call.operation)
-    return list(found.values())
 
 
 def find_layer_tied(captured: KerasGraph, split: GraphSplit) -> List[TiedWeight]:

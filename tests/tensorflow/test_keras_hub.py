@@ -19,15 +19,7 @@ ATOL = 1e-9
 DEVICES = ["/CPU:1", "/CPU:2"]
 
 
-@pytest.fixture(autouse=True)
-def float64():
-    """floatx and the global dtype policy (Keras fixes the policy from floatx at its first use), put back after."""
-    floatx, policy = keras.config.floatx(), keras.config.dtype_policy()
-    keras.config.set_floatx("float64")
-    keras.config.set_dtype_policy("float64")
-    yield
-    keras.config.set_floatx(floatx)
-    keras.config.set_dtype_policy(policy)
+pytestmark = pytest.mark.usefixtures("keras_float64")
 
 
 def dropout_net(rate):
@@ -115,23 +107,63 @@ def test_dropout_and_batch_norm_take_training_as_the_unsplit_model(split):
     np.testing.assert_allclose(pipe(x, training=False).numpy(), on(x, training=False).numpy(), atol=ATOL, rtol=0)
 
 
-def test_dropout_with_micro_batches_equals_the_unsplit_model_fed_them_in_turn():
+@pytest.mark.parametrize("checkpoint", ["never", "except_last", "always"])
+def test_dropout_with_micro_batches_equals_the_unsplit_model_fed_them_in_turn(checkpoint):
+    """A recomputed micro-batch draws its forward's Dropout mask again and moves the BatchNorm statistics once."""
     model = dropout_net(0.5)
     x = tf.constant(np.random.RandomState(7).randn(8, 6))
-    kept = seed_states(model)
+    kept = [(v, v.numpy()) for v in model.non_trainable_variables]  # seed generator states, moving statistics
     with tf.GradientTape() as tape:  # each call of the Dropout draws the next mask, as each micro-batch does
         loss = loss_of(tf.concat([model(x[:4], training=True), model(x[4:], training=True)], 0))
     want = loss, tape.gradient(loss, model.trainable_variables)
+    after = [v.numpy() for v, _ in kept]
     for variable, value in kept:
         variable.assign(value)
-    pipe = hvd.Pipeline(model, split_points=["d1"], devices=DEVICES, chunks=2, checkpoint="never")
+    pipe = hvd.Pipeline(model, split_points=["d1"], devices=DEVICES, chunks=2, checkpoint=checkpoint)
     assert_same(run(pipe, x), want)
+    for (variable, _), value in zip(kept, after):
+        np.testing.assert_array_equal(variable.numpy(), value, err_msg=variable.path)
+
+
+def test_fit_with_recomputed_micro_batches_trains_as_without():
+    """Dropout and BatchNorm in fit (a compiled step): checkpointing every micro-batch changes nothing, bit for bit."""
+    x, y = np.random.RandomState(8).randn(8, 6), np.random.RandomState(9).randn(8, 2)
+    weights = []
+    for checkpoint in ("never", "always"):
+        model = dropout_net(0.5)
+        pipe = hvd.Pipeline(model, split_points=["d1"], devices=DEVICES, chunks=2, checkpoint=checkpoint)
+        pipe.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        pipe.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        weights.append([v.numpy() for v in model.variables])
+    for a, b in zip(*weights):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_keras_application_split_by_memory_equals_the_unsplit_model():
-    keras.utils.set_random_seed(8)
-    model = keras.applications.MobileNetV2(input_shape=(32, 32, 3), alpha=0.35, weights=None, classes=5)
+    model = mobilenet()
     x = tf.constant(np.random.RandomState(9).randn(4, 32, 32, 3))
     want = run(model, x)
     pipe = hvd.ModelParallel(model, stages=2, by="memory", devices=DEVICES)
     assert_same(run(pipe, x), want)
+
+
+def mobilenet():
+    keras.utils.set_random_seed(8)
+    return keras.applications.MobileNetV2(input_shape=(32, 32, 3), alpha=0.35, weights=None, classes=5)
+
+
+@pytest.mark.parametrize("split", [hvd.ModelParallel, hvd.Pipeline])
+def test_keras_application_fit_keeps_the_batch_norm_statistics_of_the_unsplit_model(split):
+    """fit with one micro-batch: every weight, the BatchNormalization moving means and variances among them, as unsplit."""
+    x, y = np.random.RandomState(9).randn(4, 32, 32, 3), np.random.RandomState(10).randn(4, 5)
+    weights = []
+    for make in (lambda m: m, lambda m: split(m, stages=2, by="memory", devices=DEVICES)):
+        model = mobilenet()
+        trained = make(model)
+        trained.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+        trained.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+        weights.append({v.path: v.numpy() for v in model.weights})
+    assert sum("moving_" in path for path in weights[0]) == 104  # 52 BatchNormalization layers
+    assert weights[1].keys() == weights[0].keys()
+    for path, value in weights[0].items():
+        np.testing.assert_allclose(weights[1][path], value, atol=ATOL, rtol=0, err_msg=path)
