@@ -92,6 +92,9 @@ class ShardedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
         if mode is None:
             raise StrategyError("ShardedOptimizer needs shard='optimizer' or 'gradients'; for shard=None use "
                                 "hvd.DistributedOptimizer")
+        if mode == "parameters":
+            raise StrategyError("shard='parameters' (ZeRO-3) is not available for Keras yet; use shard='gradients' "
+                                "(ZeRO-2), or torch's DistributedOptimizer(shard='parameters')")
         check_elementwise(optimizer)
         scatter = check_scatter(scatter, mode)  # type: ignore[assignment]
         ShardLayout.build([], 1, bucket_elements=bucket_elements)  # checks bucket_elements now, not at build
