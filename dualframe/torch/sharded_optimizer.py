@@ -198,9 +198,17 @@ class ShardedOptimizer(SliceGradients, DistributedOptimizer):
         self._synchronized = self._clipped = False
         self._versions = {}
         self._sync_hyperparameters()
+        self._check_views()
+        self._inner.step()
+        self._publish()
+        return None
+
+    def _check_views(self) -> None:
         for slot in self._slots:
             slot.check_views()
-        self._inner.step()
+
+    def _publish(self) -> None:
+        """Write the updated slices into every rank's parameters (ZeRO-3 leaves them to the next forward)."""
         # At most GATHER_WINDOW buckets gathered at once: the gathered copies never hold all parameters again.
         in_flight: List[Tuple[Slot, Any]] = []
         for slot in self._slots:
@@ -210,7 +218,6 @@ class ShardedOptimizer(SliceGradients, DistributedOptimizer):
                 self._write_back(*in_flight.pop(0))
         for slot, handle in in_flight:
             self._write_back(slot, handle)
-        return None
 
     @staticmethod
     def _write_back(slot: Slot, handle: Any) -> None:
