@@ -31,6 +31,8 @@ from dualframe.errors import StrategyError
 
 #: The ``shard=`` value of ZeRO-3 (``dualframe.dp.shard.SHARD_MODES`` lists it).
 ZERO3 = "parameters"
+#: The adapters that run ``shard="parameters"`` (the plan offers ZeRO-3 for these frameworks only).
+ZERO3_FRAMEWORKS = ("torch",)
 
 
 def block_paths(modules: Sequence[Tuple[str, bool]]) -> List[str]:

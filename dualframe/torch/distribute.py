@@ -1,7 +1,7 @@
 """``distribute``: apply a strategy object to a torch model and optimizer (data parallelism here)."""
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Any, Dict, Tuple
 
 import torch
 
@@ -51,6 +51,7 @@ def distribute(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     init()
     check_root_rank(root_rank, hvd.size())
     zero3 = strategy.shard == "parameters"
+    extra: Dict[str, Any] = {"model": model} if zero3 else {}
     if zero3:  # the full weights are broadcast before each rank keeps its slice of them
         broadcast_parameters(model.state_dict(), root_rank=root_rank)
     wrapped = DistributedOptimizer(
@@ -58,7 +59,7 @@ def distribute(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         compression=Compression.by_name(strategy.compression),
         backward_passes_per_step=strategy.backward_passes_per_step, op=OPS[strategy.op],
         gradient_predivide_factor=strategy.gradient_predivide_factor, shard=strategy.shard,
-        **({"model": model} if zero3 else {}))
+        **extra)
     if not zero3:
         broadcast_parameters(model.state_dict(), root_rank=root_rank)
     broadcast_optimizer_state(wrapped, root_rank=root_rank)

@@ -71,6 +71,8 @@ class ParameterShardedOptimizer(ShardedOptimizer):
             optimizer parameters outside the model, elastic Horovod (all before any communication).
     """
 
+    _allow = False  # model.state_dict() allowed (inside model_state_dict, every block gathered)
+
     def __init__(self, optimizer: torch.optim.Optimizer,
                  named_parameters: Optional[Iterable[Tuple[str, torch.Tensor]]] = None, *args: Any,
                  shard: Optional[str] = ZERO3, model: Optional[torch.nn.Module] = None, **kwargs: Any) -> None:
@@ -129,7 +131,7 @@ class ParameterShardedOptimizer(ShardedOptimizer):
             blocks.append(BlockRun(b, block.path, self._model.get_submodule(block.path), slots))
         self._blocks = blocks
         self._block_of_slot = {id(slot): run for run in blocks for slot in run.slots}
-        inner_groups = []
+        inner_groups: List[Dict[str, Any]] = []
         for g, group in enumerate(self._optimizer.param_groups):
             if g in flats:
                 self._group_of.append((g, len(inner_groups)))
