@@ -28,7 +28,6 @@ import pathlib
 import resource
 import statistics
 import sys
-import time
 from typing import Any, Callable, Dict, List, Tuple
 
 import bench_env
@@ -136,14 +135,9 @@ def worker(args: argparse.Namespace) -> None:
         contenders = {mode: build(args, mode)[0] for mode in modes}
         for step in contenders.values():
             step()  # warm-up: the first step allocates state and Horovod's buffers
-        times: Dict[str, List[float]] = {mode: [] for mode in modes}
-        for _ in range(args.rounds):
-            for mode, step in contenders.items():
-                start = time.perf_counter()
-                for _ in range(args.steps):
-                    step()
-                times[mode].append((time.perf_counter() - start) / args.steps)
-        result["times"] = times
+        from bench_common import interleaved_steps
+        times = interleaved_steps(contenders, (), args.steps, args.rounds, barrier=hvd.barrier)
+        result["times"] = {mode: [t / args.steps for t in rounds] for mode, rounds in times.items()}
     if hvd.rank() == 0:
         print("RESULT " + json.dumps(result), flush=True)
 

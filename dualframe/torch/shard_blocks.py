@@ -67,7 +67,7 @@ class BlockGather:
         if block.gathered or block.pending:
             return
         for slot in block.slots:
-            block.pending.append((slot, hvd.allgather_async(slot.flat.detach(), name=f"dualframe.zero3.gather.{slot.name}",
+            block.pending.append((slot, hvd.allgather_async(slot.flat.detach(), name=f"dualframe.gather.{slot.name}",
                                                             process_set=self.process_set)))
 
     def wait(self, block: BlockRun) -> None:

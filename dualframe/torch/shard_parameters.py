@@ -122,7 +122,7 @@ class ParameterShardedOptimizer(ShardedOptimizer):
                 buffer = adopt(members, bucket)
                 start = self.rank * bucket.shard
                 flat = torch.nn.Parameter(buffer[start:start + bucket.shard].clone())  # kept when the buffer is freed
-                slot = Slot(f"{b}.{k}", bucket, local, buffer, flat, start, members=members)
+                slot = Slot(f"zero3.{b}.{k}", bucket, local, buffer, flat, start, members=members)
                 slots.append(slot)
                 self._slots.append(slot)
                 for p in members:
