@@ -15,7 +15,6 @@ from dualframe.errors import (
     StrategyError,
     TopologyError,
 )
-from dualframe import _moved
 # strategies: what to spread and how
 from dualframe.strategy import DataParallel, Hybrid, ModelParallel, Pipeline, RankGrid, Strategy
 # pipelines: partitions and micro-batches
@@ -24,7 +23,6 @@ from dualframe.pipeline.partition import balance_by_cost, partition_ranges, vali
 # launching: where this process stands
 from dualframe.launch.topology import Topology, detect as detect_topology
 
-_moved.install()
 
 __version__ = "0.1.0"
 

@@ -19,7 +19,7 @@ One row (``tid``) per stage. Only ``"ph": "X"`` events with ``args.kind`` are re
 
 Measured bubble: with ``span`` the time from the first start to the last end and ``busy_j`` the
 summed event time of stage ``j``, ``bubble = 1 - sum(busy_j) / (n * span)``; for GPipe with equal
-cells the theory is ``dualframe.pipeline.schedule.gpipe_bubble`` (the idle share of a clock table is
+cells the theory is ``dualframe.pipeline.clock.gpipe_bubble`` (the idle share of a clock table is
 ``table_bubble`` there).
 """
 from __future__ import annotations

@@ -15,10 +15,8 @@ activations and gradients.
 from __future__ import annotations
 
 import functools
-import importlib
-import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from dualframe.errors import ScheduleError
 from dualframe.pipeline.action import BACKWARD, FORWARD, WEIGHT, Action, ActionLists, Ticks
@@ -225,22 +223,3 @@ def _one_process_ticks(name: str, chunks: int, stages: int, kind: str) -> Ticks:
     # Cached so that a training loop does not lay its schedule on the clock every step.
     return pass_ticks(clock_table(rank_schedule(name, stages, chunks)), kind)
 
-
-#: Names this module held before the clock, the link order and the process sets got modules of their
-#: own; still importable from here (and from the flat ``dualframe.rank_schedule``) with a warning.
-_MOVED_NAMES = {
-    # clock_table and pass_ticks are imported above, so they need no entry.
-    **dict.fromkeys(("peak_live_activations", "format_table", "table_bubble", "gpipe_bubble", "grid_rows",
-                     "format_grid", "check_rows", "Table", "Cell"),
-                    "dualframe.pipeline.clock"),
-    **dict.fromkeys(("Message", "link_messages", "check_link_order"), "dualframe.pipeline.link_order"),
-    "pipeline_process_sets": "dualframe.pipeline.layout",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _MOVED_NAMES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    home = _MOVED_NAMES[name]
-    warnings.warn(f"{__name__}.{name} moved to {home}; import it from there", DeprecationWarning, stacklevel=2)
-    return getattr(importlib.import_module(home), name)

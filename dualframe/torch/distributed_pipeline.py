@@ -23,7 +23,6 @@ from dualframe.pipeline.walk import StepRecord
 from dualframe.pipeline.layout import StageLayout, layout_pipeline
 from dualframe.pipeline.tied import TiedPlan
 from dualframe.torch.backend import BACKEND
-from dualframe.torch.collectives import hvd
 from dualframe.torch.pipeline_work import ActivationMeter, TorchStageWork
 from dualframe.torch.distributed_graph import GraphPart
 from dualframe.torch.graph import Leaves
@@ -171,11 +170,7 @@ class DistributedPipeline(StageView, nn.Module):
         if self.stage_process_set is None:
             return optimizer
         self.tied.before_step(optimizer)  # after the replicas' average, before the update
-        wrapper: Any
-        try:
-            from dualframe.torch.optimizer import DistributedOptimizer as wrapper
-        except ImportError:  # until dualframe's own wrapper lands everywhere: Horovod's, same arguments
-            wrapper = hvd.DistributedOptimizer
+        from dualframe.torch.optimizer import DistributedOptimizer as wrapper
 
         passes = self.chunks * kwargs.pop("backward_passes_per_step", 1)
         return wrapper(optimizer, named_parameters=self.named_parameters(),

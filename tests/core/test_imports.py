@@ -5,9 +5,12 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+ADAPTERS = ("torch", "tensorflow")
 CORE_MODULES = sorted(
-    "dualframe." + p.stem for p in (ROOT / "dualframe").glob("*.py")
-    if p.stem not in ("__init__", "__main__", "keras")
+    ".".join(p.relative_to(ROOT).with_suffix("").parts[:-1] if p.stem == "__init__" else
+             p.relative_to(ROOT).with_suffix("").parts)
+    for p in (ROOT / "dualframe").rglob("*.py")
+    if p.relative_to(ROOT / "dualframe").parts[0] not in ADAPTERS + ("__main__.py", "keras.py")
 )
 
 

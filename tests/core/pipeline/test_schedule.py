@@ -331,13 +331,3 @@ def test_a_table_that_mixes_the_passes_has_no_one_process_ticks():
         "  6   .  B2\n"
         "  7  B2   ."
     )
-
-
-def test_names_that_moved_out_of_the_schedule_module_still_import_with_a_warning():
-    from dualframe.pipeline import clock, layout, link_order, schedule
-
-    for name, home in [("format_table", clock), ("Message", link_order), ("pipeline_process_sets", layout)]:
-        with pytest.warns(DeprecationWarning, match=f"{name} moved to {home.__name__}"):
-            assert getattr(schedule, name) is getattr(home, name)
-    with pytest.raises(AttributeError):
-        schedule.no_such_name
