@@ -157,6 +157,16 @@ def planned(args: argparse.Namespace, np: int, mode: str) -> float:
     return sum(sharded_bytes(parameters * 4, 2, None if mode == "none" else mode, np))
 
 
+def planned_total(args: argparse.Namespace, np: int, mode: str) -> float:
+    """The plan's whole per-rank memory for this MLP (``group_memory``: state, activations, buffers) under ``mode``."""
+    from dualframe.plan import LayerProfile, ModelProfile, Training, group_memory
+    width = args.width
+    layers = [LayerProfile(f"l{j}", width * width + width, 0, width, width, width) for j in range(args.depth)]
+    profile = ModelProfile("torch", "mlp", (width,), layers, input_elements=width)
+    shard = None if mode == "none" else "parameters" if mode == "fsdp2" else mode
+    return group_memory(profile, range(args.depth), Training(args.batch_size), replicas=np, shard=shard).total
+
+
 def report(np: int, memory: Dict[str, List[Dict[str, Any]]], timing: Dict[str, Any], args: argparse.Namespace) -> None:
     mib = 2.0 ** 20
     print(f"\n== np={np} (mpirun, oversubscribed, one thread per process), {len(memory['none'])} memory rounds")
@@ -168,7 +178,8 @@ def report(np: int, memory: Dict[str, List[Dict[str, Any]]], timing: Dict[str, A
             plan = planned(args, np, "parameters" if mode == "fsdp2" else mode)  # FSDP2 against ZeRO-3's plan
             print(f"{mode:10s} parameters+gradients+Adam {m['held'] / mib:7.1f} MiB ({m['held'] / plain['held']:.3f} "
                   f"of plain; plan {plan / mib:7.1f} MiB, measured/plan {m['held'] / plan:.3f})  "
-                  f"peak RSS {m['peak'] / mib:7.1f} MiB ({m['peak'] / plain['peak']:.3f})")
+                  f"peak RSS {m['peak'] / mib:7.1f} MiB ({m['peak'] / plain['peak']:.3f}; "
+                  f"/ the plan's total {m['peak'] / planned_total(args, np, mode):.3f})")
     times = timing["times"]
     for mode in times:
         if mode != "none":
