@@ -133,8 +133,10 @@ def _data_parallel(profile: ModelProfile, training: Training, hardware: Hardware
     everything, replicas = [profile.num_layers], hardware.devices
     options = [_option("data parallel", profile, training, hardware, everything, replicas)]
     if replicas > 1:  # sharding needs replicas to share with
+        # ZeRO-3 frees each block's weights, so it refuses tied ones (read by several modules).
+        zero3 = profile.framework in ZERO3_FRAMEWORKS and not profile.shared
         options += [_option(kind, profile, training, hardware, everything, replicas, shard=shard)
-                    for kind, shard in SHARDED.items() if shard != ZERO3 or profile.framework in ZERO3_FRAMEWORKS]
+                    for kind, shard in SHARDED.items() if shard != ZERO3 or zero3]
     options.append(_checkpointing(profile, training, hardware))
     # Fewest backward passes per step whose smaller per-pass batch fits.
     passes = [k for k in range(2, training.batch_size + 1) if k == training.batch_size or training.batch_size % k == 0]

@@ -5,6 +5,7 @@ from dualframe.dp.shard import BUCKET_ELEMENTS
 from dualframe.errors import StrategyError
 from dualframe.plan import Hardware, LayerProfile, ModelProfile, Training, advise, group_memory, render, to_json
 from dualframe.plan.advisor import options
+from dualframe.plan.profile import Shared
 from dualframe.plan.memory import shard_divisors
 
 MB = 1e6
@@ -112,7 +113,8 @@ def test_a_pipeline_when_even_sharded_parameters_do_not_fit():
     assert plan.recommended.kind in ("pipeline", "hybrid")
 
 
-def test_no_sharded_parameters_row_for_keras_yet():
-    profile = ModelProfile("keras", "chain", (1000,), chain().layers, input_elements=1000)
+@pytest.mark.parametrize("framework, shared", [("keras", ()), ("torch", (Shared(1000, (0, 7)),))])
+def test_no_sharded_parameters_row_for_keras_yet_or_tied_weights(framework, shared):
+    profile = ModelProfile(framework, "chain", (1000,), chain().layers, input_elements=1000, shared=shared)
     kinds = [o.kind for o in options(profile, Training(32), Hardware(10**12, devices_per_node=4))]
     assert "data parallel + sharded gradients" in kinds and "data parallel + sharded parameters" not in kinds
