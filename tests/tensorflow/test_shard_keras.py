@@ -58,7 +58,6 @@ def test_config_round_trip_and_wrapped_once():
 
 @pytest.mark.parametrize("make, rule", [
     (lambda: hvd.DistributedOptimizer(keras.optimizers.SGD(), shard="weights"), "unknown shard 'weights'"),
-    (lambda: hvd.DistributedOptimizer(keras.optimizers.SGD(), shard="parameters"), "not available for Keras yet"),
     (lambda: hvd.DistributedOptimizer(keras.optimizers.SGD(), shard="optimizer", op=hvd.Adasum), "Adasum"),
     (lambda: hvd.DistributedOptimizer(keras.optimizers.SGD(), shard="optimizer", op=hvd.Max), "op Average or Sum"),
     (lambda: hvd.DistributedOptimizer(keras.optimizers.Muon(), shard="optimizer"), "Muon is not one of them"),
