@@ -31,6 +31,11 @@ def _choice(name: str, value: object, allowed: Sequence[str]) -> str:
     return value.lower()
 
 
+def checkpoint_mode(checkpoint: object) -> str:
+    """``checkpoint`` lower-cased when it is one of ``CHECKPOINT_MODES``; StrategyError naming them otherwise."""
+    return _choice("checkpoint", checkpoint, CHECKPOINT_MODES)
+
+
 def validate_devices(devices: Optional[Sequence[str]], groups: int) -> Optional[Tuple[str, ...]]:
     """``devices`` as a tuple of one non-empty name per group (None stays None); DeviceError otherwise."""
     if devices is None:
@@ -138,7 +143,7 @@ class Pipeline(ModelParallel):
     def __post_init__(self) -> None:
         super().__post_init__()
         validate_chunks(self.chunks)
-        object.__setattr__(self, "checkpoint", _choice("checkpoint", self.checkpoint, CHECKPOINT_MODES))
+        object.__setattr__(self, "checkpoint", checkpoint_mode(self.checkpoint))
         # The names come from the schedule registry (dualframe.pipeline.schedule.register).
         object.__setattr__(self, "schedule", registered(self.schedule).name)
 

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 
 from dualframe.errors import DualframeError, StrategyError
 from dualframe.pipeline.partition import partition_ranges
 from dualframe.pipeline.action import Action
+from dualframe.pipeline.microbatch import recomputed
 from dualframe.pipeline.schedule import rank_schedule
-from dualframe.strategy import RankGrid, positive_int, validate_devices
+from dualframe.strategy import RankGrid, checkpoint_mode, positive_int, validate_devices
 
 #: dtypes a pipeline message may carry, by code: index in this tuple (both frameworks' spelling).
 DTYPE_NAMES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "uint8", "bool")
@@ -86,12 +87,21 @@ class StageLayout:
     schedule: str
     loss_fn: Any
     timeout: float
+    #: Activation checkpointing in each stage: ``"always"``, ``"except_last"`` or ``"never"``.
+    checkpoint: str = "never"
+
+    @property
+    def recomputed(self) -> FrozenSet[int]:
+        """The micro-batches whose stage forward is run again in their backward (``microbatch.recomputed``)."""
+        return recomputed(self.checkpoint, self.chunks)
 
 
 def layout_pipeline(layers: int, balance: Sequence[int], chunks: int, schedule: str = "gpipe", loss_fn: Any = None,
                     devices: Optional[Sequence[str]] = None, data_parallel: Optional[int] = None,
-                    timeout: float = 45.0, world: int = 1) -> StageLayout:
-    """Check every argument of a DistributedPipeline (``check_pipeline``, schedule, chunks, devices); no communication.
+                    timeout: float = 45.0, world: int = 1, checkpoint: str = "never") -> StageLayout:
+    """Check every argument of a DistributedPipeline (``check_pipeline``, schedule, chunks, devices, checkpoint).
+
+    No communication.
 
     Raises:
         BalanceError, ChunksError, DeviceError, ScheduleError, StrategyError: a rule broken.
@@ -99,7 +109,7 @@ def layout_pipeline(layers: int, balance: Sequence[int], chunks: int, schedule: 
     ranges, grid = check_pipeline(layers, balance, loss_fn, data_parallel, timeout, world)
     actions = rank_schedule(schedule, len(ranges), chunks)
     return StageLayout(ranges, grid, actions, validate_devices(devices, len(ranges)), chunks, schedule.lower(),
-                       loss_fn, timeout)
+                       loss_fn, timeout, checkpoint_mode(checkpoint))
 
 
 def dtype_code(name: str) -> int:

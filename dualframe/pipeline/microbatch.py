@@ -1,7 +1,7 @@
 """Micro-batch sizing: how a mini-batch of ``batch`` rows is cut into ``chunks`` micro-batches."""
 from __future__ import annotations
 
-from typing import List
+from typing import FrozenSet, List
 
 from dualframe.errors import ChunksError
 
@@ -43,3 +43,18 @@ def micro_batch_offsets(batch: int, chunks: int) -> List[range]:
         ranges.append(range(start, start + size))
         start += size
     return ranges
+
+
+def recomputed(checkpoint: str, chunks: int) -> FrozenSet[int]:
+    """The micro-batches that keep only their stage's input and recompute its forward in backward.
+
+    ``"always"``: every micro-batch; ``"except_last"``: all but the last (under GPipe its backward comes
+    first, so recomputing it saves no memory); ``"never"``: none. ``checkpoint`` is a checked mode
+    (``dualframe.strategy.checkpoint_mode``).
+
+    Example:
+        >>> sorted(recomputed("except_last", 4)), sorted(recomputed("never", 4))
+        ([0, 1, 2], [])
+    """
+    stop = {"always": chunks, "except_last": chunks - 1, "never": 0}[checkpoint]
+    return frozenset(range(stop))

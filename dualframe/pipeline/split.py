@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple
 
 from dualframe.errors import DeviceError
+from dualframe.pipeline.microbatch import recomputed
 from dualframe.pipeline.schedule import one_process_ticks
 from dualframe.pipeline.partition import partition_ranges, validate_balance
 from dualframe.strategy import Pipeline as PipelineStrategy
@@ -50,8 +51,7 @@ class Split:
         ``"always"``: every micro-batch; ``"except_last"``: all but the last (its backward comes first,
         so recomputing it saves no memory); ``"never"``: none.
         """
-        stop = {"always": self.chunks, "except_last": self.chunks - 1, "never": 0}[self.checkpoint]
-        return i < stop
+        return i in recomputed(self.checkpoint, self.chunks)
 
 
 def default_devices(groups: int, accelerators: Sequence[str], cpu: str,

@@ -7,7 +7,11 @@ no recomputation); it fits once activations shrink -> data parallelism with acti
 checkpointing (or gradient accumulation); it fits once the parameters are sharded too -> ZeRO-3
 (1.5x the bytes moved, each layer gathered twice, torch only); it does not fit -> the fewest pipeline stages that fit (GPipe, ``chunks >= 4 x
 stages`` so the bubble ``(n-1)/(m+n-1)`` stays small), and with devices to spare, replicas of that
-pipeline (hybrid).
+pipeline (hybrid). Pipelines come in two rows: ``"pipeline"`` keeps every micro-batch's activations,
+``"pipeline + checkpointing"`` (``checkpoint="except_last"``) only each stage's inputs and one
+micro-batch's, recomputing a forward per micro-batch; of the two that fit, the one with the fewer
+device-seconds per step (``step_cost``) is recommended: the recomputation is paid only where keeping
+activations would need more stages than there are devices.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
 from dualframe.dp.zero3 import ZERO3, ZERO3_FRAMEWORKS
+from dualframe.pipeline.microbatch import recomputed
 from dualframe.pipeline.partition import partition_ranges
 from dualframe.pipeline.clock import gpipe_bubble
 from dualframe.plan.cuts import balance_of, checkpoint_starts, stage_starts
@@ -29,6 +34,12 @@ from dualframe.plan.profile import ModelProfile
 #: GPipe's idle share of a step, ``bubble(stages, chunks)``: the schedule module's one formula.
 bubble = gpipe_bubble
 
+
+#: A forward's share of a training step's compute (backward about twice a forward): what recomputing costs.
+FORWARD_SHARE = 1 / 3
+
+#: The process-pipeline rows: activations kept, or each stage's inputs kept and its forward recomputed.
+PIPELINES = ("pipeline", "pipeline + checkpointing")
 
 #: The sharded data-parallel rows and their ``DistributedOptimizer(shard=...)``.
 SHARDED = {"data parallel + sharded optimizer": "optimizer", "data parallel + sharded gradients": "gradients",
@@ -149,10 +160,27 @@ def _data_parallel(profile: ModelProfile, training: Training, hardware: Hardware
     return options + ([accumulation] if accumulation else [])
 
 
+def step_cost(option: Option) -> float:
+    """Device-seconds per step relative to one device's forward and backward of the whole batch.
+
+    ``(1 + FORWARD_SHARE x recomputed share) / (1 - bubble)``: each stage idles for the bubble, and a
+    checkpointed micro-batch's forward runs twice.
+
+    Example:
+        >>> plain = Option("pipeline", 3, 1, 12, (3, 3, 2), Memory(0, 0, 0, 0), True)
+        >>> recomputing = Option("pipeline + checkpointing", 2, 1, 8, (4, 4), Memory(0, 0, 0, 0), True,
+        ...                      checkpoint="except_last")
+        >>> round(step_cost(plain), 3), round(step_cost(recomputing), 3)
+        (1.167, 1.453)
+    """
+    share = len(recomputed(option.checkpoint, option.chunks)) / option.chunks if option.stages > 1 else 0.0
+    return (1 + FORWARD_SHARE * share) / (1 - option.bubble)
+
+
 def _split(profile: ModelProfile, training: Training, hardware: Hardware, kind: str, stages: int,
            replicas: int) -> Option:
     chunks = 1 if kind == "model split" else pipeline_chunks(stages, training.batch_size)
-    checkpoint = "never" if kind == "model split" else "except_last"
+    checkpoint = "never" if kind in ("model split", "pipeline") else "except_last"
     starts = stage_starts(profile, training, stages, chunks, checkpoint, replicas, hardware.usable_memory,
                           slack=1.0 if kind == "model split" else 1.5)
     return _option(kind, profile, training, hardware, balance_of(starts, profile.num_layers), replicas, chunks,
@@ -182,6 +210,7 @@ def options(profile: ModelProfile, training: Training, hardware: Hardware) -> Li
     found += [option for option in (
         _fewest_stages(profile, training, hardware, "model split", hardware.devices_per_node),
         _fewest_stages(profile, training, hardware, "pipeline", hardware.devices),
+        _fewest_stages(profile, training, hardware, "pipeline + checkpointing", hardware.devices),
         _fewest_stages(profile, training, hardware, "hybrid", hardware.devices // 2),
     ) if option is not None]
     return found
@@ -206,13 +235,16 @@ def advise(profile: ModelProfile, training: Training, hardware: Hardware) -> Pla
         return Plan(profile, training, hardware, found, fitting_dp[0],
                     f"the model nearly fits: {what} ({_gib(plain.memory.total)} needed, "
                     f"{_gib(usable)} usable per device)", tuple(fitting_dp[1:]))
-    fitting = [by_kind[k] for k in ("hybrid", "pipeline") if k in by_kind and by_kind[k].fits]
-    staged = fitting[0] if fitting else by_kind.get("pipeline")
+    pipelines = sorted((by_kind[k] for k in PIPELINES if k in by_kind and by_kind[k].fits), key=step_cost)
+    fitting = [by_kind[k] for k in ("hybrid",) if k in by_kind and by_kind[k].fits] + pipelines
+    staged = fitting[0] if fitting else by_kind.get("pipeline + checkpointing")
     if staged is not None and staged.fits:
         spare = "; spare devices hold replicas" if staged.kind == "hybrid" else ""
+        recompute = (", each stage recomputing its micro-batches' forward (no more stages than devices otherwise)"
+                     if staged.kind == "pipeline + checkpointing" else "")
         return Plan(profile, training, hardware, found, staged,
                     f"the model does not fit one device ({_gib(plain.memory.total)} needed, {_gib(usable)} usable): "
-                    f"{staged.stages} pipeline stages fit{spare}")
+                    f"{staged.stages} pipeline stages fit{spare}{recompute}", tuple(pipelines[1:]))
     return Plan(profile, training, hardware, found, None,
                 f"nothing fits: even over {staged.stages if staged else 1} stage(s) a device needs "
                 f"{_gib((staged or plain).memory.total)} ({_gib(usable)} usable); add devices, use mixed "

@@ -74,10 +74,9 @@ def adapter_line(option: Option, framework: str, hardware: Hardware) -> str:
     if processes(option, hardware) == 1:
         return (f"model = hvd.Pipeline({model}, balance={balance}, devices={devices}, chunks={chunks}, "
                 f"checkpoint={checkpoint!r})")
-    if framework != "torch":
-        return "# Keras: pipelines across processes are not in dualframe.tensorflow yet; use hvd.Pipeline per node"
     replicas = f", data_parallel={option.replicas}" if option.replicas > 1 else ""
-    return f"pipe = hvd.DistributedPipeline(model, {balance}, chunks={chunks}, loss_fn=loss_fn{replicas})"
+    return (f"pipe = hvd.DistributedPipeline({model}, {balance}, chunks={chunks}, loss_fn=loss_fn{replicas}, "
+            f"checkpoint={checkpoint!r})")
 
 
 def extra_lines(option: Option, framework: str = "torch") -> List[str]:

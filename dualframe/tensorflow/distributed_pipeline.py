@@ -25,6 +25,7 @@ from dualframe.tensorflow.backend import BACKEND
 from dualframe.tensorflow.collectives import hvd
 from dualframe.tensorflow.optimizer import DistributedOptimizer
 from dualframe.tensorflow.pipeline_work import StageFunctions, TFStageWork, deferred_weights, fusable
+from dualframe.tensorflow.stage_recompute import StageRecompute
 from dualframe.pipeline.graph import GraphSplit, stage_count
 from dualframe.tensorflow.graph import KerasGraph, capture
 from dualframe.tensorflow.distributed_graph import process_stages
@@ -105,6 +106,10 @@ class DistributedPipeline(KerasFit, StageView):
             at micro-batch sizes; not for convolutions or attention). A stage with Dropout never uses XLA.
         transport: how messages travel: ``"auto"``, ``"mpi"``, ``"zmq"`` or ``"horovod"``, as torch's
             ``DistributedPipeline``; None (default): ``DUALFRAME_PIPELINE_TRANSPORT``, else auto.
+        checkpoint: activation checkpointing in each stage, as ``Pipeline``'s: ``"never"`` (default), ``"always"``
+            or ``"except_last"`` (every micro-batch but the last): such a micro-batch's forward runs without a
+            tape, keeping only its input, and again under a tape when its backward starts (the same Dropout
+            masks; moving statistics updated once). Results equal those without it.
 
     Raises:
         BalanceError, ChunksError, ScheduleError, StrategyError: bad arguments, on every rank, before
@@ -122,7 +127,8 @@ class DistributedPipeline(KerasFit, StageView):
                  loss_fn: Optional[Callable[[Any, Any], Any]] = None, devices: Optional[Sequence[str]] = None,
                  data_parallel: Optional[int] = None, timeout: float = 45.0, *,
                  split_points: Optional[Sequence[str]] = None, stages: Optional[int] = None,
-                 jit_compile: Optional[bool] = None, transport: Optional[str] = None) -> None:
+                 jit_compile: Optional[bool] = None, transport: Optional[str] = None,
+                 checkpoint: str = "never") -> None:
         transport = check_transport(transport)
         if jit_compile is not None and not isinstance(jit_compile, bool):
             raise StrategyError(f"jit_compile must be None, True or False (jit_compile: {jit_compile!r})")
@@ -140,16 +146,17 @@ class DistributedPipeline(KerasFit, StageView):
                 raise BalanceError("give balance=[layers per stage] to split a list of layers")
             all_layers: List[Any] = _layers_of(layers)
             layout = layout_pipeline(len(all_layers), balance, chunks, schedule, loss_fn, devices, data_parallel,
-                                     timeout, world)
+                                     timeout, world, checkpoint)
             ranges = layout.ranges
         else:  # a functional model: one GraphStage per stage, the same cut on every rank
             n = stage_count(split_points, balance, stages)
-            layout = layout_pipeline(n, [1] * n, chunks, schedule, loss_fn, devices, data_parallel, timeout, world)
+            layout = layout_pipeline(n, [1] * n, chunks, schedule, loss_fn, devices, data_parallel, timeout, world,
+                                     checkpoint)
             self.split, all_layers = process_stages(captured, split_points=split_points, balance=balance,
                                                     stages=stages)
             tied = find_layer_tied(captured, self.split)  # variables several stages read: each holds a copy
             ranges = [range(k, k + 1) for k in range(len(all_layers))]
-        self.chunks, self.schedule, self.grid = chunks, layout.schedule, layout.grid
+        self.chunks, self.schedule, self.grid, self.checkpoint = chunks, layout.schedule, layout.grid, layout.checkpoint
         self.loss_fn, self.timeout = loss_fn, timeout
         # From here on, Horovod: every argument above is checked on every rank.
         # Names without step numbers: each is a traced tf.function (see pipeline_transport).
@@ -171,6 +178,9 @@ class DistributedPipeline(KerasFit, StageView):
                            else None)
         self._graph_function = (None if self.split is None or self.captured is None else GraphStageFunction(
             self.layers[0], self.split, j, self.captured, loss_fn, jit_compile))
+        # A graph stage calls its own layers and its copies of tied ones: the Keras layers whose state a replay needs.
+        called = self.layers if self.split is None else self.layers[0].layers + self.layers[0].tied
+        self._recompute = StageRecompute(called, layout.recomputed) if layout.recomputed else None
         self.gradients: List[Optional[tf.Tensor]] = []
         self.peak_live = 0
         #: GPipe: a stage whose split passes run computes its micro-batches' weight gradients in one pass
@@ -247,17 +257,20 @@ class DistributedPipeline(KerasFit, StageView):
             actions = deferred_weights(actions)
         work = TFStageWork(self.layers, self.is_first, self.is_last, self.loss_fn if train else None,
                            micro_targets, [s / sum(sizes) for s in sizes], self.device, self._functions, fusable(actions),
-                           split=splits_backward(actions), batch_weights=batch_weights)
+                           split=splits_backward(actions), batch_weights=batch_weights, recompute=self._recompute)
         return work, self.role.step(actions, micro_inputs, work, train)
 
     def _batches_weights(self, actions: Sequence[Action], train: bool) -> bool:
         """Whether this step runs GPipe's W passes as one after its last B (``pipeline_work.deferred_weights``).
 
-        Only on a stage whose split passes run (built, no layer with state) and only under GPipe: 1F1B
-        would have to keep every micro-batch's layer inputs until the end, GPipe's memory.
+        Only on a stage whose split passes run (built, no layer with state) and re-run cheaply (no layer
+        owning weights through sublayers, ``split_backward.reruns_cheaply``), and only under GPipe: 1F1B
+        would have to keep every micro-batch's layer inputs until the end, GPipe's memory; and not with
+        checkpointing, whose point is to keep no more than their inputs.
         """
         return (train and self.schedule == "gpipe" and self.batch_weights and self._functions is not None
-                and not splits_backward(actions) and self._functions.splittable())
+                and self._recompute is None
+                and not splits_backward(actions) and self._functions.batches_weights())
 
     def _run_graph(self, actions: Sequence[Action], inputs: Any, targets: Any,
                    train: bool) -> Tuple[TFGraphStageWork, StepRecord]:
@@ -273,7 +286,8 @@ class DistributedPipeline(KerasFit, StageView):
         micro_targets = tf.split(targets, sizes) if train and targets is not None else []
         work: Any = TFGraphStageWork(self.layers[0], self.split, self.stage_index, self.captured,
                                 self.loss_fn if train else None, micro_targets, [s / sum(sizes) for s in sizes],
-                                self.device, self._graph_function, split_backward=splits_backward(actions))
+                                self.device, self._graph_function, split_backward=splits_backward(actions),
+                                recompute=self._recompute)
         return work, self.role.step(actions, micro_inputs, work, train)
 
     def train_step(self, inputs: Any, targets: Any) -> float:

@@ -25,6 +25,7 @@ from dualframe.tensorflow.distributed_graph import GraphStage
 from dualframe.tensorflow.graph_split_backward import GraphSplitPasses
 from dualframe.tensorflow.pipeline_transport import DTYPES, tf_dtype_code
 from dualframe.tensorflow.pipeline_work import Gradients, _Compiled, _dense, _summed
+from dualframe.tensorflow.stage_recompute import StageRecompute
 
 _FIELDS = 2 + MAX_DIMS  # per tensor: dtype code, ndim, dims
 _LOG = logging.getLogger(__name__)
@@ -131,6 +132,10 @@ class TFGraphStageWork:
     the weights' gradients to the sums; on the last stage F runs F and B in one call. A stage that is
     not ``splittable`` (a layer with state) runs B as the full backward and W only adds its weights' part.
 
+    With ``recompute`` (activation checkpointing), a micro-batch it names runs its forward without a tape,
+    keeping only the values the stage read, and again under a tape at the start of its backward (the
+    last stage's F+B of a split backward keep nothing and run as before).
+
     Example:
         >>> work = TFGraphStageWork(stage, split, 1, captured, loss, [y0], [1.0])   # doctest: +SKIP
         >>> messages = work.forward(0, {0: message}); work.backward(0, {})          # doctest: +SKIP
@@ -139,9 +144,9 @@ class TFGraphStageWork:
     def __init__(self, stage: GraphStage, split: GraphSplit, j: int, captured: KerasGraph,
                  loss_fn: Optional[Callable[[Any, Any], Any]], targets: Sequence[Any], weights: Sequence[float],
                  device: Optional[str] = None, function: Optional[GraphStageFunction] = None,
-                 split_backward: bool = False) -> None:
+                 split_backward: bool = False, recompute: Optional[StageRecompute] = None) -> None:
         self.stage, self.split, self.j, self.captured, self.device = stage, split, j, captured, device
-        self.function = function
+        self.function, self.recompute = function, recompute
         self.split_backward = split_backward and loss_fn is not None
         # The compiled passes, or (no function: eager, as the stage's forward) their python bodies.
         self.bodies = function.passes if function is not None else GraphSplitPasses(stage, split, j, captured, loss_fn)
@@ -170,10 +175,24 @@ class TFGraphStageWork:
         training = self.loss_fn is not None
         values: Dict[str, Any] = dict(received.get(-1, {}))
         held: Dict[int, List[Any]] = {p: unpack(received[p]) for p in self.incoming}
-        loss = None
-        tape = tf.GradientTape() if training else None
-        if self.split_passes:
+        if self.split_passes and not (self.recompute is not None and i in self.recompute and not self.last):
             return self._forward_split(i, values, held)
+        if not training or self.recompute is None or i not in self.recompute:
+            return self._forward_taped(i, values, held, training)
+        self.recompute.forward(i)  # checkpointed: no tape, only what the stage read is kept
+        for p, names in self.incoming.items():
+            values.update(zip(names, held[p]))
+        with tf.device(self.device):
+            sent, loss, _ = self._stage(i, dict(values), True)
+        if loss is not None:
+            self.loss_sum += float(loss)
+        self._keep(i, ("replay", held, values))
+        return {c: pack(sent[c], names) for c, names in self.outgoing.items()}
+
+    def _forward_taped(self, i: int, values: Dict[str, Any], held: Dict[int, List[Any]],
+                       training: bool) -> Dict[int, tf.Tensor]:
+        """F i under its own tape (training), kept until B i."""
+        tape = tf.GradientTape() if training else None
         with tf.device(self.device), (tape if tape is not None else nullcontext()):
             for p, names in self.incoming.items():
                 if tape is not None:
@@ -189,6 +208,19 @@ class TFGraphStageWork:
             self.loss_sum += float(loss)
         self._keep(i, (tape, held, sent, loss))
         return messages
+
+    def _replay(self, i: int, held: Dict[int, List[Any]], values: Dict[str, Any]) -> Tuple[Any, ...]:
+        """A checkpointed micro-batch's forward again, keeping what its backward needs (as F i would have)."""
+        assert self.recompute is not None
+        with self.recompute.replaying(i):
+            if self.split_passes:
+                with tf.device(self.device):
+                    _, kept = self.passes.forward_kept(dict(values))
+                return ("split", held, kept)
+            with tf.device(self.device), tf.GradientTape() as tape:
+                tape.watch([t for tensors in held.values() for t in tensors if t.dtype.is_floating])
+                sent, loss, _ = self._stage(i, dict(values), True)
+        return (tape, held, sent, loss)
 
     def _keep(self, i: int, saved: Tuple[Any, ...]) -> None:
         self._saved[i] = saved
@@ -227,6 +259,8 @@ class TFGraphStageWork:
 
     def backward(self, i: int, grads: Mapping[int, Any]) -> Dict[int, tf.Tensor]:
         saved = self._saved.pop(i)
+        if saved[0] == "replay":
+            saved = self._replay(i, saved[1], saved[2])  # type: ignore[arg-type]  # ("replay", held, values)
         if isinstance(saved[0], str):  # "split" or "done": a split backward's F kept it
             return self._backward_split(i, saved, grads)
         tape, held, sent, loss = saved

@@ -7,7 +7,8 @@ from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Tu
 import tensorflow as tf
 
 from dualframe.pipeline.action import BACKWARD, WEIGHT, Action
-from dualframe.tensorflow.split_backward import SplitFunctions, splittable
+from dualframe.tensorflow.split_backward import SplitFunctions, reruns_cheaply, splittable
+from dualframe.tensorflow.stage_recompute import StageRecompute
 
 Gradients = List[Optional[tf.Tensor]]
 _LOG = logging.getLogger(__name__)
@@ -116,6 +117,10 @@ class StageFunctions:
         """Whether B and W may run as separate compiled passes (built, and no layer with state)."""
         return self.ready() and splittable(self.layers)
 
+    def batches_weights(self) -> bool:
+        """Whether GPipe's W passes pay as one batched pass: ``splittable`` and ``reruns_cheaply`` (no re-run blocks)."""
+        return self.splittable() and reruns_cheaply(self.layers)
+
     def tracing_counts(self) -> Dict[str, int]:
         """Traces per function so far (a test checks that no step after the first traces again)."""
         return {name: getattr(self, name).tracing_count()
@@ -200,6 +205,10 @@ class TFStageWork:
     layers' inputs and the loss's gradient at its output (``last_forward_inputs``) for its B, the
     fused last micro-batch runs F and B in one call (``last_input_pass``).
 
+    With ``recompute`` (activation checkpointing), a micro-batch it names (but the last stage's fused ones,
+    which keep nothing) runs its forward without a tape, keeping only its input, and again, as above, at
+    the start of its backward.
+
     Example:
         >>> work = TFStageWork(layers, True, True, loss, [y0], [1.0], fused={0})   # doctest: +SKIP
         >>> work.forward(0, x0); work.backward(0, None); work.gradients            # doctest: +SKIP
@@ -207,7 +216,8 @@ class TFStageWork:
 
     def __init__(self, layers: Sequence[Any], first: bool, last: bool, loss_fn: Optional[Callable[[Any, Any], Any]], targets: List[tf.Tensor], weights: List[float],
                  device: Optional[str] = None, functions: Optional[StageFunctions] = None,
-                 fused: Collection[int] = (), split: bool = False, batch_weights: bool = False) -> None:
+                 fused: Collection[int] = (), split: bool = False, batch_weights: bool = False,
+                 recompute: Optional[StageRecompute] = None) -> None:
         self.layers, self.first, self.last = list(layers), first, last
         self.functions = functions if functions is not None and functions.ready() else None
         self.split = split
@@ -221,6 +231,7 @@ class TFStageWork:
         self.batch_weights = batch_weights and self.split_passes
         self._weights_due: List[int] = []  # W actions come, waiting for the batched pass
         self.fused = set(fused) if last else set()
+        self.recompute = recompute
         self.loss_fn, self.targets, self.weights, self.device = loss_fn, targets, weights, device
         self._saved: Dict[int, Any] = {}  # i -> (tape, input, output), or the last stage's input gradient
         self.variables: List[tf.Variable] = []  # read at the first gradients: unbuilt layers build in forward
@@ -270,32 +281,38 @@ class TFStageWork:
                 if self.last:
                     self.outputs.append(y)
                 return None if self.last else y
-            if self.split_passes:
-                if not self.last:
-                    y, inputs = self.functions.forward_inputs(x)  # type: ignore[union-attr]
-                    self._keep(i, ("split", inputs, None))
-                    return y
-                if i in self.fused:
-                    self._last_input_pass(i, x)
-                    return None
-                if self.batch_weights:
-                    loss, inputs, output_grad = self.functions.last_forward_inputs(  # type: ignore[union-attr]
-                        x, self.targets[i], tf.constant(self.weights[i], tf.float64))
-                    self._keep(i, ("split", inputs, output_grad))
-                    self.loss_sum += float(loss)
-                    return None
-            elif i in self.fused and self.functions is not None:
+            if i in self.fused and self.split_passes:
+                self._last_input_pass(i, x)
+                return None
+            if i in self.fused and self.functions is not None and not self.split:  # W i adds a taped B
                 self._last_step(i, x)
                 return None
-            with tf.GradientTape() as tape:
-                if not self.first:
-                    tape.watch(x)
-                y = self._loss(i, x) if self.last else self._run(x, training=True)
-        self._keep(i, (tape, x, y))
+            if self.recompute is not None and i in self.recompute:
+                self.recompute.forward(i)
+                y = self._loss(i, x) if self.last else self._run(x, training=True)  # no tape: nothing kept
+                self._keep(i, ("replay", x))
+            else:
+                saved, y = self._recorded(i, x)
+                self._keep(i, saved)
         if self.last:
             self.loss_sum += float(y)
             return None
         return y
+
+    def _recorded(self, i: int, x: tf.Tensor) -> Tuple[Tuple[Any, ...], tf.Tensor]:
+        """Micro-batch i's forward keeping what its backward needs: (that, the output or the last stage's loss)."""
+        if self.split_passes and not self.last:
+            y, inputs = self.functions.forward_inputs(x)  # type: ignore[union-attr]
+            return ("split", inputs, None), y
+        if self.split_passes and self.batch_weights:
+            loss, inputs, output_grad = self.functions.last_forward_inputs(  # type: ignore[union-attr]
+                x, self.targets[i], tf.constant(self.weights[i], tf.float64))
+            return ("split", inputs, output_grad), loss
+        with tf.GradientTape() as tape:
+            if not self.first:
+                tape.watch(x)
+            y = self._loss(i, x) if self.last else self._run(x, training=True)
+        return (tape, x, y), y
 
     def _last_step(self, i: int, x: tf.Tensor) -> None:
         assert self.functions is not None
@@ -316,6 +333,10 @@ class TFStageWork:
         saved = self._saved.pop(i)
         if not isinstance(saved, tuple):  # the last stage's compiled step already ran: its input's gradient
             return saved
+        if saved[0] == "replay":  # checkpointed: its forward again, now keeping what backward needs
+            assert self.recompute is not None
+            with tf.device(self.device), self.recompute.replaying(i):
+                saved, _ = self._recorded(i, saved[1])
         if saved[0] == "split":  # B i of a split backward: the input's gradient, W's inputs kept
             assert self.functions is not None
             with tf.device(self.device):

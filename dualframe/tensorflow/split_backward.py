@@ -45,6 +45,22 @@ def splittable(layers: Sequence[Any]) -> bool:
     return all(not layer.non_trainable_variables for layer in layers)
 
 
+def reruns_cheaply(layers: Sequence[Any]) -> bool:
+    """Whether each layer that owns weights owns them itself (a ``Dense``), none through sublayers (a transformer block).
+
+    B re-runs every layer and W every owner: for a ``Dense`` the re-run product is dead code, but a
+    block with weighted sublayers re-runs its whole forward in B and again in W (its weights' gradient
+    needs its whole backward). A ``keras_hub.layers.TransformerEncoder`` stage split so computed 1.5x
+    the taped step (``scripts/bench_stage_cpu_tf.py``), so GPipe does not batch its W passes there.
+
+    Example:
+        >>> reruns_cheaply([keras.layers.Dense(4), keras.layers.ReLU()])  # doctest: +SKIP
+        True
+    """
+    return not any(inner.trainable_weights for layer in layers if layer.trainable_weights
+                   for inner in layer._flatten_layers(include_self=False, recursive=True))
+
+
 def _gradient_or_zeros(gradient: Any, like: tf.Tensor) -> tf.Tensor:
     return tf.zeros_like(like) if gradient is None else tf.convert_to_tensor(gradient)
 

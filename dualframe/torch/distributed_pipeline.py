@@ -30,15 +30,17 @@ from dualframe.torch.graph_stage_work import TorchGraphStageWork
 from dualframe.torch.model_loss import model_loss
 from dualframe.torch.model_parallel import is_graph_split
 from dualframe.torch.split_backward import SplitBackward
+from dualframe.torch.stage_recompute import StageRecompute
 from dualframe.torch.tied import TiedCopies, find_stage_tied, model_state_dict, stage_part, tensor_names
 
 
 def _layout(module: nn.Module, balance: Sequence[int], chunks: int, schedule: str, loss_fn: Any,
-            devices: Optional[Sequence[str]], data_parallel: Optional[int], timeout: float) -> StageLayout:
+            devices: Optional[Sequence[str]], data_parallel: Optional[int], timeout: float,
+            checkpoint: str) -> StageLayout:
     if not isinstance(module, nn.Sequential):
         raise StrategyError(f"DistributedPipeline splits an nn.Sequential (module: {type(module).__name__})")
     return layout_pipeline(len(module), balance, chunks, schedule, loss_fn, devices, data_parallel, timeout,
-                           BACKEND.collectives.world_size())
+                           BACKEND.collectives.world_size(), checkpoint)
 
 
 class DistributedPipeline(StageView, nn.Module):
@@ -75,6 +77,11 @@ class DistributedPipeline(StageView, nn.Module):
             Horovod broadcasts), ``"mpi"``, ``"zmq"`` (an error where a rank lacks it) or ``"horovod"``;
             every rank must pass the same. None (default): ``DUALFRAME_PIPELINE_TRANSPORT``, else auto.
             ``pipe.transport`` tells which one was taken.
+        checkpoint: activation checkpointing in each stage, as ``Pipeline``'s: ``"never"`` (default),
+            ``"always"`` or ``"except_last"`` (every micro-batch but the last): such a micro-batch keeps
+            only its stage's input from forward to backward, where the stage's forward runs again (the
+            same random state, buffers such as BatchNorm's statistics updated once); under ``"zb-h1"``
+            the recomputed graph lives from B to W. Results equal those without it.
 
     Raises:
         BalanceError, ChunksError, ScheduleError, StrategyError: bad arguments, on every rank, before
@@ -92,19 +99,21 @@ class DistributedPipeline(StageView, nn.Module):
                  schedule: str = "gpipe", loss_fn: Optional[Callable[[Any, torch.Tensor], torch.Tensor]] = None,
                  devices: Optional[Sequence[str]] = None, data_parallel: Optional[int] = None,
                  timeout: float = 45.0, *, split_points: Optional[Sequence[str]] = None, stages: Optional[int] = None,
-                 sample: Any = None, leaves: Leaves = (), transport: Optional[str] = None) -> None:
+                 sample: Any = None, leaves: Leaves = (), transport: Optional[str] = None,
+                 checkpoint: str = "never") -> None:
         super().__init__()
         transport = check_transport(transport)
         self.graph: Optional[GraphPart] = None
         if is_graph_split(module, split_points, stages):
             n = stage_count(split_points, balance, stages)
             layout = layout_pipeline(n, [1] * n, chunks, schedule, loss_fn, devices, data_parallel, timeout,
-                                     BACKEND.collectives.world_size())
+                                     BACKEND.collectives.world_size(), checkpoint)
             self.graph = GraphPart(module, split_points=split_points, balance=balance, stages=stages, sample=sample,
                                    leaves=leaves)
         else:
-            layout = _layout(module, balance or [], chunks, schedule, loss_fn, devices, data_parallel, timeout)
-        self.chunks, self.schedule, self.grid = chunks, layout.schedule, layout.grid
+            layout = _layout(module, balance or [], chunks, schedule, loss_fn, devices, data_parallel, timeout,
+                             checkpoint)
+        self.chunks, self.schedule, self.grid, self.checkpoint = chunks, layout.schedule, layout.grid, layout.checkpoint
         self.loss_fn, self.timeout = loss_fn, timeout
         modules = [self._stage_module(module, layout, j) for j in range(layout.grid.stages)]
         tied = find_stage_tied(module, modules)  # weights several stages read: each holds a copy
@@ -123,6 +132,7 @@ class DistributedPipeline(StageView, nn.Module):
         self.meter = ActivationMeter(self.stage.parameters())
         # A zero-bubble schedule: backward as B (the input's gradient) then, later, W (the weights').
         self.split_backward = SplitBackward(self.stage) if splits_backward(self.actions) else None
+        self.recompute = StageRecompute(self.stage, layout.recomputed, self.device) if layout.recomputed else None
 
     def _stage_module(self, module: nn.Module, layout: StageLayout, j: int) -> nn.Module:
         """Stage ``j``'s module, referencing the model's own parameters (every stage is built, to find tied ones)."""
@@ -200,10 +210,10 @@ class DistributedPipeline(StageView, nn.Module):
             micro_inputs = self.graph.micro_inputs(values, sizes, self.device) if self.is_first else []
             work = TorchGraphStageWork(self.stage, self.graph.split, self.stage_index, self.graph.captured,
                                        self.device, loss_fn, micro_targets, weights, self.meter,
-                                       self.split_backward)
+                                       self.split_backward, self.recompute)
         else:
             work = TorchStageWork(self.stage, self.is_first, self.is_last, loss_fn,
-                                  micro_targets, weights, self.meter, self.split_backward)
+                                  micro_targets, weights, self.meter, self.split_backward, self.recompute)
         with torch.set_grad_enabled(train), self.meter.counting():
             record = self.role.step(actions, micro_inputs, work, train)
         return work, record

@@ -26,6 +26,7 @@ from dualframe.torch.graph_run import tensor_leaves
 from dualframe.torch.pipeline_transport import DTYPES, dtype_code
 from dualframe.torch.pipeline_work import ActivationMeter
 from dualframe.torch.split_backward import SplitBackward
+from dualframe.torch.stage_recompute import StageRecompute
 
 _FIELDS = 2 + MAX_DIMS  # per tensor: dtype code, ndim, dims
 _PLAIN = (bool, int, float, str, type(None))
@@ -162,21 +163,27 @@ class TorchGraphStageWork:
     """Forward and backward of stage j of a graph split on micro-batch i, keeping what backward needs.
 
     The last stage gathers the model's outputs (its own and those sent to it), rebuilds the model's
-    return value and turns it into the loss weighted by the micro-batch's share of rows.
+    return value and turns it into the loss weighted by the micro-batch's share of rows. A micro-batch
+    in ``recompute`` (activation checkpointing) keeps only the values its stage read until its backward,
+    which runs the stage again first.
     """
 
     def __init__(self, stage: nn.Module, split: GraphSplit, j: int, captured: Captured, device: torch.device,
                  loss_fn: Optional[Callable[[Any, Any], torch.Tensor]], targets: List[torch.Tensor],
-                 weights: List[float], meter: ActivationMeter, split_backward: Optional[SplitBackward] = None) -> None:
+                 weights: List[float], meter: ActivationMeter, split_backward: Optional[SplitBackward] = None,
+                 recompute: Optional[StageRecompute] = None) -> None:
         self.stage, self.split, self.j, self.captured, self.device = stage, split, j, captured, device
-        self.split_backward = split_backward
+        self.split_backward, self.recompute = split_backward, recompute
         self.loss_fn, self.targets, self.weights, self.meter = loss_fn, targets, weights, meter
         self.last = j == split.stages - 1
         edges = stage_edges(split, j)
         self.incoming = {p: edge_values(split, p, j) for p in edges.sources}
         self.outgoing = {c: edge_values(split, j, c) for c in edges.targets}
-        self._saved: Dict[int, Tuple[Dict[int, List[torch.Tensor]], Dict[int, List[Any]], Any]] = {}
+        # Per micro-batch: the received tensors, what was sent (by target stage), the last stage's loss and,
+        # recomputed, the values the stage read instead of the two before (its forward runs again in backward).
+        self._saved: Dict[int, Tuple[Dict[int, List[torch.Tensor]], Any, Any, Any]] = {}
         self._received: Dict[int, Dict[int, List[Any]]] = {}  # per micro-batch, per source: the values as received
+        self._kept: Dict[int, List[Any]] = {}  # what a checkpointed micro-batch read, counted by the meter
         self.outputs: List[Dict[str, Any]] = []
         self.loss_sum = 0.0
 
@@ -192,32 +199,55 @@ class TorchGraphStageWork:
                     t.requires_grad_()
             values.update(zip(names, got))
             held[p] = tensors
-        if training:
-            self._received[i] = {p: [values[v] for v in names] for p, names in self.incoming.items()}
+        if not training:
+            values.update(zip(self.split.sends[self.j], self.stage(*[values[v] for v in self.split.reads[self.j]])))
+            if self.last:
+                outputs = {v: values[v] for v in self.split.graph.outputs}
+                self.outputs.append({v: t.detach() if isinstance(t, torch.Tensor) else t for v, t in outputs.items()})
+            return self._messages(values)
+        self._received[i] = {p: [values[v] for v in names] for p, names in self.incoming.items()}
+        if self.recompute is not None and i in self.recompute:
+            read = dict(values)
+            values, loss = self.recompute.forward(i, lambda: self._train(i, read))
+            self._saved[i] = (held, None, None, read)
+            self._kept[i] = self.meter.keep({id(t): t for v in read.values() for t in tensor_leaves(v)}.values())
+        else:
+            values, loss = self._train(i, values)
+            self._saved[i] = (held, None if self.last else self._sent(values), loss, None)
+        if loss is not None:
+            self.loss_sum += float(loss.detach())
+        return self._messages(values)
+
+    def _train(self, i: int, read: Mapping[str, Any]) -> Tuple[Dict[str, Any], Any]:
+        """Micro-batch i's stage run on the values it ``read``: every value then, and the last stage's weighted loss."""
+        values = dict(read)
         args = [values[v] for v in self.split.reads[self.j]]
-        if training and self.split_backward is not None:
+        if self.split_backward is not None:
             with self.split_backward.recording(i):
                 sends = self.stage(*args)
         else:
             sends = self.stage(*args)
         values.update(zip(self.split.sends[self.j], sends))
-        messages = {c: pack([values[v] for v in names], names, self.device) for c, names in self.outgoing.items()}
-        if self.last:
-            outputs = {v: values[v] for v in self.split.graph.outputs}
-            if not training:
-                self.outputs.append({v: t.detach() if isinstance(t, torch.Tensor) else t for v, t in outputs.items()})
-                return messages
-            assert self.loss_fn is not None
-            target = self.targets[i] if self.targets else None  # None: the model's own loss reads its labels
-            loss = self.loss_fn(self.captured.unflatten(outputs), target) * self.weights[i]
-            self.loss_sum += float(loss.detach())
-            self._saved[i] = (held, {}, loss)
-        elif training:
-            self._saved[i] = (held, {c: [values[v] for v in names] for c, names in self.outgoing.items()}, None)
-        return messages
+        if not self.last:
+            return values, None
+        assert self.loss_fn is not None
+        outputs = {v: values[v] for v in self.split.graph.outputs}
+        target = self.targets[i] if self.targets else None  # None: the model's own loss reads its labels
+        return values, self.loss_fn(self.captured.unflatten(outputs), target) * self.weights[i]
+
+    def _sent(self, values: Mapping[str, Any]) -> Dict[int, List[Any]]:
+        return {c: [values[v] for v in names] for c, names in self.outgoing.items()}
+
+    def _messages(self, values: Mapping[str, Any]) -> Dict[int, torch.Tensor]:
+        return {c: pack([values[v] for v in names], names, self.device) for c, names in self.outgoing.items()}
 
     def backward(self, i: int, grads: Mapping[int, torch.Tensor]) -> Dict[int, torch.Tensor]:
-        held, sent, loss = self._saved.pop(i)
+        held, sent, loss, read = self._saved.pop(i)
+        self._kept.pop(i, None)
+        if read is not None:
+            assert self.recompute is not None
+            values, loss = self.recompute.replay(i, lambda: self._train(i, read))
+            sent = None if self.last else self._sent(values)
         roots, upstream = ([loss], [None]) if loss is not None else self._roots(sent, grads)
         if self.split_backward is not None:
             inputs = [t for tensors in held.values() for t in tensors if t.requires_grad]

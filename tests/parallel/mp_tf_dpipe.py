@@ -62,6 +62,45 @@ def test_training_equals_one_process(schedule):
                               else {"gpipe": 4, "1f1b": 1, "zb-h1": 2}[schedule])
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+@pytest.mark.parametrize("checkpoint", ["always", "except_last"])
+def test_checkpointed_stages_train_as_one_process(schedule, checkpoint):
+    data = batches(STEPS, BATCH)
+    expected_losses, expected_weights = reference(data)
+    pipe = DistributedPipeline(mlp(), balance=[3, 2], chunks=CHUNKS, schedule=schedule, loss_fn="mse",
+                               checkpoint=checkpoint)
+    train_pipeline(pipe, keras.optimizers.SGD(0.1, momentum=0.9), data, expected_losses)
+    assert_weights(pipe.gather_weights(), expected_weights)
+    # Each micro-batch's W in its own backward: a batched W would keep every micro-batch's layer inputs.
+    tags = [tag for tag, _, _ in pipe.records.records[-1].actions]
+    assert tags[-CHUNKS:] != [f"W{i}" for i in reversed(range(CHUNKS))]
+
+
+def dropout_model(seed=3):
+    """Dense -> BatchNormalization -> Dropout | Dense -> relu -> Dropout -> Dense, seeded (balance [3, 4])."""
+    init = keras.initializers.GlorotUniform
+    return keras.Sequential([
+        keras.Input((6,)), keras.layers.Dense(16, kernel_initializer=init(seed)), keras.layers.BatchNormalization(),
+        keras.layers.Dropout(0.3, seed=seed), keras.layers.Dense(16, kernel_initializer=init(seed + 1)),
+        keras.layers.Activation("relu"), keras.layers.Dropout(0.2, seed=seed + 1),
+        keras.layers.Dense(3, kernel_initializer=init(seed + 2))])
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "zb-h1"])
+def test_checkpointing_replays_dropout_masks_and_updates_batch_norm_once(schedule):
+    runs = {}
+    for checkpoint in ("never", "always"):
+        pipe = DistributedPipeline(dropout_model(), balance=[3, 4], chunks=CHUNKS, schedule=schedule, loss_fn="mse",
+                                   checkpoint=checkpoint)
+        optimizer, losses = keras.optimizers.SGD(0.1), []
+        for x, y in batches(3, BATCH):
+            losses.append(pipe.train_step(x, y))
+            pipe.apply_gradients(optimizer)
+        runs[checkpoint] = losses, pipe.gather_weights()  # moving statistics and Dropout's seed states included
+    assert runs["always"][0] == pytest.approx(runs["never"][0], abs=1e-6)
+    assert_weights(runs["always"][1], runs["never"][1], "checkpointed vs not", atol=1e-6)
+
+
 def test_inference_and_set_weights_take_the_full_model():
     model, other = mlp(), mlp(seed=99)
     pipe = DistributedPipeline(model, balance=[3, 2], chunks=3, loss_fn="mse")

@@ -32,12 +32,16 @@ def make_model(seed=7):
     return keras.Model(x, keras.layers.Dense(3, kernel_initializer=init(seed + 99), name="head")(h))
 
 
-@pytest.mark.parametrize("schedule, balance", [("gpipe", [5, 4]), ("1f1b", [5, 4]), ("1f1b", [3, 6]),
-                                               ("zb-h1", [5, 4]), ("zb-h1", [3, 6])])
-def test_functional_model_trains_as_one_process(schedule, balance):
+@pytest.mark.parametrize("schedule, balance, checkpoint", [
+    ("gpipe", [5, 4], "never"), ("1f1b", [5, 4], "never"), ("1f1b", [3, 6], "never"), ("zb-h1", [5, 4], "never"),
+    ("zb-h1", [3, 6], "never"), ("gpipe", [5, 4], "always"), ("1f1b", [3, 6], "except_last"),
+    ("zb-h1", [3, 6], "always")])
+def test_functional_model_trains_as_one_process(schedule, balance, checkpoint):
+    """checkpoint=: each stage recomputes its micro-batches' forward in their backward, with the same results."""
     data = batches(STEPS, BATCH)
     expected_losses, expected_weights = one_process(make_model(), data, keras.optimizers.SGD(0.1, momentum=0.9))
-    pipe = DistributedPipeline(make_model(), balance=balance, chunks=CHUNKS, schedule=schedule, loss_fn="mse")
+    pipe = DistributedPipeline(make_model(), balance=balance, chunks=CHUNKS, schedule=schedule, loss_fn="mse",
+                               checkpoint=checkpoint)
     crossing = {(0, 1): ("b0_fc1", "d0") if balance == [3, 6] else ("b0_add",)}  # two values cross at [3, 6]
     assert pipe.role.edge_links.keys() == {1 - pipe.stage_index}
     assert {(0, 1): edge_values(pipe.split, 0, 1)} == crossing

@@ -41,13 +41,15 @@ def test_started_on_four_processes():
     assert hvd.size() == 4
 
 
-@pytest.mark.parametrize("schedule, sharding", [("gpipe", None), ("1f1b", None), ("1f1b", "optimizer")])
-def test_hybrid_equals_one_process_on_the_global_batch(schedule, sharding):
-    """shard="optimizer": the stage's optimizer state is sharded among its 2 replicas (ZeRO-1 in the hybrid)."""
+@pytest.mark.parametrize("schedule, sharding, checkpoint", [("gpipe", None, "never"), ("1f1b", None, "never"),
+                                                           ("1f1b", "optimizer", "never"), ("zb-h1", None, "always")])
+def test_hybrid_equals_one_process_on_the_global_batch(schedule, sharding, checkpoint):
+    """shard="optimizer": the stage's optimizer state is sharded among its 2 replicas (ZeRO-1 in the hybrid);
+    checkpoint=: each stage recomputes its micro-batches' forward in their backward."""
     data = global_batches()
     expected_losses, expected_weights = reference(data)
     pipe = DistributedPipeline(make_model(), balance=[3, 2], chunks=CHUNKS, schedule=schedule, loss_fn="mse",
-                               data_parallel=2)
+                               data_parallel=2, checkpoint=checkpoint)
     assert (pipe.replica, pipe.stage_index) == divmod(hvd.rank(), 2)
     assert pipe.stage_ranks == [pipe.stage_index, 2 + pipe.stage_index]
     optimizer = pipe.distributed_optimizer(keras.optimizers.SGD(0.2, momentum=0.9), shard=sharding)

@@ -80,6 +80,60 @@ def test_1f1b_and_zb_h1_keep_fewer_activations_alive_than_gpipe():
         assert peaks["zb-h1"] <= peaks["1f1b"], peaks  # B keeps the graph until W, within 1F1B's count
 
 
+def train_pipeline(model, data, schedule, checkpoint, balance=(3, 2)):
+    """A pipeline of (a copy of) ``model`` trained on ``data``: its losses and the merged state_dict."""
+    pipe = DistributedPipeline(copy.deepcopy(model), balance=list(balance), chunks=CHUNKS, schedule=schedule,
+                               loss_fn=nn.MSELoss(), checkpoint=checkpoint)
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for x, y in data:
+        optimizer.zero_grad()
+        losses.append(pipe.train_step(x, y))
+        optimizer.step()
+    assert pipe.meter.live_bytes == 0
+    return losses, merged_state_dict(pipe)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+@pytest.mark.parametrize("checkpoint", ["always", "except_last"])
+def test_checkpointed_stages_train_as_one_process_in_float64(schedule, checkpoint):
+    model, data = pipeline_model().double(), [(x.double(), y.double()) for x, y in batches()]
+    expected_losses, expected_state = pipeline_reference(model, data)
+    losses, state = train_pipeline(model, data, schedule, checkpoint)
+    assert losses == pytest.approx(expected_losses, abs=1e-9)
+    for key, value in expected_state.items():
+        torch.testing.assert_close(state[key], value, atol=1e-9, rtol=0)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "zb-h1"])
+def test_checkpointing_replays_dropout_masks_and_updates_batch_norm_once(schedule):
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Dropout(0.3), nn.Linear(16, 16), nn.ReLU(),
+                          nn.Dropout(0.2), nn.Linear(16, 3))
+    runs = {}
+    for checkpoint in ("never", "always"):
+        torch.manual_seed(5)  # the same masks drawn in the same order on each rank
+        runs[checkpoint] = train_pipeline(model, batches()[:3], schedule, checkpoint, balance=(3, 4))
+    assert runs["always"][0] == pytest.approx(runs["never"][0], abs=1e-6)
+    for key, value in runs["never"][1].items():  # BatchNorm's running statistics and step count included
+        torch.testing.assert_close(runs["always"][1][key], value, atol=1e-6, rtol=0)
+
+
+def test_checkpointing_keeps_fewer_activations_alive_and_bad_modes_are_refused():
+    x, y = torch.randn(64, 6), torch.randn(64, 3)
+    peaks = {}
+    for checkpoint in ("never", "except_last", "always"):
+        pipe = DistributedPipeline(pipeline_model(), balance=[3, 2], chunks=8, loss_fn=nn.MSELoss(),
+                                   checkpoint=checkpoint)
+        pipe.train_step(x, y)
+        peaks[checkpoint] = pipe.meter.peak_bytes
+    if hvd.rank() == 0:  # GPipe: stage 0 holds 8 micro-batches' activations; checkpointed, their inputs and one graph
+        assert peaks["always"] * 2.5 < peaks["never"], peaks
+        assert peaks["except_last"] == peaks["always"], peaks  # 8 inputs and one micro-batch's graph either way
+    with pytest.raises(StrategyError, match=r"unknown checkpoint 'sometimes'; choose one of always, except_last, never"):
+        DistributedPipeline(pipeline_model(), [3, 2], chunks=2, loss_fn=nn.MSELoss(), checkpoint="sometimes")
+
+
 def test_inference_forward_equals_the_whole_model():
     model = pipeline_model()
     pipe = DistributedPipeline(copy.deepcopy(model), balance=[3, 2], chunks=3, loss_fn=nn.MSELoss())

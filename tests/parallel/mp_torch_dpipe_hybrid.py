@@ -34,9 +34,11 @@ def started():
     assert hvd.size() == 4
 
 
-@pytest.mark.parametrize("schedule, shard", [("gpipe", None), ("1f1b", "gradients"), ("zb-h1", None)])
-def test_hybrid_equals_one_process_on_the_global_batch(schedule, shard):
-    """With shard=, each stage's optimizer state and gradients are sharded among that stage's replicas."""
+@pytest.mark.parametrize("schedule, shard, checkpoint", [("gpipe", None, "never"), ("1f1b", "gradients", "never"),
+                                                        ("zb-h1", None, "never"), ("1f1b", "gradients", "always")])
+def test_hybrid_equals_one_process_on_the_global_batch(schedule, shard, checkpoint):
+    """With shard=, each stage's optimizer state and gradients are sharded among that stage's replicas;
+    with checkpoint=, each stage recomputes its micro-batches' forward in their backward."""
     model = make_model()
     generator = torch.Generator().manual_seed(5)
     data = [(torch.randn(GLOBAL_BATCH, 5, generator=generator), torch.randn(GLOBAL_BATCH, 2, generator=generator))
@@ -44,7 +46,7 @@ def test_hybrid_equals_one_process_on_the_global_batch(schedule, shard):
     reference = copy.deepcopy(model)
     ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.2)
     pipe = DistributedPipeline(copy.deepcopy(model), balance=[3, 2], chunks=4, schedule=schedule,
-                               loss_fn=nn.MSELoss(), data_parallel=2)
+                               loss_fn=nn.MSELoss(), data_parallel=2, checkpoint=checkpoint)
     assert (pipe.replica, pipe.stage_index) == divmod(hvd.rank(), 2)
     with pytest.raises(StrategyError, match=r"shard='parameters' \(ZeRO-3\) among a pipeline stage's replicas"):
         pipe.distributed_optimizer(torch.optim.SGD(pipe.parameters(), lr=0.2), shard="parameters")

@@ -81,7 +81,8 @@ def test_edges_skip_the_stage_that_does_not_read():
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
-def test_training_equals_one_process(schedule):
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_training_equals_one_process(schedule, checkpoint):
     model, data = make_model(), batches()
     reference = copy.deepcopy(model)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
@@ -93,7 +94,7 @@ def test_training_equals_one_process(schedule):
         ref_opt.step()
         expected.append(loss.item())
     pipe = DistributedPipeline(copy.deepcopy(model), chunks=CHUNKS, schedule=schedule, loss_fn=loss_fn,
-                               split_points=["b1", "b2"])
+                               split_points=["b1", "b2"], checkpoint=checkpoint)
     optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
     for step, (x, mask, y) in enumerate(data):
         optimizer.zero_grad()

@@ -58,9 +58,10 @@ def started():
     assert hvd.size() == 4
 
 
-@pytest.mark.parametrize("schedule, model_class", [("gpipe", Encoder), ("1f1b", Encoder), ("zb-h1", Encoder),
-                                                  ("gpipe", TiedEncoder), ("zb-h1", TiedEncoder)])
-def test_hybrid_graph_equals_one_process_on_the_global_batch(schedule, model_class):
+@pytest.mark.parametrize("schedule, model_class, checkpoint", [
+    ("gpipe", Encoder, "never"), ("1f1b", Encoder, "never"), ("zb-h1", Encoder, "never"),
+    ("gpipe", TiedEncoder, "never"), ("zb-h1", TiedEncoder, "never"), ("zb-h1", TiedEncoder, "always")])
+def test_hybrid_graph_equals_one_process_on_the_global_batch(schedule, model_class, checkpoint):
     torch.manual_seed(3)
     model = model_class()
     g = torch.Generator().manual_seed(5)
@@ -73,7 +74,7 @@ def test_hybrid_graph_equals_one_process_on_the_global_batch(schedule, model_cla
     reference = copy.deepcopy(model)
     ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.2)
     pipe = DistributedPipeline(copy.deepcopy(model), chunks=4, schedule=schedule, loss_fn=nn.MSELoss(),
-                               data_parallel=2, split_points=["blocks.2"])
+                               data_parallel=2, split_points=["blocks.2"], checkpoint=checkpoint)
     assert [w.stages for w in pipe.tied.plan.tied] == ([(0, 1)] if model_class is TiedEncoder else [])
     edges = pipe.role.edges
     assert (edges.sources, edges.targets) == {0: ((), (1,)), 1: ((0,), ())}[pipe.stage_index]

@@ -250,8 +250,11 @@ def test_zb_h1_equals_one_tape_over_the_batch():
             np.testing.assert_allclose(got.numpy(), expected.numpy(), atol=1e-5, rtol=0)
 
 
-def test_zb_h1_stage_with_state_runs_the_full_backward_in_b():
-    """BatchNormalization cannot be re-run (its moving statistics): B runs the whole backward, W adds it; equal to 1F1B."""
+@pytest.mark.parametrize("last", [False, True])
+def test_zb_h1_stage_with_state_runs_the_full_backward_in_b(last):
+    """BatchNormalization cannot be re-run (its moving statistics): B runs the whole backward, W adds it; equal to 1F1B.
+
+    The last stage too, whose F and B would otherwise run as one compiled step that leaves W nothing to add."""
     rng = np.random.RandomState(13)
     x, y = tf.constant(rng.randn(10, 5).astype("float32")), tf.constant(rng.randn(10, 3).astype("float32"))
     results = []
@@ -260,7 +263,7 @@ def test_zb_h1_stage_with_state_runs_the_full_backward_in_b():
         layers = [keras.layers.Dense(6), keras.layers.BatchNormalization(), keras.layers.Dense(3)]
         keras.Sequential([keras.Input((5,))] + layers)
         functions = StageFunctions(layers, first=False, loss_fn=keras.losses.MeanSquaredError())
-        work, input_grads = any_step(layers, functions, x, y, False, False, schedule)
+        work, input_grads = any_step(layers, functions, x, y, False, last, schedule)
         assert not work.split_passes
         results.append((work.gradients, input_grads, layers[1].moving_mean.numpy()))
     (g1, i1, m1), (g2, i2, m2) = results
@@ -318,3 +321,26 @@ def test_gpipe_batched_weights_keep_the_taped_path_for_a_stage_with_state():
     work = TFStageWork(layers, False, False, keras.losses.MeanSquaredError(), [], [0.5, 0.5], "/CPU:0", functions,
                        split=False, batch_weights=True)
     assert not functions.splittable() and not work.batch_weights
+
+
+class _Block(keras.layers.Layer):
+    """Weights through sublayers only, as a transformer block holds them."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner, self.outer = keras.layers.Dense(6, activation="relu"), keras.layers.Dense(5)
+
+    def call(self, x):
+        return x + self.outer(self.inner(x))
+
+
+def test_gpipe_batches_weights_only_where_layers_rerun_cheaply():
+    # A block re-runs its whole forward in B and again in W: GPipe keeps the taped path for it.
+    dense = [keras.layers.Dense(5), keras.layers.ReLU(), keras.layers.Dense(5)]
+    blocks = [keras.layers.Dense(5), _Block()]
+    for layers in (dense, blocks):
+        keras.Sequential([keras.Input((5,))] + layers)
+    dense_functions = StageFunctions(dense, first=False, loss_fn=keras.losses.MeanSquaredError())
+    block_functions = StageFunctions(blocks, first=False, loss_fn=keras.losses.MeanSquaredError())
+    assert dense_functions.splittable() and dense_functions.batches_weights()
+    assert block_functions.splittable() and not block_functions.batches_weights()

@@ -11,7 +11,8 @@ from dualframe import StrategyError
 from dualframe.plan import (Hardware, LayerProfile, Memory, ModelProfile, ModelSpec, ProbeError, Training,
                             advise, bubble, format_bytes, group_memory, parse_bytes, pipeline_chunks, render,
                             to_json)
-from dualframe.plan.advisor import options
+from dualframe.pipeline.partition import partition_ranges
+from dualframe.plan.advisor import options, step_cost
 from dualframe.plan.cli import run as plan_run
 from dualframe.plan.memory import FUSION_BUFFER_BYTES
 
@@ -139,16 +140,34 @@ def test_nearly_fits_gives_checkpointing_or_accumulation():
 
 
 def test_does_not_fit_gives_the_fewest_pipeline_stages_that_fit():
-    hardware = Hardware(memory_per_device=CHAIN_STATE * 0.4 / 0.9, devices_per_node=4, kind="gpu")
+    # 3 devices: keeping every micro-batch's activations needs 4 stages, recomputing them 3.
+    hardware = Hardware(memory_per_device=CHAIN_STATE * 0.4 / 0.9, devices_per_node=3, kind="gpu")
     plan = advise(chain(), Training(32), hardware)
     option = plan.recommended
-    assert option.kind == "pipeline" and option.stages == 3 and option.replicas == 1
+    assert option.kind == "pipeline + checkpointing" and option.stages == 3 and option.replicas == 1
     assert option.chunks == 12 and sum(option.balance) == 8 and len(option.balance) == 3
-    split = [o for o in options(chain(), Training(32), hardware) if o.kind == "model split"][0]
-    assert split.stages == 4 and split.fits           # without micro-batches all activations stay: 4 groups
+    rows = {o.kind: o for o in options(chain(), Training(32), hardware)}
+    assert rows["model split"].stages == 3 and not rows["model split"].fits  # all activations stay: 4 groups
+    assert rows["pipeline"].stages == 3 and not rows["pipeline"].fits
     strategy = eval(to_json(plan)["recommended"]["strategy"], {"dualframe": dualframe})
     assert strategy == dualframe.Pipeline(list(option.balance), ["cuda:0", "cuda:1", "cuda:2"], 12, "except_last")
     assert "bubble 14%" in render(plan)              # (3 - 1) / (12 + 3 - 1)
+    assert "recomputing" in plan.reason
+
+
+def test_a_pipeline_keeps_its_activations_where_one_more_stage_costs_less_than_recomputing():
+    hardware = Hardware(memory_per_device=CHAIN_STATE * 0.4 / 0.9, devices_per_node=4, kind="gpu")
+    plan = advise(chain(), Training(32), hardware)
+    option, (other,) = plan.recommended, plan.alternatives
+    assert (option.kind, option.stages, option.checkpoint) == ("pipeline", 4, "never")
+    assert (other.kind, other.stages, other.checkpoint) == ("pipeline + checkpointing", 3, "except_last")
+    # 4 stages idle 3/19 of a step; 3 stages idle 2/14 and recompute 11 of 12 forwards (a third of a step each).
+    assert step_cost(option) == pytest.approx(1 / (1 - 3 / 19))
+    assert step_cost(other) == pytest.approx((1 + 11 / 12 / 3) / (1 - 2 / 14))
+    # The checkpointed stage keeps its input for every row and one micro-batch's activations, nothing more.
+    stage = partition_ranges(list(other.balance), 8)[0]
+    kept = group_memory(chain(), stage, Training(32), chunks=12, checkpoint="except_last")
+    assert kept.activations == (10**3 * 32 + len(stage) * 10**4 * 3) * 4  # 32 rows in 12 micro-batches: 3 rows
 
 
 def test_does_not_fit_with_devices_to_spare_gives_hybrid():

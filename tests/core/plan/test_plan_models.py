@@ -15,6 +15,7 @@ import pytest
 
 import dualframe
 from dualframe.plan import Hardware, ModelSpec, Training, advise, measure, to_json
+from dualframe.plan.advisor import PIPELINES
 from dualframe.plan.memory import group_memory
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
@@ -95,7 +96,7 @@ def test_recommendations_follow_the_memory(profiles, framework, model):
     # Does not fit: the weights, gradients and Adam state alone are 1 / 0.7 of a device.
     tight = advise(profile, Training(TIGHT_BATCH), _hardware(_state(profile) * 0.7))
     assert tight.recommended is not None, tight.reason
-    assert tight.recommended.kind == "pipeline" and 2 <= tight.recommended.stages <= 4
+    assert tight.recommended.kind in PIPELINES and 2 <= tight.recommended.stages <= 4
     assert tight.recommended.chunks == min(4 * tight.recommended.stages, TIGHT_BATCH)
     # ... and slow: four nodes of four devices.
     wide = advise(profile, Training(TIGHT_BATCH), _hardware(_state(profile) * 0.7, nodes=4))
@@ -121,7 +122,7 @@ def test_cli_json_for_a_torch_model():
     assert result.returncode == 0, result.stderr[-3000:]
     plan = json.loads(result.stdout)
     assert plan["model"]["framework"] == "torch" and plan["hardware"]["devices"] == 4
-    assert plan["recommended"]["kind"] == "pipeline", plan["reason"]
+    assert plan["recommended"]["kind"] in PIPELINES, plan["reason"]
     assert plan["recommended"]["strategy"].startswith("dualframe.Pipeline(balance=[")
     assert "devices=['cuda:0', 'cuda:1'" in plan["recommended"]["strategy"]
 
