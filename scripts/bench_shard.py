@@ -30,17 +30,14 @@ import os
 import pathlib
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any, Dict, List
 
 import bench_env
-from bench_env import ROOT
 
 bench_env.repo_on_path()
 
-from dualframe.launch.commands import mpirun_command, thread_env  # noqa: E402
 
 MODES = ("none", "optimizer", "gradients")
 #: The sharded optimizer's gradient paths (``DistributedOptimizer(shard=..., scatter=...)``).
@@ -127,20 +124,7 @@ def launch(np: int, args: argparse.Namespace, *extra: str) -> Dict[str, Any]:
     program = [sys.executable, str(pathlib.Path(__file__).resolve()), "--rounds", str(args.rounds), "--steps",
                str(args.steps), "--batch-size", str(args.batch_size), "--width", str(args.width), "--depth",
                str(args.depth), "--scatter", args.scatter, *extra]
-    bindir = pathlib.Path(sys.executable).parent
-    env = dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}", PYTHONPATH=str(ROOT), **thread_env(1))
-    exported = ("PATH", "PYTHONPATH", *thread_env(1))
-    if args.malloc == "mmap":
-        # glibc raises its mmap threshold after freeing a large block, then keeps freed 16 MiB blocks in
-        # its heap: the high-water mark would measure the allocator's retention, not live tensors.
-        env["MALLOC_MMAP_THRESHOLD_"] = "131072"
-        exported += ("MALLOC_MMAP_THRESHOLD_",)
-    command = mpirun_command(np, program, oversubscribe=True, export=exported)
-    output = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=1800).stdout
-    lines = [line.split("RESULT ", 1)[1] for line in output.splitlines() if "RESULT " in line]
-    if not lines:
-        raise SystemExit(f"{' '.join(command)} printed no result:\n{output[-3000:]}")
-    return json.loads(lines[0])
+    return bench_env.mpirun_result(np, program, mmap_threshold=args.malloc == "mmap")
 
 
 def planned_state(args: argparse.Namespace, np: int, shard: str) -> float:

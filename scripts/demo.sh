@@ -39,6 +39,7 @@ while read -r framework launcher np script args; do
 done <<'LIST'
 torch horovodrun 2 torch_examples/data_parallel.py --epochs 2
 torch mpirun     2 torch_examples/sharded_optimizer.py --epochs 2
+torch mpirun     2 torch_examples/sharded_parameters.py --epochs 1
 tf    mpirun     2 tf_examples/data_parallel.py --epochs 2
 tf    mpirun     2 tf_examples/sharded_optimizer.py --epochs 2
 tf    mpirun     2 tf_examples/sharded_parameters.py --epochs 2

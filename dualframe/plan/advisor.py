@@ -1,10 +1,11 @@
 """The advisor: every strategy's per-device memory for one model, and the one to use, with its arguments.
 
 The rule, in order: the whole model fits one device -> data parallelism over every device; it fits
-once the optimizer state (then also the gradients) is sharded over the replicas -> data parallelism
-with a sharded optimizer (ZeRO-1, then ZeRO-2: the same bytes moved, no recomputation); it fits
-once activations shrink -> data parallelism with activation checkpointing (or gradient
-accumulation); it does not fit -> the fewest pipeline stages that fit (GPipe, ``chunks >= 4 x
+once the optimizer state (then also the gradients) is sharded over the
+replicas -> data parallelism with a sharded optimizer (ZeRO-1, then ZeRO-2: the same bytes moved,
+no recomputation); it fits once activations shrink -> data parallelism with activation
+checkpointing (or gradient accumulation); it fits once the parameters are sharded too -> ZeRO-3
+(1.5x the bytes moved, each layer gathered twice, torch only); it does not fit -> the fewest pipeline stages that fit (GPipe, ``chunks >= 4 x
 stages`` so the bubble ``(n-1)/(m+n-1)`` stays small), and with devices to spare, replicas of that
 pipeline (hybrid). Pipelines come in two rows: ``"pipeline"`` keeps every micro-batch's activations,
 ``"pipeline + checkpointing"`` (``checkpoint="except_last"``) only each stage's inputs and one
@@ -18,6 +19,7 @@ import math
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
+from dualframe.dp.zero3 import ZERO3, ZERO3_FRAMEWORKS
 from dualframe.pipeline.microbatch import recomputed
 from dualframe.pipeline.partition import partition_ranges
 from dualframe.pipeline.clock import gpipe_bubble
@@ -40,7 +42,13 @@ FORWARD_SHARE = 1 / 3
 PIPELINES = ("pipeline", "pipeline + checkpointing")
 
 #: The sharded data-parallel rows and their ``DistributedOptimizer(shard=...)``.
-SHARDED = {"data parallel + sharded optimizer": "optimizer", "data parallel + sharded gradients": "gradients"}
+SHARDED = {"data parallel + sharded optimizer": "optimizer", "data parallel + sharded gradients": "gradients",
+           "data parallel + sharded parameters": "parameters"}
+
+
+#: What each sharded row shards, for the recommendation's reason.
+SHARDED_WHAT = {"optimizer": "optimizer state", "gradients": "optimizer state and gradients",
+                "parameters": "parameters, gradients and optimizer state"}
 
 
 def pipeline_chunks(stages: int, batch_size: int) -> int:
@@ -136,8 +144,10 @@ def _data_parallel(profile: ModelProfile, training: Training, hardware: Hardware
     everything, replicas = [profile.num_layers], hardware.devices
     options = [_option("data parallel", profile, training, hardware, everything, replicas)]
     if replicas > 1:  # sharding needs replicas to share with
+        # ZeRO-3 frees each block's weights, so it refuses tied ones (read by several modules).
+        zero3 = profile.framework in ZERO3_FRAMEWORKS and not profile.shared
         options += [_option(kind, profile, training, hardware, everything, replicas, shard=shard)
-                    for kind, shard in SHARDED.items()]
+                    for kind, shard in SHARDED.items() if shard != ZERO3 or zero3]
     options.append(_checkpointing(profile, training, hardware))
     # Fewest backward passes per step whose smaller per-pass batch fits.
     passes = [k for k in range(2, training.batch_size + 1) if k == training.batch_size or training.batch_size % k == 0]
@@ -214,10 +224,12 @@ def advise(profile: ModelProfile, training: Training, hardware: Hardware) -> Pla
     plain = by_kind["data parallel"]
     if plain.fits:
         return Plan(profile, training, hardware, found, plain, "the whole model and its batch fit one device")
-    fitting_dp = [by_kind[k] for k in (*SHARDED, "data parallel + checkpointing", "data parallel + accumulation")
-                  if k in by_kind and by_kind[k].fits]
+    # ZeRO-3 last: it gathers every layer twice per step (1.5x the bytes of plain DP, a wait per layer).
+    zero1_2 = [k for k, shard in SHARDED.items() if shard != ZERO3]
+    order = (*zero1_2, "data parallel + checkpointing", "data parallel + accumulation", "data parallel + sharded parameters")
+    fitting_dp = [by_kind[k] for k in order if k in by_kind and by_kind[k].fits]
     if fitting_dp:
-        what = (f"sharding the {'optimizer state' if fitting_dp[0].shard == 'optimizer' else 'optimizer state and gradients'}"
+        what = (f"sharding the {SHARDED_WHAT.get(str(fitting_dp[0].shard))}"
                 f" over the {plain.replicas} replicas brings a device to {_gib(fitting_dp[0].memory.total)}"
                 if fitting_dp[0].shard else "activations must shrink")
         return Plan(profile, training, hardware, found, fitting_dp[0],

@@ -5,7 +5,9 @@ saved activations (the whole batch, or stage boundaries plus one recomputed micr
 checkpointing), and buffers (gradients flowing back, half-precision weight copies under mixed
 precision, Horovod's fusion buffer when there are replicas). With a sharded optimizer over N
 replicas (``dualframe.dp.shard``) the optimizer state is 1/N, and with sharded gradients the
-gradients too; the flat buckets in flight join the buffers.
+gradients too; the flat buckets in flight join the buffers. With sharded parameters (ZeRO-3,
+``dualframe.dp.zero3``) the trainable parameters are 1/N as well, and ``ZERO3_GATHERED`` copies of
+the largest layer's parameters join the buffers.
 """
 from __future__ import annotations
 
@@ -21,6 +23,9 @@ from dualframe.plan.profile import ModelProfile, dtype_bytes
 OPTIMIZER_SLOTS = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
 #: Horovod's default tensor-fusion buffer (HOROVOD_FUSION_THRESHOLD), allocated once per process.
 FUSION_BUFFER_BYTES = 64 * 1024 * 1024
+#: ZeRO-3's full copies of a layer, at most, beside the slices: the running layer's, the next one's
+#: arriving (prefetched), and one layer's flat gradient being reduced.
+ZERO3_GATHERED = 3
 #: How activations are kept for backward: all of them; every layer's input (each layer recomputed
 #: alone, as Keras' ``RematScope(mode="full")``, for chains); ``segments``: runs of layers, equal
 #: (torch's ``checkpoint_sequential``) or beginning at chosen cuts (graphs), the last run kept, the
@@ -93,10 +98,11 @@ def shard_divisors(shard: Optional[str], replicas: int) -> Tuple[float, int]:
     """How many times smaller a rank's (gradients, optimizer state) are with ``shard`` over ``replicas``.
 
     ZeRO-1 (``"optimizer"``) keeps the full gradients plus the reduced gradient of the rank's slice
-    (1 + 1/N of them) and 1/N of the state; ZeRO-2 (``"gradients"``) keeps 1/N of both.
+    (1 + 1/N of them) and 1/N of the state; ZeRO-2 (``"gradients"``) and ZeRO-3 (``"parameters"``)
+    keep 1/N of both.
 
     Example:
-        >>> shard_divisors(None, 4), shard_divisors("optimizer", 4), shard_divisors("gradients", 4)
+        >>> shard_divisors(None, 4), shard_divisors("optimizer", 4), shard_divisors("parameters", 4)
         ((1.0, 1), (0.8, 4), (4.0, 4))
     """
     mode = check_shard(shard)
@@ -105,6 +111,20 @@ def shard_divisors(shard: Optional[str], replicas: int) -> Tuple[float, int]:
     if mode == "optimizer":
         return replicas / (replicas + 1.0), replicas
     return float(replicas), replicas
+
+
+def sharded_bytes(trainable_bytes: float, slots: int, shard: Optional[str], replicas: int) -> Tuple[float, float, float]:
+    """A rank's (parameter, gradient, optimizer-state) bytes of ``trainable_bytes`` of parameters, sharded ``shard``.
+
+    ``slots`` is the optimizer's state per parameter in parameter sizes (``OPTIMIZER_SLOTS``).
+
+    Example:
+        >>> sharded_bytes(400.0, 2, None, 4), sharded_bytes(400.0, 2, "parameters", 4)
+        ((400.0, 400.0, 800.0), (100.0, 100.0, 200.0))
+    """
+    gradients_divisor, optimizer_divisor = shard_divisors(shard, replicas)
+    parameters = trainable_bytes / replicas if check_shard(shard) == "parameters" else trainable_bytes
+    return parameters, trainable_bytes / gradients_divisor, trainable_bytes * slots / optimizer_divisor
 
 
 def sequential_segments(layers: int, segments: int) -> List[range]:
@@ -175,7 +195,7 @@ def group_memory(profile: ModelProfile, layers: range, training: Training, chunk
         segments: equal runs of layers for ``checkpoint="segments"`` (``checkpoint_sequential``).
         cuts: for ``checkpoint="segments"`` on a graph: the nodes where segments begin (the first
             is ``layers.start``); overrides ``segments``.
-        shard: None, ``"optimizer"`` or ``"gradients"``: data-parallel sharding over ``replicas``.
+        shard: None, ``"optimizer"``, ``"gradients"`` or ``"parameters"``: data-parallel sharding over ``replicas``.
 
     Returns:
         The Memory breakdown.
@@ -192,13 +212,17 @@ def group_memory(profile: ModelProfile, layers: range, training: Training, chunk
     flowing = 2 * max(layer.largest for layer in group) * micro_batch * training.activation_bytes
     half_weights = trainable * 2 if training.mixed_precision else 0
     fusion = min(FUSION_BUFFER_BYTES, trainable * size) if replicas > 1 else 0
-    gradients_divisor, optimizer_divisor = shard_divisors(shard, replicas)
-    # Sharding: a bucket's flat gradient in flight and the window of gathered buckets (two in all).
+    parameters, gradients, state = sharded_bytes(trainable * size, OPTIMIZER_SLOTS[training.optimizer], shard,
+                                                 replicas)
+    # Sharding: a bucket's flat gradient in flight and the window of gathered buckets (two in all);
+    # ZeRO-3: the gathered layers (the largest, ZERO3_GATHERED times).
     buckets = 2 * min(trainable, BUCKET_ELEMENTS) * size if shard is not None else 0
+    if check_shard(shard) == "parameters":
+        buckets = ZERO3_GATHERED * max(layer.parameters for layer in group) * size
     return Memory(
-        parameters=(trainable + frozen) * size,
-        gradients=trainable * size / gradients_divisor,
-        optimizer=trainable * size * OPTIMIZER_SLOTS[training.optimizer] / optimizer_divisor,
+        parameters=parameters + frozen * size,
+        gradients=gradients,
+        optimizer=state,
         activations=activations * training.activation_bytes,
         buffers=flowing + half_weights + fusion + buckets,
     )

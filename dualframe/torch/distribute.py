@@ -1,7 +1,7 @@
 """``distribute``: apply a strategy object to a torch model and optimizer (data parallelism here)."""
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Any, Dict, Tuple
 
 import torch
 
@@ -21,7 +21,8 @@ def distribute(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
 
     Calls ``init()`` when Horovod is not running yet. The same as ``hvd.DistributedOptimizer(...)``
     followed by ``broadcast_parameters`` and ``broadcast_optimizer_state``; ``strategy.shard`` other
-    than ``"none"`` gives the sharded optimizer (``DistributedOptimizer(shard=...)``, ZeRO-1/2).
+    than ``"none"`` gives the sharded optimizer (``DistributedOptimizer(shard=...)``, ZeRO-1/2/3; with
+    ``"parameters"`` the model's weights are broadcast first, then sharded, see ``model_state_dict()``).
 
     Args:
         model: the model every rank holds in full.
@@ -49,11 +50,17 @@ def distribute(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         raise StrategyError(f"model must be a torch.nn.Module (model: {type(model).__name__})")
     init()
     check_root_rank(root_rank, hvd.size())
+    zero3 = strategy.shard == "parameters"
+    extra: Dict[str, Any] = {"model": model} if zero3 else {}
+    if zero3:  # the full weights are broadcast before each rank keeps its slice of them
+        broadcast_parameters(model.state_dict(), root_rank=root_rank)
     wrapped = DistributedOptimizer(
         optimizer, named_parameters=model.named_parameters(),
         compression=Compression.by_name(strategy.compression),
         backward_passes_per_step=strategy.backward_passes_per_step, op=OPS[strategy.op],
-        gradient_predivide_factor=strategy.gradient_predivide_factor, shard=strategy.shard)
-    broadcast_parameters(model.state_dict(), root_rank=root_rank)
+        gradient_predivide_factor=strategy.gradient_predivide_factor, shard=strategy.shard,
+        **extra)
+    if not zero3:
+        broadcast_parameters(model.state_dict(), root_rank=root_rank)
     broadcast_optimizer_state(wrapped, root_rank=root_rank)
     return model, wrapped

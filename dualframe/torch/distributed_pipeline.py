@@ -172,8 +172,11 @@ class DistributedPipeline(StageView, nn.Module):
         after the replicas' average (``shard=`` is refused there).
 
         Raises:
-            StrategyError: ``shard=`` with tied weights (on every rank alike).
+            StrategyError: ``shard=`` with tied weights, ``shard="parameters"`` (on every rank alike).
         """
+        if str(kwargs.get("shard") or "none").lower() == "parameters":
+            raise StrategyError("shard='parameters' (ZeRO-3) among a pipeline stage's replicas is not available yet; "
+                                "use shard='gradients' (ZeRO-2) there, or shard='parameters' without a pipeline")
         if self.tied.plan.tied and str(kwargs.get("shard") or "none").lower() != "none":
             raise StrategyError(f"shard={kwargs['shard']!r} cannot keep the copies of this model's tied weights "
                                 f"({', '.join(w.key for w in self.tied.plan.tied)}) equal yet; leave shard out")

@@ -43,7 +43,9 @@ class DistributedOptimizer(WrappedOptimizer):
         process_set: the ranks to reduce over (a registered ``ProcessSet``).
         shard: None, ``"optimizer"`` (ZeRO-1: a rank keeps 1/N of the optimizer state) or ``"gradients"``
             (ZeRO-2: and 1/N of the gradients), which builds a ``dualframe.torch.sharded_optimizer.ShardedOptimizer``
-            (``scatter=`` and ``clip_grad_norm_`` are its).
+            (``scatter=`` and ``clip_grad_norm_`` are its); ``"parameters"`` (ZeRO-3: and 1/N of the parameters,
+            gathered per block in forward and backward) with ``model=``, which builds a
+            ``dualframe.torch.shard_parameters.ParameterShardedOptimizer``.
 
     Raises:
         NotInitializedError: before ``hvd.init()``.
@@ -58,6 +60,12 @@ class DistributedOptimizer(WrappedOptimizer):
     """
 
     def __new__(cls, *args: Any, shard: Optional[str] = None, **kwargs: Any) -> "DistributedOptimizer":
+        if cls is DistributedOptimizer and isinstance(shard, str) and shard.lower() == "parameters":
+            from dualframe.torch.shard_parameters import ParameterShardedOptimizer
+            return super().__new__(ParameterShardedOptimizer)
+        if "model" in kwargs:
+            raise StrategyError(f"model= is for shard='parameters' (ZeRO-3), which gathers each block's parameters "
+                                f"in the model's forward (shard: {shard!r}); drop model=")
         if cls is DistributedOptimizer and not (shard is None or str(shard).lower() == "none"):  # shard: that class
             from dualframe.torch.sharded_optimizer import ShardedOptimizer
             return super().__new__(ShardedOptimizer)

@@ -73,8 +73,8 @@ class SliceGradients:
             else:
                 grad = p.grad.to_dense() if p.grad.is_sparse else p.grad
                 flat[offset:offset + size].copy_(grad.reshape(-1))
-            if self.shard == "gradients":
-                p.grad = None  # ZeRO-2: the full gradient is not kept, only the reduced slice
+            if self.shard != "optimizer":
+                p.grad = None  # ZeRO-2 and 3: the full gradient is not kept, only the reduced slice
         self._sent += 1
         slot.order = self._sent
         compressed, ctx = self._compression.compress(flat)
@@ -106,7 +106,10 @@ class SliceGradients:
         grad = reduced if reduced.dtype == slot.flat.dtype else reduced.to(slot.flat.dtype)
         if grad.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr():
             grad = grad.clone()  # the send buffer is reused by the next step
-        slot.flat.grad = grad
+        if self.shard == "parameters" and slot.flat.grad is not None:
+            slot.flat.grad.add_(grad)  # ZeRO-3 reduces every backward pass: the passes' slices add up
+        else:
+            slot.flat.grad = grad
         self._spare.setdefault((flat.numel(), flat.dtype, flat.device), []).append(flat)
         slot.done = True
 

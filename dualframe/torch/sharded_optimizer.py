@@ -77,9 +77,6 @@ class ShardedOptimizer(SliceGradients, DistributedOptimizer):
         self.op_name = dp_checks.check_numbers(backward_passes_per_step, op, gradient_predivide_factor)
         self.op = OPS[self.op_name]
         self.shard = check_shard(shard, self.op_name)
-        if self.shard == "parameters":
-            raise StrategyError("shard='parameters' (ZeRO-3) is built for Keras only so far; in torch use "
-                                "shard='gradients' (ZeRO-2)")
         self.scatter = check_scatter(scatter, self.shard)
         #: The collective each bucket's gradient goes through: "allreduce" or "reducescatter".
         self.gradient_path = AUTO_SCATTER if self.scatter == "auto" else str(self.scatter)  # not None: shard is given
@@ -201,9 +198,17 @@ class ShardedOptimizer(SliceGradients, DistributedOptimizer):
         self._synchronized = self._clipped = False
         self._versions = {}
         self._sync_hyperparameters()
+        self._check_views()
+        self._inner.step()
+        self._publish()
+        return None
+
+    def _check_views(self) -> None:
         for slot in self._slots:
             slot.check_views()
-        self._inner.step()
+
+    def _publish(self) -> None:
+        """Write the updated slices into every rank's parameters (ZeRO-3 leaves them to the next forward)."""
         # At most GATHER_WINDOW buckets gathered at once: the gathered copies never hold all parameters again.
         in_flight: List[Tuple[Slot, Any]] = []
         for slot in self._slots:
@@ -213,7 +218,6 @@ class ShardedOptimizer(SliceGradients, DistributedOptimizer):
                 self._write_back(*in_flight.pop(0))
         for slot, handle in in_flight:
             self._write_back(slot, handle)
-        return None
 
     @staticmethod
     def _write_back(slot: Slot, handle: Any) -> None:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import dualframe.torch as hvd
+from dualframe.errors import StrategyError
 from dualframe.pipeline.layout import pipeline_process_sets
 from dualframe.torch.distributed_pipeline import DistributedPipeline
 
@@ -47,6 +48,8 @@ def test_hybrid_equals_one_process_on_the_global_batch(schedule, shard, checkpoi
     pipe = DistributedPipeline(copy.deepcopy(model), balance=[3, 2], chunks=4, schedule=schedule,
                                loss_fn=nn.MSELoss(), data_parallel=2, checkpoint=checkpoint)
     assert (pipe.replica, pipe.stage_index) == divmod(hvd.rank(), 2)
+    with pytest.raises(StrategyError, match=r"shard='parameters' \(ZeRO-3\) among a pipeline stage's replicas"):
+        pipe.distributed_optimizer(torch.optim.SGD(pipe.parameters(), lr=0.2), shard="parameters")
     optimizer = pipe.distributed_optimizer(torch.optim.SGD(pipe.parameters(), lr=0.2), shard=shard)
     assert getattr(optimizer, "ranks", 2) == 2  # sharded among the 2 replicas of the stage
     rows = GLOBAL_BATCH // 2

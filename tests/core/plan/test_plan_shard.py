@@ -5,6 +5,7 @@ from dualframe.dp.shard import BUCKET_ELEMENTS
 from dualframe.errors import StrategyError
 from dualframe.plan import Hardware, LayerProfile, ModelProfile, Training, advise, group_memory, render, to_json
 from dualframe.plan.advisor import options
+from dualframe.plan.profile import Shared
 from dualframe.plan.memory import shard_divisors
 
 MB = 1e6
@@ -83,8 +84,37 @@ def test_sharding_is_recommended_before_checkpointing_and_pipelines(usable_mb, k
     assert recommended["strategy"] == f"dualframe.DataParallel(shard={shard!r})"
 
 
-def test_a_pipeline_when_even_sharded_gradients_do_not_fit():
-    plan = _plan(100)
+def test_sharded_parameters_when_sharded_gradients_and_checkpointing_do_not_fit():
+    plan = _plan(100)                               # ZeRO-2 ~120 MB, checkpointing ~162 MB, ZeRO-3 ~71 MB
     rows = {o.kind: o for o in plan.options}
-    assert not rows["data parallel + sharded gradients"].fits
+    assert not rows["data parallel + sharded gradients"].fits and not rows["data parallel + checkpointing"].fits
+    assert rows["pipeline"].fits
+    assert plan.recommended.kind == "data parallel + sharded parameters", plan.reason
+    assert "sharding the parameters, gradients and optimizer state" in plan.reason
+    recommended = to_json(plan)["recommended"]
+    assert recommended["adapter"].endswith("shard='parameters', model=model)")
+    assert recommended["strategy"] == "dualframe.DataParallel(shard='parameters')"
+
+
+def test_sharded_parameters_by_hand():
+    profile, training = two_layers(), Training(batch_size=4, optimizer="adam")
+    plain = group_memory(profile, range(2), training, replicas=4)
+    zero3 = group_memory(profile, range(2), training, replicas=4, shard="parameters")
+    assert zero3.parameters == 4000 * 4 / 4 + 10 * 4     # the frozen parameters stay whole
+    assert zero3.gradients == 4000 * 4 / 4 and zero3.optimizer == 4000 * 4 * 2 / 4
+    assert zero3.buffers == plain.buffers + 3 * 3000 * 4  # three copies of the largest layer
+    assert zero3.activations == plain.activations
+
+
+def test_a_pipeline_when_even_sharded_parameters_do_not_fit():
+    plan = _plan(60)
+    rows = {o.kind: o for o in plan.options}
+    assert not rows["data parallel + sharded parameters"].fits
     assert plan.recommended.kind in ("pipeline", "hybrid")
+
+
+@pytest.mark.parametrize("framework, shared", [("keras", ()), ("torch", (Shared(1000, (0, 7)),))])
+def test_no_sharded_parameters_row_for_keras_yet_or_tied_weights(framework, shared):
+    profile = ModelProfile(framework, "chain", (1000,), chain().layers, input_elements=1000, shared=shared)
+    kinds = [o.kind for o in options(profile, Training(32), Hardware(10**12, devices_per_node=4))]
+    assert "data parallel + sharded gradients" in kinds and "data parallel + sharded parameters" not in kinds
