@@ -210,6 +210,7 @@ class ShardedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
         ops.cond(ops.equal(zero.counter, steps), boundary, lambda: None)
 
     def _reduce_scatter(self, grads: List[Any]) -> List[tf.Tensor]:
+        """This rank's slices of the reduced gradients, in the slices' (master) dtype."""
         settings = self.reduction
         if settings.process_set.size() == 1:
             return self._zero.own_slices(self._zero.dense(grads))
@@ -221,16 +222,30 @@ class ShardedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
                     process_set=settings.process_set, prescale_factor=prescale, postscale_factor=postscale,
                     device_dense=settings.device_dense)
                 return self._zero.own_slices(list(reduced))
-            return list(hvd.grouped_reducescatter(
+            scattered = hvd.grouped_reducescatter(
                 named(self._zero.flatten(grads), "bucket"), op=settings.horovod_op, compression=settings.compression,
                 process_set=settings.process_set, prescale_factor=prescale, postscale_factor=postscale,
-                device_dense=settings.device_dense))
+                device_dense=settings.device_dense)
+        return [tf.cast(g, s.dtype) for g, s in zip(scattered, self._zero.slices)]
+
+    def sum_everywhere(self, value: Any, name: str) -> Any:
+        """A scalar summed over the process set's ranks (one small allreduce; the same result on every rank)."""
+        if self.reduction.process_set.size() == 1:
+            return value
+        with collective_scope(SHARD_SCOPE):
+            return hvd.allreduce(named([value], name)[0], op=hvd.Sum, process_set=self.reduction.process_set)
 
     def _update(self, slice_grads: List[tf.Tensor]) -> None:
+        if self._zero.guard is None:
+            self._step_slices(slice_grads)
+        else:  # a ShardedLossScaleOptimizer: unscale, and step on every rank or on none
+            self._zero.guard(slice_grads, self._step_slices)
+
+    def _step_slices(self, slice_grads: List[tf.Tensor]) -> None:
         zero = self._zero
         zero.load_slices()  # the model may have been set, loaded or broadcast since the last step
         zero.inner.apply(self._clip(slice_grads), zero.slices)
-        values = [tf.convert_to_tensor(s) for s in zero.slices]
+        values = zero.travelling()
         if self.reduction.process_set.size() > 1:
             with collective_scope(SHARD_SCOPE):
                 values = list(hvd.grouped_allgather(named(values, "slice"), process_set=self.reduction.process_set))
@@ -241,11 +256,8 @@ class ShardedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
         clip = self.global_clipnorm_value
         if not clip or clip <= 0:
             return slice_grads
-        squared = ops.sum(ops.stack([ops.sum(ops.square(g)) for g in slice_grads]))
-        if self.reduction.process_set.size() > 1:
-            with collective_scope(SHARD_SCOPE):
-                squared = hvd.allreduce(named([squared], "squared_norm")[0], op=hvd.Sum,
-                                        process_set=self.reduction.process_set)
+        squared = self.sum_everywhere(ops.sum(ops.stack([ops.sum(ops.square(g)) for g in slice_grads])),
+                                      "squared_norm")
         norm = ops.sqrt(squared)
         scale = clip * ops.minimum(1.0 / norm, 1.0 / clip) + (norm - norm)  # NaN for a non-finite norm, as Keras
         return [g * ops.cast(scale, g.dtype) for g in slice_grads]
