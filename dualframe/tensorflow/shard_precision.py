@@ -80,6 +80,9 @@ class ShardedLossScaleOptimizer(KerasTwoNames, keras.optimizers.LossScaleOptimiz
 def sharded_loss_scale(optimizer: keras.optimizers.Optimizer, name: Optional[str] = None,
                        **kwargs: Any) -> ShardedLossScaleOptimizer:
     """From DistributedOptimizer's arguments with ``shard=``: keep a LossScaleOptimizer's settings, or add Keras's defaults."""
+    if kwargs.get("shard") == "parameters":
+        raise StrategyError("loss scaling (a LossScaleOptimizer, or the mixed_float16 policy) is not supported yet "
+                            "with shard='parameters'; use shard='optimizer' or 'gradients', or mixed_bfloat16")
     initial_scale, growth = 2.0 ** 15, 2000
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         check_wrappable(optimizer)
