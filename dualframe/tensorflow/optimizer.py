@@ -136,7 +136,8 @@ class DistributedOptimizer(InnerAttributes, keras.optimizers.Optimizer):
             (kept local, not reduced) by the size, as Horovod.
         shard: None (default), ``"optimizer"`` (ZeRO-1), ``"gradients"`` (ZeRO-2) or ``"parameters"``
             (ZeRO-3: then ``model = opt.shard_model(model)``): returns a
-            :class:`dualframe.tensorflow.sharded_optimizer.ShardedOptimizer`, whose state covers 1/N of the parameters.
+            :class:`dualframe.tensorflow.sharded_optimizer.ShardedOptimizer`, whose state covers 1/N of the parameters
+            (with loss scaling: a :class:`dualframe.tensorflow.shard_precision.ShardedLossScaleOptimizer` around it).
         scatter: with ``shard`` only: ``"auto"``, ``"reducescatter"`` or ``"allreduce"`` (how gradients reach
             their owners); refused without ``shard``, as in torch.
 
@@ -153,13 +154,13 @@ class DistributedOptimizer(InnerAttributes, keras.optimizers.Optimizer):
         named = _given_arguments(optimizer, args, kwargs)
         shard = named.get("shard")
         if check_shard(shard) is not None:
-            if _wants_loss_scaling(optimizer):
-                raise StrategyError(
-                    f"shard={shard!r} does not support loss scaling yet (a LossScaleOptimizer, or the "
-                    f"mixed_float16 policy); train in float32, or use shard=None")
             given = {k: named.pop(k) for k in ("num_groups", "groups", "scale_local_gradients") if k in named}
             if given and given != {k: _DEFAULTS[k] for k in given}:
                 raise StrategyError(f"shard={shard!r} reduces by buckets of its own: leave out {', '.join(given)}")
+            if _wants_loss_scaling(optimizer):
+                from dualframe.tensorflow.shard_precision import sharded_loss_scale
+
+                return sharded_loss_scale(optimizer, **named)
             from dualframe.tensorflow.sharded_optimizer import ShardedOptimizer
 
             return ShardedOptimizer(optimizer, **named)

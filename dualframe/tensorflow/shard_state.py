@@ -7,12 +7,13 @@ variables, then each model variable's slots in order), which is what checkpoints
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import keras
 import numpy as np
 import tensorflow as tf
 
+from dualframe.dp.precision import master_dtype
 from dualframe.dp.shard import ShardLayout
 from dualframe.errors import StrategyError
 
@@ -85,6 +86,8 @@ class ShardedState:
         self.groups: Optional[List[str]] = None
         #: Whether every rank was seen to hold the same parameters (at the first apply after a build or sync).
         self.checked = False
+        #: ``guard(slice_grads, step)``: how a loss-scaling wrapper steps (``shard_precision``); None: ``step`` directly.
+        self.guard: Optional[Callable[[List[Any], Callable[[List[Any]], None]], None]] = None
 
     def build(self, layout: ShardLayout, variables: List[Any], rank: int,
               values: Optional[Sequence[Any]] = None) -> None:
@@ -96,6 +99,10 @@ class ShardedState:
         self.slices = []
         for b, bucket in enumerate(layout.buckets):
             dtype = variables[bucket.tensors[0]].dtype if bucket.tensors else "float32"
+            if master_dtype(str(dtype)) != str(dtype):  # fp32 master slices: the torch adapter has them, Keras not yet
+                raise StrategyError(
+                    f"shard= with {dtype} variables (dtype policy {str(dtype)!r}) is not supported yet in Keras; use the "
+                    f"mixed_{dtype} policy (float32 variables, {dtype} compute), or shard=None")
             # ZeRO-3's slices are what a tape differentiates (through each layer's gather): trainable there.
             self.slices.append(keras.Variable(tf.zeros([bucket.shard], dtype=dtype), trainable=self.model is not None,
                                               name=f"{SLICE_NAME}{b}"))

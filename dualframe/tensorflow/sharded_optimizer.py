@@ -269,7 +269,20 @@ class ShardedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
                 dense[t] = value
         return zero.own_slices(dense, buckets)
 
+    def sum_everywhere(self, value: Any, name: str) -> Any:
+        """A scalar summed over the process set's ranks (one small allreduce; the same result on every rank)."""
+        if self.reduction.process_set.size() == 1:
+            return value
+        with collective_scope(SHARD_SCOPE):
+            return hvd.allreduce(named([value], name)[0], op=hvd.Sum, process_set=self.reduction.process_set)
+
     def _update(self, slice_grads: List[tf.Tensor]) -> None:
+        if self._zero.guard is None:
+            self._step_slices(slice_grads)
+        else:  # a ShardedLossScaleOptimizer: unscale, and step on every rank or on none
+            self._zero.guard(slice_grads, self._step_slices)
+
+    def _step_slices(self, slice_grads: List[tf.Tensor]) -> None:
         zero = self._zero
         if self.shard != "parameters":
             zero.load_slices()  # the model may have been set, loaded or broadcast since the last step

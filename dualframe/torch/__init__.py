@@ -95,6 +95,7 @@ from dualframe.torch.compression import Compression  # noqa: E402
 from dualframe.torch.distribute import distribute  # noqa: E402
 from dualframe.torch.functions import broadcast_optimizer_state, broadcast_parameters  # noqa: E402
 from dualframe.torch.optimizer import DistributedOptimizer  # noqa: E402
+from dualframe.torch.shard_precision import ShardedGradScaler  # noqa: E402
 from dualframe.torch.sync_batch_norm import SyncBatchNorm  # noqa: E402
 from dualframe.torch.utils import (  # noqa: E402
     distributed_sampler,
@@ -103,7 +104,7 @@ from dualframe.torch.utils import (  # noqa: E402
     warmup_lr_scheduler,
 )
 
-__all__ += ["Compression", "DistributedOptimizer", "SyncBatchNorm", "distribute",
+__all__ += ["Compression", "DistributedOptimizer", "ShardedGradScaler", "SyncBatchNorm", "distribute",
             "broadcast_parameters", "broadcast_optimizer_state",
             "distributed_sampler", "shard_batch", "metric_average", "warmup_lr_scheduler"]
 

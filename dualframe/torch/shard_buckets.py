@@ -1,4 +1,4 @@
-"""A torch sharded optimizer's buckets: flat buffers whose views are the parameters, this rank's slice, the element-wise rule, clipping slices.
+"""A torch sharded optimizer's buckets: flat buffers whose views are the parameters, this rank's slice (or its fp32 master), the element-wise rule, clipping slices.
 
 ``dualframe.torch.sharded_optimizer`` reduces and gathers these buckets; the layout itself (which slice
 each rank owns) is the core's ``dualframe.dp.shard.ShardLayout``.
@@ -12,6 +12,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from dualframe.dp.precision import SlicePrecision
 from dualframe.dp.shard import Bucket
 from dualframe.errors import StrategyError
 
@@ -47,7 +48,9 @@ class Slot:
     """One bucket at run time: its parameters, stored as views of one flat buffer, and the rank's slice of it.
 
     ``flat`` (the inner optimizer's parameter) is a view of ``buffer``: stepping it updates this
-    rank's part of the model's parameters in place, with no copy of the slice to keep in sync.
+    rank's part of the model's parameters in place, with no copy of the slice to keep in sync. For
+    float16/bfloat16 parameters (``precision.has_master``) ``flat`` is instead an fp32 master copy of
+    the slice, and the updated master is cast down and allgathered into ``buffer`` (:func:`travelling`).
     """
 
     name: str
@@ -61,12 +64,21 @@ class Slot:
     done: bool = False
     order: int = 0  # when its reduce-scatter was started
     members: List[torch.Tensor] = field(default_factory=list)
+    precision: Optional[SlicePrecision] = None  # None: the slice is stepped in the parameters' dtype
+    seen: int = -1  # the buffer's version counter when the master slice last matched it
 
     def gather_into(self, values: torch.Tensor, out: Dict[torch.Tensor, torch.Tensor]) -> None:
         """Cut a padded flat buffer back into one tensor per parameter of the bucket."""
         for t, offset, size in zip(self.bucket.tensors, self.bucket.offsets, self.bucket.sizes):
             p = self.params[t]
             out[p] = values[offset:offset + size].view_as(p)
+
+    def refresh_master(self) -> None:
+        """Copy the weights into the fp32 master slice if they were set since the last step (loaded, broadcast)."""
+        if self.precision is not None and self.precision.has_master and self.buffer._version != self.seen:
+            with torch.no_grad():
+                self.flat.copy_(self.buffer[self.start:self.start + self.bucket.shard])
+        self.seen = self.buffer._version
 
     def check_views(self) -> None:
         """Refuse parameters that no longer live in the buffer (moved or re-assigned after wrapping)."""
@@ -86,6 +98,43 @@ def adopt(params: List[torch.Tensor], bucket: Bucket) -> torch.Tensor:
             buffer[offset:offset + size].copy_(p.detach().reshape(-1))
             p.data = buffer[offset:offset + size].view_as(p)
     return buffer
+
+
+#: The dtypes Horovod's torch collectives sum and move (no bfloat16: dualframe.dp.precision works around it).
+CARRIED = ("float16", "float32", "float64", "int16", "int32", "int64", "uint8", "int8")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``"bfloat16"`` for ``torch.bfloat16``: the core's dtype names."""
+    return str(dtype).replace("torch.", "")
+
+
+def precision_of(dtype: torch.dtype) -> SlicePrecision:
+    """The core's dtypes (master, reduce, gather) for parameters of ``dtype`` under Horovod's torch collectives."""
+    return SlicePrecision.of(dtype_name(dtype), CARRIED)
+
+
+def master_slice(view: torch.Tensor, precision: SlicePrecision) -> torch.nn.Parameter:
+    """The inner optimizer's parameter for a slice: the view itself, or its fp32 master copy for float16/bfloat16."""
+    if not precision.has_master:
+        return torch.nn.Parameter(view)  # a view: shares the buffer
+    return torch.nn.Parameter(view.detach().to(getattr(torch, precision.master)))
+
+
+def travelling(flat: torch.Tensor, precision: Optional[SlicePrecision]) -> torch.Tensor:
+    """The updated slice as allgathered: cast down to the model's dtype, and as same-width ints if Horovod lacks it."""
+    out = flat.detach()
+    if precision is None or not precision.has_master:
+        return out
+    out = out.to(getattr(torch, precision.model))
+    return out if precision.gather == precision.model else out.view(getattr(torch, precision.gather))
+
+
+def arrived(gathered: torch.Tensor, precision: Optional[SlicePrecision]) -> torch.Tensor:
+    """The allgathered slices back in the model's dtype (the same bits when they travelled as ints)."""
+    if precision is None or precision.gather == precision.model:
+        return gathered
+    return gathered.view(getattr(torch, precision.model))
 
 
 def make_inner(cls: type, groups: List[Dict[str, Any]], defaults: Dict[str, Any]) -> torch.optim.Optimizer:

@@ -63,9 +63,11 @@ class SliceGradients:
     def _reduce_bucket(self, slot: Slot) -> None:
         bucket = slot.bucket
         first = slot.members[0]
-        key = (bucket.padded, first.dtype, first.device)
+        # Summed in the parameters' dtype, or in the master's where Horovod cannot sum it (bfloat16).
+        dtype = first.dtype if slot.precision is None else getattr(torch, slot.precision.reduce)
+        key = (bucket.padded, dtype, first.device)
         spare = self._spare.get(key)
-        flat = spare.pop() if spare else torch.empty(bucket.padded, dtype=first.dtype, device=first.device)
+        flat = spare.pop() if spare else torch.empty(bucket.padded, dtype=dtype, device=first.device)
         flat[bucket.length:].zero_()  # every other element is written below
         for p, offset, size in zip(slot.members, bucket.offsets, bucket.sizes):
             if p.grad is None:  # another rank may have a gradient for it: this rank sends zeros
@@ -145,6 +147,22 @@ class SliceGradients:
                 f"{' ...' if len(changed) > 3 else ''}); with shard={self.shard!r} step() uses the reduced gradient "
                 f"slices, not .grad, so that change would be lost. To clip, call optimizer.clip_grad_norm_(max_norm) "
                 f"after backward instead of synchronize() + torch.nn.utils.clip_grad_norm_")
+
+    def reduced_slices(self) -> List[torch.Tensor]:
+        """This rank's slices of the reduced gradients (synchronizing first); ``step()`` then takes them as they are.
+
+        ``hvd.ShardedGradScaler`` unscales these in place and checks them for infs and NaNs.
+        """
+        if not self._synchronized:
+            self.synchronize()
+        self._clipped = True  # as after clip_grad_norm_: step() must not reduce again
+        return [slot.flat.grad for slot in self._slots if slot.flat.grad is not None]
+
+    def sum_everywhere(self, value: torch.Tensor, name: str) -> torch.Tensor:
+        """``value`` (a scalar) summed over the ranks of the process set: one small allreduce, the same on every rank."""
+        total = hvd.allreduce(value.detach().reshape(1).to(torch.float32), name=f"dualframe.shard.{name}",
+                              op=OPS["sum"], process_set=self.process_set)
+        return total.reshape(()).to(value.device)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the reduced gradients by their global norm, as ``torch.nn.utils.clip_grad_norm_`` on plain DP.

@@ -29,7 +29,8 @@ from dualframe.torch.compression import Compression
 from dualframe.torch.optimizer import DistributedOptimizer
 from dualframe.torch.wrapped_optimizer import check_optimizer, claim, weak_hook
 from dualframe.torch import shard_state
-from dualframe.torch.shard_buckets import Slot, adopt, check_elementwise, make_inner
+from dualframe.torch.shard_buckets import (Slot, adopt, arrived, check_elementwise, make_inner, master_slice,
+                                           precision_of, travelling)
 from dualframe.torch.shard_gradients import SliceGradients
 
 #: Buckets whose updated slices are being allgathered at once.
@@ -63,6 +64,10 @@ class ShardedOptimizer(SliceGradients, DistributedOptimizer):
             optimizer, a rank outside ``process_set`` (all before any communication); parameters that
             differ between ranks (after one allgather of their signature, on every rank).
     """
+
+    #: torch.amp.GradScaler then hands step() its own found_inf, which step() refuses: that flag is this
+    #: rank's alone, and a rank that skips while another steps would hang in the allgather.
+    _step_supports_amp_scaling = True
 
     def __init__(self, optimizer: torch.optim.Optimizer,
                  named_parameters: Optional[Iterable[Tuple[str, torch.Tensor]]] = None,
@@ -146,9 +151,10 @@ class ShardedOptimizer(SliceGradients, DistributedOptimizer):
             for b, bucket in enumerate(layout.buckets):
                 members = [params[t] for t in bucket.tensors]
                 buffer = adopt(members, bucket)
-                start = self.rank * bucket.shard
-                flat = torch.nn.Parameter(buffer[start:start + bucket.shard])  # a view: shares the buffer
-                slot = Slot(f"{g}.{b}", bucket, params, buffer, flat, start, members=members)
+                start, precision = self.rank * bucket.shard, precision_of(buffer.dtype)
+                flat = master_slice(buffer[start:start + bucket.shard], precision)
+                slot = Slot(f"{g}.{b}", bucket, params, buffer, flat, start, members=members, precision=precision,
+                            seen=buffer._version)
                 for p in slot.members:
                     self._slot_of[p] = slot
                 self._slots.append(slot)
@@ -186,6 +192,10 @@ class ShardedOptimizer(SliceGradients, DistributedOptimizer):
         if closure is not None:
             raise StrategyError("step(closure) is not available with shard= (a closure recomputes gradients that "
                                 "would not be reduce-scattered); call loss.backward() before step()")
+        if "found_inf" in self.__dict__:  # set by torch.amp.GradScaler.step, on every rank before this call
+            raise StrategyError("torch.amp.GradScaler checks only this rank's gradients, so ranks could skip "
+                                "different steps; with shard= use hvd.ShardedGradScaler (the same arguments and "
+                                "calls), which checks every rank's reduced slices and skips on all ranks alike")
         if not self._should_synchronize:
             self._check_untouched()
         elif not self._clipped:
@@ -206,13 +216,15 @@ class ShardedOptimizer(SliceGradients, DistributedOptimizer):
     def _check_views(self) -> None:
         for slot in self._slots:
             slot.check_views()
+            slot.refresh_master()
 
     def _publish(self) -> None:
         """Write the updated slices into every rank's parameters (ZeRO-3 leaves them to the next forward)."""
         # At most GATHER_WINDOW buckets gathered at once: the gathered copies never hold all parameters again.
         in_flight: List[Tuple[Slot, Any]] = []
         for slot in self._slots:
-            in_flight.append((slot, hvd.allgather_async(slot.flat.detach(), name=f"dualframe.shard.param.{slot.name}",
+            in_flight.append((slot, hvd.allgather_async(travelling(slot.flat, slot.precision),
+                                                        name=f"dualframe.shard.param.{slot.name}",
                                                         process_set=self.process_set)))
             if len(in_flight) > GATHER_WINDOW:
                 self._write_back(*in_flight.pop(0))
@@ -222,7 +234,8 @@ class ShardedOptimizer(SliceGradients, DistributedOptimizer):
     @staticmethod
     def _write_back(slot: Slot, handle: Any) -> None:
         with torch.no_grad():
-            slot.buffer.copy_(hvd.synchronize(handle))  # the parameters are views of the buffer
+            slot.buffer.copy_(arrived(hvd.synchronize(handle), slot.precision))  # the parameters are views of it
+        slot.seen = slot.buffer._version
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the parameters' gradients and the slices'; refused while reduce-scatters are pending."""
@@ -233,6 +246,7 @@ class ShardedOptimizer(SliceGradients, DistributedOptimizer):
         self._optimizer.zero_grad(set_to_none=set_to_none)
         self._inner.zero_grad(set_to_none=set_to_none)
         self._clipped, self._versions = False, {}
+        self._synchronized = False  # a step a ShardedGradScaler skipped left its reduced slices behind
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """Refused: every rank would have to re-cut its slices; add groups to the optimizer before wrapping it."""

@@ -63,8 +63,6 @@ def test_config_round_trip_and_wrapped_once():
     (lambda: hvd.DistributedOptimizer(keras.optimizers.Muon(), shard="optimizer"), "Muon is not one of them"),
     (lambda: hvd.DistributedOptimizer(keras.optimizers.Adam(use_ema=True), shard="optimizer"), "use_ema"),
     (lambda: hvd.DistributedOptimizer(keras.optimizers.SGD(), shard="optimizer", bucket_elements=0), "bucket_elements"),
-    (lambda: hvd.DistributedOptimizer(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()), shard="gradients"),
-     "loss scaling"),
     (lambda: hvd.DistributedOptimizer(keras.optimizers.SGD(), scatter="allreduce"), r"needs shard='optimizer'"),
     (lambda: hvd.DistributedOptimizer(keras.optimizers.SGD(), shard="optimizer", scatter="ring"),
      "unknown scatter 'ring'; choose one of auto, reducescatter, allreduce"),
@@ -110,3 +108,33 @@ def test_global_clipnorm_equals_plain_and_survives_the_config(shard):
     assert again.global_clipnorm_value == pytest.approx(0.05) and again._zero.inner.global_clipnorm is None
     with pytest.raises(dualframe.StrategyError, match="clipnorm=1.0"):
         hvd.DistributedOptimizer(keras.optimizers.SGD(clipnorm=1.0), shard="optimizer")
+
+
+def test_loss_scale_optimizer_with_shard_keeps_its_settings_and_round_trips_its_config():
+    from dualframe.tensorflow.shard_precision import ShardedLossScaleOptimizer
+
+    given = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.05), initial_scale=64.0,
+                                                dynamic_growth_steps=3)
+    opt = hvd.DistributedOptimizer(given, shard="gradients", bucket_elements=20)
+    assert type(opt) is ShardedLossScaleOptimizer and isinstance(opt.inner_optimizer, ShardedOptimizer)
+    assert (opt.initial_scale, opt.dynamic_growth_steps, opt.inner_optimizer.shard) == (64.0, 3, "gradients")
+    again = ShardedLossScaleOptimizer.from_config(opt.get_config())
+    assert (again.initial_scale, again.inner_optimizer.bucket_elements) == (64.0, 20)
+    sharded, plain = trained(opt), trained(keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.Adam(0.05), initial_scale=64.0, dynamic_growth_steps=3))
+    assert float(opt.dynamic_scale) == float(plain.optimizer.dynamic_scale) == 128.0  # 4 steps: grown once
+    for a, b in zip(sharded.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+    with pytest.raises(dualframe.StrategyError, match="already distributed"):
+        hvd.DistributedOptimizer(opt, shard="optimizer")
+
+
+def test_low_precision_variables_refused_by_name():
+    keras.mixed_precision.set_dtype_policy("bfloat16")
+    try:
+        m = model()
+        opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), shard="optimizer")
+        with pytest.raises(dualframe.StrategyError, match="mixed_bfloat16 policy"):
+            opt.build(m.trainable_variables)
+    finally:
+        keras.mixed_precision.set_dtype_policy("float32")
