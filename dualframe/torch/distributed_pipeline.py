@@ -21,6 +21,7 @@ from dualframe.pipeline.link import check_transport
 from dualframe.pipeline.stage import StageView, open_stage
 from dualframe.pipeline.walk import StepRecord
 from dualframe.pipeline.layout import StageLayout, layout_pipeline
+from dualframe.pipeline.schedule import virtual_count
 from dualframe.pipeline.tied import TiedPlan
 from dualframe.torch.backend import BACKEND
 from dualframe.torch.pipeline_work import ActivationMeter, TorchStageWork
@@ -32,12 +33,20 @@ from dualframe.torch.split_backward import SplitBackward
 from dualframe.torch.tied import TiedCopies, find_stage_tied, model_state_dict, stage_part, tensor_names
 
 
+def rank_module(module: nn.Module, layout: StageLayout, position: int) -> nn.Module:
+    """The layers of every stage the rank at ``position`` holds, under the model's names (virtual stages: several)."""
+    items = list(module._modules.items())
+    held = [r for j in layout.held(position) for r in layout.ranges[j]]
+    return nn.Sequential(OrderedDict(items[r] for r in held))  # type: ignore[arg-type,misc]
+
+
 def _layout(module: nn.Module, balance: Sequence[int], chunks: int, schedule: str, loss_fn: Any,
-            devices: Optional[Sequence[str]], data_parallel: Optional[int], timeout: float) -> StageLayout:
+            devices: Optional[Sequence[str]], data_parallel: Optional[int], timeout: float,
+            virtual_stages: int) -> StageLayout:
     if not isinstance(module, nn.Sequential):
         raise StrategyError(f"DistributedPipeline splits an nn.Sequential (module: {type(module).__name__})")
     return layout_pipeline(len(module), balance, chunks, schedule, loss_fn, devices, data_parallel, timeout,
-                           BACKEND.collectives.world_size())
+                           BACKEND.collectives.world_size(), virtual_stages)
 
 
 class DistributedPipeline(StageView, nn.Module):
@@ -57,7 +66,9 @@ class DistributedPipeline(StageView, nn.Module):
         schedule: ``"gpipe"``, ``"1f1b"`` (at most ``stages`` micro-batches' activations alive) or ``"zb-h1"``
             (1F1B with the backward split into the input's gradient, sent back at once, and the weights',
             computed in ticks 1F1B leaves idle: ``dualframe.torch.split_backward``; at most ``stages``
-            micro-batches held on every stage).
+            micro-batches held on every stage); with ``virtual_stages`` > 1, ``"interleaved-1f1b"`` (stage j
+            on rank ``j % ranks``; ``chunks`` a multiple of the ranks) or ``"zb-v"`` (two stages per rank in a
+            V: rank r holds stages r and ``2 ranks - 1 - r``, the loss on rank 0; the backward split as ZB-H1's).
         loss_fn: ``loss_fn(output, target)``, the mean over a micro-batch's rows (e.g. ``nn.MSELoss()``);
             ``output`` is what the model returns (a tuple or dict for several outputs).
         devices: one device per stage (default: CPU).
@@ -72,6 +83,8 @@ class DistributedPipeline(StageView, nn.Module):
             Horovod broadcasts), ``"mpi"``, ``"zmq"`` (an error where a rank lacks it) or ``"horovod"``;
             every rank must pass the same. None (default): ``DUALFRAME_PIPELINE_TRANSPORT``, else auto.
             ``pipe.transport`` tells which one was taken.
+        virtual_stages: stages each rank holds (an ``nn.Sequential`` only): ``balance`` then lists all
+            ``ranks x virtual_stages`` stages, and the schedule places them (``pipe.held_stages``).
 
     Raises:
         BalanceError, ChunksError, ScheduleError, StrategyError: bad arguments, on every rank, before
@@ -89,10 +102,15 @@ class DistributedPipeline(StageView, nn.Module):
                  schedule: str = "gpipe", loss_fn: Optional[Callable[[Any, torch.Tensor], torch.Tensor]] = None,
                  devices: Optional[Sequence[str]] = None, data_parallel: Optional[int] = None,
                  timeout: float = 45.0, *, split_points: Optional[Sequence[str]] = None, stages: Optional[int] = None,
-                 sample: Any = None, leaves: Leaves = (), transport: Optional[str] = None) -> None:
+                 sample: Any = None, leaves: Leaves = (), transport: Optional[str] = None,
+                 virtual_stages: int = 1) -> None:
         super().__init__()
         transport = check_transport(transport)
         self.graph: Optional[GraphPart] = None
+        if is_graph_split(module, split_points, stages) and virtual_count(virtual_stages) > 1:
+            raise StrategyError(f"virtual_stages={virtual_stages} cuts an nn.Sequential by balance; a graph split "
+                                f"(split_points=, stages= or a model other than nn.Sequential) holds one stage per "
+                                f"rank; use virtual_stages=1 there")
         if is_graph_split(module, split_points, stages):
             n = stage_count(split_points, balance, stages)
             layout = layout_pipeline(n, [1] * n, chunks, schedule, loss_fn, devices, data_parallel, timeout,
@@ -100,16 +118,22 @@ class DistributedPipeline(StageView, nn.Module):
             self.graph = GraphPart(module, split_points=split_points, balance=balance, stages=stages, sample=sample,
                                    leaves=leaves)
         else:
-            layout = _layout(module, balance or [], chunks, schedule, loss_fn, devices, data_parallel, timeout)
+            layout = _layout(module, balance or [], chunks, schedule, loss_fn, devices, data_parallel, timeout,
+                             virtual_stages)
         self.chunks, self.schedule, self.grid = chunks, layout.schedule, layout.grid
         self.loss_fn, self.timeout = loss_fn, timeout
-        modules = [self._stage_module(module, layout, j) for j in range(layout.grid.stages)]
-        tied = find_stage_tied(module, modules)  # weights several stages read: each holds a copy
+        modules = [self._stage_module(module, layout, j) for j in range(len(layout.ranges))]
+        # A rank's modules (with virtual stages, its stages' layers under the model's names, for its parameters
+        # and state_dict); tied weights are those several ranks read.
+        held = modules if self.graph is not None else [rank_module(module, layout, r) for r in range(self.grid.stages)]
+        tied = find_stage_tied(module, held)  # weights several stages read: each holds a copy
         # From here on, Horovod: every argument above is checked on every rank.
         split = self.graph.split if self.graph is not None else None
         self.role = open_stage(BACKEND, layout, split=split, transport=transport, tied=tied)
         self.device, self.direct = self.role.device, self.role.direct  # direct None: Horovod broadcasts
-        self.stage = modules[self.role.index].to(self.device)
+        self.stage = held[self.role.index].to(self.device)
+        #: The stages this rank holds, by index j (one, j = stage_index, unless virtual_stages > 1).
+        self.held_stages = {j: modules[j] for j in layout.held(self.role.index)}
         # A graph stage's (stage key, model key) pairs: a tied weight under each of the model's names, the
         # model's non-persistent buffers left out.
         self._keys = self.graph.model_keys(self.stage) if self.graph is not None else None
@@ -118,8 +142,10 @@ class DistributedPipeline(StageView, nn.Module):
                                self.role.sets, self.role.link.prefix)
         self.tied.broadcast()
         self.meter = ActivationMeter(self.stage.parameters())
-        # A zero-bubble schedule: backward as B (the input's gradient) then, later, W (the weights').
-        self.split_backward = SplitBackward(self.stage) if splits_backward(self.actions) else None
+        # A zero-bubble schedule: backward as B (the input's gradient) then, later, W (the weights'); one per stage.
+        splits = splits_backward(self.actions)
+        self.split_backward = SplitBackward(self.stage) if splits and len(self.held_stages) == 1 else None
+        self.split_backwards = {j: SplitBackward(m) for j, m in self.held_stages.items()} if splits else {}
 
     def _stage_module(self, module: nn.Module, layout: StageLayout, j: int) -> nn.Module:
         """Stage ``j``'s module, referencing the model's own parameters (every stage is built, to find tied ones)."""
@@ -194,12 +220,25 @@ class DistributedPipeline(StageView, nn.Module):
             work = TorchGraphStageWork(self.stage, self.graph.split, self.stage_index, self.graph.captured,
                                        self.device, self.loss_fn if train else None, micro_targets, weights, self.meter,
                                        self.split_backward)
+        elif len(self.held_stages) > 1:
+            return self._run_virtual(actions, micro_inputs, micro_targets, weights, train)
         else:
             work = TorchStageWork(self.stage, self.is_first, self.is_last, self.loss_fn if train else None,
                                   micro_targets, weights, self.meter, self.split_backward)
         with torch.set_grad_enabled(train), self.meter.counting():
             record = self.role.step(actions, micro_inputs, work, train)
         return work, record
+
+    def _run_virtual(self, actions: Sequence[Action], micro_inputs: Any, micro_targets: Any, weights: Sequence[float],
+                     train: bool) -> Tuple[Any, StepRecord]:
+        """Walk this rank's stages (virtual stages): one work per stage; returns the last stage's work where held."""
+        last = len(self.role.layout.ranges) - 1
+        works = {j: TorchStageWork(m, j == 0, j == last, self.loss_fn if train else None,
+                                   micro_targets if j == last else [], list(weights), self.meter,
+                                   self.split_backwards.get(j)) for j, m in self.held_stages.items()}
+        with torch.set_grad_enabled(train), self.meter.counting():
+            record = self.role.step(actions, micro_inputs, works, train)
+        return works.get(last, works[min(works)]), record
 
     def train_step(self, inputs: Any = None, targets: Optional[torch.Tensor] = None, **keywords: Any) -> float:
         """Run one mini-batch forward and backward through the pipeline; gradients land in ``.grad``.
@@ -223,7 +262,7 @@ class DistributedPipeline(StageView, nn.Module):
 
         Takes what the model takes (positional and keyword inputs), or one tuple or dict as ``train_step``.
         """
-        forwards = [Action("F", i) for i in range(self.chunks)]
+        forwards = self.role.forward_actions(self.chunks)
         inputs = args[0] if len(args) == 1 else (args if args else None)
         work, _ = self._run(forwards, inputs, None, train=False, keywords=kwargs)
         if not self.is_last:

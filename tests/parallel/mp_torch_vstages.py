@@ -1,0 +1,96 @@
+"""DistributedPipeline with virtual stages on 2 processes (2 x 2 stages), interleaved 1F1B and ZB-V, against one process."""
+import copy
+
+import horovod.torch as horovod
+import pytest
+import torch
+from torch import nn
+
+import dualframe.torch as hvd
+from dualframe.errors import BalanceError, ChunksError, ScheduleError, StrategyError
+from dualframe.torch.distributed_pipeline import DistributedPipeline
+from torch_cases import pipeline_batches, pipeline_reference  # tests/parallel is on sys.path
+
+STEPS, BATCH = 3, 12  # chunks=8: micro-batches of 2, 2, 2, 2, 1, 1, 1, 1 rows
+BALANCE = [2, 2, 2, 1]  # four stages of the seven layers: two per rank
+HELD = {"interleaved-1f1b": [[0, 2], [1, 3]], "zb-v": [[0, 3], [1, 2]]}
+
+
+def deep_model():
+    torch.manual_seed(5)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), nn.Tanh(),
+                         nn.Linear(16, 3))
+
+
+def merged_state_dict(pipe):
+    merged = {}
+    for part in horovod.allgather_object(pipe.state_dict()):
+        merged.update(part)
+    return merged
+
+
+@pytest.fixture(scope="module", autouse=True)
+def started():
+    hvd.init()
+    assert hvd.size() == 2
+
+
+def test_bad_combinations_are_refused_on_every_rank_before_communication():
+    loss = nn.MSELoss()
+    with pytest.raises(ScheduleError, match=r"schedule '1f1b' runs one stage per rank, so it cannot run virtual_stages=2"):
+        DistributedPipeline(deep_model(), BALANCE, chunks=4, schedule="1f1b", loss_fn=loss, virtual_stages=2)
+    with pytest.raises(ChunksError, match=r"interleaved-1f1b needs chunks divisible by the pipeline's ranks.*"
+                                          r"\(chunks: 3, ranks: 2\)"):
+        DistributedPipeline(deep_model(), BALANCE, chunks=3, schedule="interleaved-1f1b", loss_fn=loss, virtual_stages=2)
+    with pytest.raises(ScheduleError, match=r"zb-v places two stages on each rank.*\(virtual_stages: 3\)"):
+        DistributedPipeline(deep_model(), [1] * 6 + [1], chunks=4, schedule="zb-v", loss_fn=loss, virtual_stages=3)
+    with pytest.raises(BalanceError, match=r"balance must describe ranks x virtual_stages stages.*\(balance: 3 stages, "
+                                           r"virtual_stages: 2\)"):
+        DistributedPipeline(deep_model(), [3, 2, 2], chunks=4, schedule="zb-v", loss_fn=loss, virtual_stages=2)
+    with pytest.raises(StrategyError, match=r"multiple of the number of stages \(processes: 2, stages: 3\)"):
+        DistributedPipeline(deep_model(), [1, 1, 1, 1, 1, 2], chunks=6, schedule="zb-v", loss_fn=loss, virtual_stages=2)
+    with pytest.raises(StrategyError, match=r"virtual_stages=2 cuts an nn.Sequential by balance; a graph split"):
+        DistributedPipeline(deep_model(), split_points=["2", "4", "6"], chunks=4, schedule="zb-v", loss_fn=loss,
+                            virtual_stages=2)
+
+
+@pytest.mark.parametrize("chunks", [4, 8])
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zb-v"])
+def test_training_equals_one_process(schedule, chunks):
+    model, data = deep_model(), pipeline_batches(BATCH, STEPS)
+    expected_losses, expected_state = pipeline_reference(model, data)
+    pipe = DistributedPipeline(copy.deepcopy(model), balance=BALANCE, chunks=chunks, schedule=schedule,
+                               loss_fn=nn.MSELoss(), virtual_stages=2)
+    assert sorted(pipe.held_stages) == HELD[schedule][hvd.rank()]
+    assert (pipe.is_first, pipe.is_last) == ((True, schedule == "zb-v") if hvd.rank() == 0 else
+                                             (False, schedule != "zb-v"))
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+    for step, (x, y) in enumerate(data):
+        optimizer.zero_grad()
+        loss = pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None)
+        assert loss == pytest.approx(expected_losses[step], abs=1e-5), f"step {step}"
+        optimizer.step()
+    merged = merged_state_dict(pipe)
+    assert sorted(merged) == sorted(expected_state)
+    for key, value in expected_state.items():
+        torch.testing.assert_close(merged[key], value, atol=1e-5, rtol=0)
+    assert [a for a, _, _ in pipe.records.records[-1].actions] == [str(a) for a in pipe.actions]
+    assert pipe.meter.live_bytes == 0
+
+
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zb-v"])
+def test_inference_and_horovod_broadcasts_equal_the_model(schedule):
+    model = deep_model()
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(3))
+    pipe = DistributedPipeline(copy.deepcopy(model), balance=BALANCE, chunks=4, schedule=schedule,
+                               loss_fn=nn.MSELoss(), virtual_stages=2, transport="horovod")
+    assert pipe.transport == "horovod"
+    with torch.no_grad():
+        out = pipe(x if pipe.is_first else None)
+        if pipe.is_last:
+            torch.testing.assert_close(out, model(x), atol=1e-6, rtol=0)
+        else:
+            assert out is None
+    y = torch.randn(8, 3, generator=torch.Generator().manual_seed(4))
+    expected = nn.functional.mse_loss(model(x), y).item()
+    assert pipe.train_step(x, y) == pytest.approx(expected, abs=1e-5)
