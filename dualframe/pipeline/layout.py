@@ -63,6 +63,10 @@ def check_pipeline(layers: int, balance: Sequence[int], loss_fn: Any, data_paral
             f"a one-stage pipeline over several processes is data parallelism (balance: {list(balance)}, "
             f"processes: {world}); use DistributedOptimizer, or split the model into >= 2 stages"
         )
+    if v > 1 and grid.replicas > 1:
+        raise StrategyError(f"virtual_stages={v} runs one pipeline, not data-parallel replicas of it yet (processes: "
+                            f"{world}, ranks per pipeline: {grid.stages}); launch with -np {grid.stages}, or use "
+                            f"virtual_stages=1 with replicas")
     if data_parallel is not None and positive_int("data_parallel", data_parallel) != grid.replicas:
         raise StrategyError(
             f"data_parallel x stages must equal the number of processes (data_parallel: {data_parallel}, "

@@ -24,6 +24,8 @@ from dualframe.errors import ScheduleError
 from dualframe.pipeline.action import BACKWARD, FORWARD, WEIGHT, Action, ActionLists, Ticks
 from dualframe.pipeline.clock import clock_table, pass_ticks
 from dualframe.pipeline.microbatch import validate_chunks
+from dualframe.pipeline.virtual import (interleaved_1f1b, interleaved_check, interleaved_place, zb_v, zb_v_check,
+                                        zb_v_place)
 
 
 def _stages(stages: int) -> int:
@@ -260,7 +262,12 @@ register("zb-h1", zb_h1, one_process=False,
                  "and its caller computes the loss after forward returns")
 
 
-from dualframe.pipeline import virtual as _virtual  # noqa: E402  registers interleaved-1f1b and zb-v
+register("interleaved-1f1b", interleaved_1f1b, one_process=False,
+         why_not="interleaved-1f1b runs several stages per rank and interleaves backward with forward",
+         virtual=VirtualRule(interleaved_1f1b, interleaved_place, interleaved_check))
+register("zb-v", zb_v, one_process=False,
+         why_not="zb-v runs two stages per rank and interleaves backward with forward",
+         virtual=VirtualRule(zb_v, zb_v_place, zb_v_check))
 
 
 def one_process_ticks(schedule: str, chunks: int, stages: int, kind: str) -> Ticks:

@@ -2,7 +2,8 @@
 
 Index names as in ``dualframe.pipeline.action``, plus ``p`` ranks of a pipeline, ``v`` stages per rank
 (``virtual_stages``), ``r`` a rank, ``c`` a rank's chunk of the model (its c-th stage); ``n = p * v``.
-Each action names its stage, so ``clock_table`` follows a micro-batch from rank to rank by stage index.
+Each action names its stage, so ``clock_table`` follows a micro-batch from rank to rank by stage index;
+``dualframe.pipeline.schedule`` registers both with their placements and rules.
 
 - ``"interleaved-1f1b"`` (Narayanan et al. 2021, Megatron-LM): stage j on rank ``j % p``, so a
   micro-batch visits every rank v times; each rank warms up with ``2 (p - r - 1) + (v - 1) p`` forwards,
@@ -17,7 +18,6 @@ from typing import List
 
 from dualframe.errors import ChunksError, ScheduleError
 from dualframe.pipeline.action import BACKWARD, FORWARD, WEIGHT, Action, ActionLists
-from dualframe.pipeline.schedule import VirtualRule, register
 
 
 def interleaved_place(j: int, ranks: int) -> int:
@@ -144,11 +144,3 @@ def _zb_v_rank(p: int, m: int, r: int) -> List[Action]:
         while done[(j, WEIGHT)] < done[(j, BACKWARD)]:
             run(j, WEIGHT)
     return actions
-
-
-register("interleaved-1f1b", interleaved_1f1b, one_process=False,
-         why_not="interleaved-1f1b runs several stages per rank and interleaves backward with forward",
-         virtual=VirtualRule(interleaved_1f1b, interleaved_place, interleaved_check))
-register("zb-v", zb_v, one_process=False,
-         why_not="zb-v runs two stages per rank and interleaves backward with forward",
-         virtual=VirtualRule(zb_v, zb_v_place, zb_v_check))

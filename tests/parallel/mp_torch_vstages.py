@@ -1,5 +1,6 @@
 """DistributedPipeline with virtual stages on 2 processes (2 x 2 stages), interleaved 1F1B and ZB-V, against one process."""
 import copy
+import os
 
 import horovod.torch as horovod
 import pytest
@@ -94,3 +95,45 @@ def test_inference_and_horovod_broadcasts_equal_the_model(schedule):
     y = torch.randn(8, 3, generator=torch.Generator().manual_seed(4))
     expected = nn.functional.mse_loss(model(x), y).item()
     assert pipe.train_step(x, y) == pytest.approx(expected, abs=1e-5)
+
+
+def test_stage_checkpoint_resumes_and_merges_into_the_model(tmp_path):
+    folder = horovod.broadcast_object(str(tmp_path), 0, name="vstages.ckpt.folder")  # one folder for all ranks
+    ckpt = os.path.join(folder, "ckpt")
+    model, data = deep_model(), pipeline_batches(BATCH, STEPS)
+    expected_losses, expected_state = pipeline_reference(model, data)
+
+    def build(seed):
+        torch.manual_seed(seed)
+        pipe = DistributedPipeline(copy.deepcopy(model) if seed == 0 else deep_model().apply(_perturb), BALANCE,
+                                   chunks=4, schedule="zb-v", loss_fn=nn.MSELoss(), virtual_stages=2)
+        return pipe, torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+
+    def step(pipe, optimizer, x, y):
+        optimizer.zero_grad()
+        loss = pipe.train_step(x, y)
+        optimizer.step()
+        return loss
+
+    pipe, optimizer = build(0)
+    for x, y in data[:2]:
+        step(pipe, optimizer, x, y)
+    hvd.save_stage_checkpoint(ckpt, pipe, optimizer, step=1, data_position={"next_step": 2})
+    assert sorted(os.listdir(ckpt)) == ["stage-0", "stage-1"]  # one part per rank, holding its two stages
+    pipe, optimizer = build(1)  # other weights, no momentum yet
+    state = hvd.load_stage_checkpoint(ckpt, pipe, optimizer)
+    assert state.step == 1 and state.data_position == {"next_step": 2}
+    assert step(pipe, optimizer, *data[2]) == pytest.approx(expected_losses[2], abs=1e-5)
+    hvd.save_stage_checkpoint(ckpt, pipe, optimizer, step=2)
+    mine = os.path.join(folder, f"full-{hvd.rank()}.pt")  # every rank merges (one process, no communication)
+    hvd.merge_stage_checkpoints(ckpt, mine)
+    full = torch.load(mine, weights_only=True)["model"]
+    assert sorted(full) == sorted(expected_state)
+    for key, value in expected_state.items():
+        torch.testing.assert_close(full[key], value, atol=1e-5, rtol=0, msg=key)
+
+
+def _perturb(module):
+    if isinstance(module, nn.Linear):
+        nn.init.normal_(module.weight)
+

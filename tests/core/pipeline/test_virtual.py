@@ -2,8 +2,12 @@
 placements, their bubbles against 1F1B's, the clock's checks across ranks by stage index, and the refusals."""
 import pytest
 
-from dualframe.errors import ChunksError, ScheduleError
+from dualframe.errors import BalanceError, ChunksError, ScheduleError, StrategyError
 from dualframe.pipeline.action import Action
+from dualframe.pipeline.layout import layout_pipeline
+from dualframe.pipeline.link import largest_tag, virtual_tag_offset
+from dualframe.pipeline.stage import virtual_process_sets
+from dualframe.pipeline.virtual_stage import BoundaryLinks, LocalLink, boundary
 from dualframe.pipeline.clock import clock_table, peak_live_activations, table_bubble
 from dualframe.pipeline.schedule import one_process, rank_schedule, registered, stage_placement
 from dualframe.pipeline.virtual import interleaved_1f1b, zb_v
@@ -162,3 +166,42 @@ def test_bad_combinations_are_refused_by_name():
     with pytest.raises(ScheduleError, match=r"the one-process Pipeline cannot run schedule 'zb-v'"):
         one_process("zb-v")
     assert registered("zb-v").virtual is not None and registered("zb-h1").virtual is None
+
+
+def test_a_layout_of_virtual_stages_places_them_and_refuses_what_it_cannot_run():
+    layout = layout_pipeline(8, [2] * 4, chunks=4, schedule="interleaved-1f1b", world=2, virtual_stages=2)
+    assert layout.placement == (0, 1, 0, 1) and layout.held(1) == [1, 3] and layout.virtual_stages == 2
+    assert [str(a) for a in layout.actions[1][:3]] == ["1F0", "1F1", "3F0"]
+    with pytest.raises(StrategyError, match=r"virtual_stages=2 runs one pipeline, not data-parallel replicas of it yet "
+                                            r"\(processes: 4, ranks per pipeline: 2\); launch with -np 2"):
+        layout_pipeline(8, [2] * 4, chunks=4, schedule="zb-v", world=4, virtual_stages=2)
+    with pytest.raises(BalanceError, match=r"balance must describe ranks x virtual_stages stages, at least 2 ranks "
+                                           r"\(balance: 2 stages, virtual_stages: 2\); give 4 entries"):
+        layout_pipeline(8, [4, 4], chunks=4, schedule="zb-v", world=1, virtual_stages=2)
+    with pytest.raises(ScheduleError, match=r"schedule 'gpipe' runs one stage per rank"):
+        layout_pipeline(8, [4, 4], chunks=4, schedule="gpipe", world=1, virtual_stages=2)
+    assert virtual_process_sets(layout_pipeline(6, [1] * 6, 3, "interleaved-1f1b", world=3, virtual_stages=2)) == [
+        [0, 1], [1, 2], [0, 2]]
+
+
+def test_stage_named_messages_go_over_their_boundary_numbered_apart():
+    assert [boundary(Action.parse(t), receiving) for t in ("2F0", "2B0") for receiving in (True, False)] == [1, 2, 2, 1]
+    sent = {}
+
+    class Link:
+        def __init__(self, b):
+            self.b = b
+
+        def send(self, tag, tensor):
+            sent[(self.b, tag)] = tensor
+
+        def receive(self, tag):
+            return sent.pop((self.b, tag))
+
+    links = BoundaryLinks({0: Link(0), 1: Link(1), 2: LocalLink()})
+    links.send("1F3", "y")
+    assert links.receive("2F3") == "y" and sent == {}
+    links.send("2F3", "z")
+    assert links.receive("3F3") == "z"
+    offsets = [virtual_tag_offset(b, 4) for b in range(3)]
+    assert offsets == [0, 14, 28] and largest_tag(4, links=3) == 41  # block b: 14 numbers, 3 x 4 + agree + loss
