@@ -55,8 +55,7 @@ def test_training_equals_one_process(schedule, chunks):
     pipe = DistributedPipeline(deep_mlp(), balance=BALANCE, chunks=chunks, schedule=schedule, loss_fn="mse",
                                virtual_stages=2)
     assert pipe.held_stages == HELD[schedule][hvd.rank()]
-    assert len(pipe.trainable_variables) == (6 if hvd.rank() == 0 and schedule == "interleaved-1f1b" or
-                                             hvd.rank() == 1 and schedule == "zb-v" else 4)
+    assert len(pipe.trainable_variables) == 4  # each stage one Dense, each rank two stages
     train_pipeline(pipe, keras.optimizers.SGD(0.1, momentum=0.9), data, expected_losses)
     assert_weights(pipe.gather_weights(), expected_weights)
     assert [tag for tag, _, _ in pipe.records.records[-1].actions] == [str(a) for a in pipe.actions]
