@@ -62,8 +62,8 @@ def _stage_actions(lists: Sequence[Sequence[Action]]) -> Dict[int, List[Action]]
         for action in actions:
             j = action.on(rank)
             if rank_of.setdefault(j, rank) != rank:
-                raise ScheduleError(f"stage {j} runs on rank {rank_of[j]} and on rank {rank}; a stage lives on one rank "
-                                    f"(rank {rank}: {' '.join(map(str, actions))})")
+                raise ScheduleError(f"stage {j} runs on rank {rank_of[j]} and on rank {rank}; a stage lives on one "
+                                    f"rank (rank {rank}: {' '.join(map(str, actions))})")
             by_stage.setdefault(j, []).append(Action(action.kind, action.micro))
     missing = sorted(set(range(max(by_stage, default=-1) + 1)) - set(by_stage))
     if missing or any(j < 0 for j in by_stage):

@@ -285,7 +285,8 @@ class StageLink(Generic[T]):
         name = self._message(tag, root, self.rank)
         buffer = self.wire.empty(*shape)
         if self.direct is not None:
-            self._posted[tag] = (self.direct.receive(buffer, root, message_tag(tag) + self.tag_offset), name, self.direct)
+            number = message_tag(tag) + self.tag_offset
+            self._posted[tag] = (self.direct.receive(buffer, root, number), name, self.direct)
         else:
             self._posted[tag] = (self.wire.broadcast(buffer, root, name, ps), name, self.wire)
 
@@ -304,7 +305,8 @@ class StageLink(Generic[T]):
         buffer = self.wire.tensor([0] * HEADER_LENGTH, INT64)
         what = f"waiting for the shape of {tag} from rank {root}"
         if self.direct is not None:
-            header = self.wait(self.direct.receive(buffer, root, message_tag(tag, header=True) + self.tag_offset), what, self.direct)
+            number = message_tag(tag, header=True) + self.tag_offset
+            header = self.wait(self.direct.receive(buffer, root, number), what, self.direct)
         else:
             header = self.wait(self.wire.broadcast(buffer, root, self._message(tag, root, self.rank) + ".shape", ps), what)
         return decode_header(self.wire.values(header))
@@ -324,7 +326,8 @@ class StageLink(Generic[T]):
     def _start_send(self, tensor: T, receiver: int, ps: Any, tag: str, header: bool = False) -> None:
         name = self._message(tag, self.rank, receiver) + (".shape" if header else "")
         if self.direct is not None:
-            self._sends.append((self.direct.send(tensor, receiver, message_tag(tag, header) + self.tag_offset), name, self.direct))
+            number = message_tag(tag, header) + self.tag_offset
+            self._sends.append((self.direct.send(tensor, receiver, number), name, self.direct))
         else:
             self._sends.append((self.wire.broadcast(tensor, self.rank, name, ps), name, self.wire))
 
