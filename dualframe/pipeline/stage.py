@@ -249,7 +249,7 @@ def open_stage(backend: "Backend[T]", layout: StageLayout, step_names: bool = Tr
 
         needed += [g for g in edge_process_sets(split, grid.pipeline_groups) if g not in needed and len(g) < world]
     if layout.virtual_stages > 1:  # interleaved stages wrap from the last rank to the first: that pair too
-        needed += [g for g in virtual_process_sets(layout) if g not in needed and len(g) < world]
+        needed += [g for g in virtual_process_sets(layout, split) if g not in needed and len(g) < world]
     if tied:
         from dualframe.pipeline.tied import tied_process_sets
 
@@ -259,12 +259,16 @@ def open_stage(backend: "Backend[T]", layout: StageLayout, step_names: bool = Tr
     j = grid.position(rank)[1]
     device = backend.placement.device(layout.devices[j] if layout.devices else None)
     prefix = f"dpipe{next(_IDS)}"
-    # Virtual stages number each boundary's messages in its own block: MPI's tag bound must reach the last.
-    tag_chunks = layout.chunks if layout.virtual_stages == 1 else (len(layout.ranges) - 1) * (layout.chunks + 1)
+    # Virtual stages number each link's messages in its own block: MPI's tag bound must reach the last.
+    blocks = len(_stage_pairs(layout, split))
+    tag_chunks = layout.chunks if layout.virtual_stages == 1 else blocks * (layout.chunks + 1)
     direct = backend.point_to_point(device, tag_chunks, prefix, transport)  # None: messages go as Horovod broadcasts
     if layout.virtual_stages > 1:
-        from dualframe.pipeline.virtual_stage import VirtualPipelineStage
+        from dualframe.pipeline.virtual_stage import VirtualGraphStage, VirtualPipelineStage
 
+        if split is not None:
+            return VirtualGraphStage(layout, backend.wire(device), rank, sets, prefix, step_names, direct, device,
+                                     backend, split=split)
         return VirtualPipelineStage(layout, backend.wire(device), rank, sets, prefix, step_names, direct, device,
                                     backend)
     if split is not None:
@@ -275,8 +279,17 @@ def open_stage(backend: "Backend[T]", layout: StageLayout, step_names: bool = Tr
     return PipelineStage(layout, backend.wire(device), rank, sets, prefix, step_names, direct, device, backend)
 
 
-def virtual_process_sets(layout: StageLayout) -> List[List[int]]:
-    """The two-rank groups of every boundary between stages on different ranks, in every pipeline replica.
+def _stage_pairs(layout: StageLayout, split: Any = None) -> List[Tuple[int, int]]:
+    """The (p, c) stage pairs that exchange messages: a chain's neighbours, a graph split's edges."""
+    if split is None:
+        return [(j, j + 1) for j in range(len(layout.ranges) - 1)]
+    from dualframe.pipeline.graph_walk import edge_pairs
+
+    return edge_pairs(split)
+
+
+def virtual_process_sets(layout: StageLayout, split: Any = None) -> List[List[int]]:
+    """The two-rank groups of every link between stages on different ranks (a graph's edges), in every replica.
 
     Example:
         >>> from dualframe.pipeline.layout import layout_pipeline
@@ -285,9 +298,10 @@ def virtual_process_sets(layout: StageLayout) -> List[List[int]]:
     """
     groups: List[List[int]] = []
     for ranks in layout.grid.pipeline_groups:
-        for a, c in zip(layout.placement, layout.placement[1:]):
-            pair = sorted((ranks[a], ranks[c]))
-            if a != c and pair not in groups:
+        for p, c in _stage_pairs(layout, split):
+            a, b = layout.placement[p], layout.placement[c]
+            pair = sorted((ranks[a], ranks[b]))
+            if a != b and pair not in groups:
                 groups.append(pair)
     return groups
 

@@ -6,13 +6,18 @@ stage b and b + 1 that touches this rank gets its own link: a two-rank ``StageLi
 point-to-point messages in its own block (``link.virtual_tag_offset``), or, where both stages live on
 this rank (ZB-V's turn at the bottom of its V), a hand-over in memory. ``BoundaryLinks`` routes a
 stage-named message to its boundary, so the walk is the one-stage walk (``dualframe.pipeline.walk``).
+A graph split (``VirtualGraphStage``) gets one such link per edge (p, c) instead, walked action by action
+with the graph walk's step (``graph_walk.graph_action``).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Generic, List, Mapping, Sequence, TypeVar, Union
+import time
+from typing import Any, Dict, Generic, List, Mapping, Sequence, TypeVar, Union, cast
 
 from dualframe.backend import StageWork
 from dualframe.pipeline.action import FORWARD, Action
+from dualframe.pipeline.graph import GraphSplit
+from dualframe.pipeline.graph_walk import GraphStageWork, edge_pairs, graph_action, stage_edges
 from dualframe.pipeline.link import StageLink, virtual_tag_offset
 from dualframe.pipeline.stage import PipelineStage
 from dualframe.pipeline.walk import StageLinks, StepRecord, walk
@@ -96,15 +101,21 @@ class VirtualPipelineStage(PipelineStage[T]):
         self.held: List[int] = layout.held(self.index)
         self.total = len(layout.ranges)
         self.loss_rank = ranks[layout.placement[-1]]
-        self.boundary_links: Dict[int, Union[StageLink[T], LocalLink[T]]] = {}
-        for b in range(self.total - 1):
-            a, c = layout.placement[b], layout.placement[b + 1]
-            if self.index not in (a, c):
-                continue
-            self.boundary_links[b] = LocalLink() if a == c else StageLink(
-                self.wire, 0 if self.index == a else 1, [ranks[a], ranks[c]], self.rank, self.sets,
-                f"{self.link.prefix}.v{b}", layout.timeout, self.link.step_names, self.direct,
-                tag_offset=virtual_tag_offset(b, layout.chunks))
+        self.boundary_links = {b: self._pair_link(b, b + 1, b, f"v{b}") for b in range(self.total - 1)
+                               if self.index in (layout.placement[b], layout.placement[b + 1])}
+
+    def _pair_link(self, p: int, c: int, block: int, name: str) -> "Union[StageLink[T], LocalLink[T]]":
+        """The link from stage p to stage c (one of them here): in memory on one rank, else a two-rank link.
+
+        ``block``: its point-to-point numbers' block (``link.virtual_tag_offset``), one per link of the pipeline.
+        """
+        layout, ranks = self.layout, self.pipeline_ranks
+        a, c_rank = layout.placement[p], layout.placement[c]
+        if a == c_rank:
+            return LocalLink()
+        return StageLink(self.wire, 0 if self.index == a else 1, [ranks[a], ranks[c_rank]], self.rank, self.sets,
+                         f"{self.link.prefix}.{name}", layout.timeout, self.link.step_names, self.direct,
+                         tag_offset=virtual_tag_offset(block, layout.chunks))
 
     @property
     def is_first(self) -> bool:
@@ -127,6 +138,44 @@ class VirtualPipelineStage(PipelineStage[T]):
         for link in links:
             link.begin(self._key, backward=train, chunks=self.layout.chunks)
         record = walk(actions, self.index, self.total, micro_inputs, work, BoundaryLinks(self.boundary_links))
+        for link in links:
+            link.finish()
+        self.records.add(record)
+        return record
+
+
+class VirtualGraphStage(VirtualPipelineStage[T]):
+    """A rank holding several stages of a graph split: one link per edge (p, c) touching its stages.
+
+    Each edge gets its own link (``_pair_link``, numbered by the edge's place in ``edge_pairs``), so the
+    walk of one action is the graph walk's (``graph_walk.graph_action``) with that stage's edges and work.
+
+    Example:
+        >>> role = open_stage(BACKEND, layout, split=split)     # doctest: +SKIP  (layout.virtual_stages == 2)
+        >>> record = role.step(role.actions, micro_inputs, {j: work_j, ...}, train=True)  # doctest: +SKIP
+    """
+
+    def __init__(self, *args: Any, split: GraphSplit, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.boundary_links = {}
+        self.edges = {j: stage_edges(split, j) for j in self.held}
+        self.edge_links = {(p, c): self._pair_link(p, c, k, f"e{p}_{c}") for k, (p, c) in enumerate(edge_pairs(split))
+                           if self.layout.placement[p] == self.index or self.layout.placement[c] == self.index}
+
+    def step(self, actions: Sequence[Action], micro_inputs: Sequence[T],
+             work: "Union[StageWork[T], Mapping[int, StageWork[T]]]", train: bool) -> StepRecord:
+        """Walk ``actions`` (each naming its stage; ``work[j]`` runs stage j's nodes) along the edges' links."""
+        works = cast("Mapping[int, GraphStageWork[T]]", work)
+        links: List[Any] = [self.link, *self.edge_links.values()]
+        for link in links:
+            link.begin(self._key, backward=train, chunks=self.layout.chunks)
+        record = StepRecord(start=time.perf_counter())
+        for action in actions:
+            j = action.on(self.index)
+            edges = self.edges[j]
+            peers = {peer: self.edge_links[(min(j, peer), max(j, peer))] for peer in edges.sources + edges.targets}
+            graph_action(action, edges, micro_inputs, works[j], peers, j == 0, record)
+        record.end = time.perf_counter()
         for link in links:
             link.finish()
         self.records.add(record)

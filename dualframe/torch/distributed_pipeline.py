@@ -83,7 +83,7 @@ class DistributedPipeline(StageView, nn.Module):
             Horovod broadcasts), ``"mpi"``, ``"zmq"`` (an error where a rank lacks it) or ``"horovod"``;
             every rank must pass the same. None (default): ``DUALFRAME_PIPELINE_TRANSPORT``, else auto.
             ``pipe.transport`` tells which one was taken.
-        virtual_stages: stages each rank holds (an ``nn.Sequential`` only): ``balance`` then lists all
+        virtual_stages: stages each rank holds: ``balance`` (or ``split_points``, ``stages``) then describes all
             ``ranks x virtual_stages`` stages, and the schedule places them (``pipe.held_stages``).
 
     Raises:
@@ -107,14 +107,10 @@ class DistributedPipeline(StageView, nn.Module):
         super().__init__()
         transport = check_transport(transport)
         self.graph: Optional[GraphPart] = None
-        if is_graph_split(module, split_points, stages) and virtual_count(virtual_stages) > 1:
-            raise StrategyError(f"virtual_stages={virtual_stages} cuts an nn.Sequential by balance; a graph split "
-                                f"(split_points=, stages= or a model other than nn.Sequential) holds one stage per "
-                                f"rank; use virtual_stages=1 there")
         if is_graph_split(module, split_points, stages):
             n = stage_count(split_points, balance, stages)
             layout = layout_pipeline(n, [1] * n, chunks, schedule, loss_fn, devices, data_parallel, timeout,
-                                     BACKEND.collectives.world_size())
+                                     BACKEND.collectives.world_size(), virtual_count(virtual_stages))
             self.graph = GraphPart(module, split_points=split_points, balance=balance, stages=stages, sample=sample,
                                    leaves=leaves)
         else:
@@ -125,7 +121,9 @@ class DistributedPipeline(StageView, nn.Module):
         modules = [self._stage_module(module, layout, j) for j in range(len(layout.ranges))]
         # A rank's modules (with virtual stages, its stages' layers under the model's names, for its parameters
         # and state_dict); tied weights are those several ranks read.
-        held = modules if self.graph is not None else [rank_module(module, layout, r) for r in range(self.grid.stages)]
+        held = [rank_module(module, layout, r) if self.graph is None else
+                modules[r] if layout.virtual_stages == 1 else
+                nn.ModuleDict({str(j): modules[j] for j in layout.held(r)}) for r in range(self.grid.stages)]
         tied = find_stage_tied(module, held)  # weights several stages read: each holds a copy
         # From here on, Horovod: every argument above is checked on every rank.
         split = self.graph.split if self.graph is not None else None
@@ -217,11 +215,12 @@ class DistributedPipeline(StageView, nn.Module):
         work: Any
         if self.graph is not None:
             micro_inputs = self.graph.micro_inputs(values, sizes, self.device) if self.is_first else []
+        if len(self.held_stages) > 1:
+            return self._run_virtual(actions, micro_inputs, micro_targets, weights, train)
+        if self.graph is not None:
             work = TorchGraphStageWork(self.stage, self.graph.split, self.stage_index, self.graph.captured,
                                        self.device, self.loss_fn if train else None, micro_targets, weights, self.meter,
                                        self.split_backward)
-        elif len(self.held_stages) > 1:
-            return self._run_virtual(actions, micro_inputs, micro_targets, weights, train)
         else:
             work = TorchStageWork(self.stage, self.is_first, self.is_last, self.loss_fn if train else None,
                                   micro_targets, weights, self.meter, self.split_backward)
@@ -232,10 +231,14 @@ class DistributedPipeline(StageView, nn.Module):
     def _run_virtual(self, actions: Sequence[Action], micro_inputs: Any, micro_targets: Any, weights: Sequence[float],
                      train: bool) -> Tuple[Any, StepRecord]:
         """Walk this rank's stages (virtual stages): one work per stage; returns the last stage's work where held."""
-        last = len(self.role.layout.ranges) - 1
-        works = {j: TorchStageWork(m, j == 0, j == last, self.loss_fn if train else None,
-                                   micro_targets if j == last else [], list(weights), self.meter,
-                                   self.split_backwards.get(j)) for j, m in self.held_stages.items()}
+        last, loss_fn = len(self.role.layout.ranges) - 1, self.loss_fn if train else None
+        works: Dict[int, Any] = {}
+        for j, m in self.held_stages.items():
+            targets = micro_targets if j == last else []
+            works[j] = (TorchStageWork(m, j == 0, j == last, loss_fn, targets, list(weights), self.meter,
+                                       self.split_backwards.get(j)) if self.graph is None else
+                        TorchGraphStageWork(m, self.graph.split, j, self.graph.captured, self.device, loss_fn, targets,
+                                            list(weights), self.meter, self.split_backwards.get(j)))
         with torch.set_grad_enabled(train), self.meter.counting():
             record = self.role.step(actions, micro_inputs, works, train)
         return works.get(last, works[min(works)]), record

@@ -50,9 +50,6 @@ def test_bad_combinations_are_refused_on_every_rank_before_communication():
         DistributedPipeline(deep_model(), [3, 2, 2], chunks=4, schedule="zb-v", loss_fn=loss, virtual_stages=2)
     with pytest.raises(StrategyError, match=r"multiple of the number of stages \(processes: 2, stages: 3\)"):
         DistributedPipeline(deep_model(), [1, 1, 1, 1, 1, 2], chunks=6, schedule="zb-v", loss_fn=loss, virtual_stages=2)
-    with pytest.raises(StrategyError, match=r"virtual_stages=2 cuts an nn.Sequential by balance; a graph split"):
-        DistributedPipeline(deep_model(), split_points=["2", "4", "6"], chunks=4, schedule="zb-v", loss_fn=loss,
-                            virtual_stages=2)
 
 
 @pytest.mark.parametrize("chunks", [4, 8])
@@ -137,3 +134,43 @@ def _perturb(module):
     if isinstance(module, nn.Linear):
         nn.init.normal_(module.weight)
 
+
+
+class SkipNet(nn.Module):
+    """Four blocks, the first's output read again by the third: a value skipping stage 1 (edge 0 -> 2)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c, self.d = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        h0 = torch.tanh(self.a(x))
+        h2 = torch.tanh(self.c(torch.tanh(self.b(h0)))) + h0
+        return self.d(h2)
+
+
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zb-v"])
+def test_a_graph_split_with_a_skip_edge_equals_one_process(schedule):
+    # interleaved: stages 0 and 2 on rank 0, the skip edge in memory; zb-v: stage 2 on rank 1, over the wire.
+    torch.manual_seed(3)
+    model, data = SkipNet(), pipeline_batches(BATCH, STEPS)
+    expected_losses, expected_state = pipeline_reference(model, data)
+    pipe = DistributedPipeline(copy.deepcopy(model), chunks=4, schedule=schedule, loss_fn=nn.MSELoss(),
+                               split_points=["b", "c", "d"], virtual_stages=2)
+    assert sorted(pipe.held_stages) == HELD[schedule][hvd.rank()]
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+    for step, (x, y) in enumerate(data):
+        optimizer.zero_grad()
+        loss = pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None)
+        assert loss == pytest.approx(expected_losses[step], abs=1e-5), f"step {step}"
+        optimizer.step()
+    merged = merged_state_dict(pipe)
+    assert sorted(merged) == sorted(expected_state)
+    for key, value in expected_state.items():
+        torch.testing.assert_close(merged[key], value, atol=1e-5, rtol=0, msg=key)
+    trained = copy.deepcopy(model)
+    trained.load_state_dict(expected_state)
+    with torch.no_grad():
+        out = pipe(data[0][0] if pipe.is_first else None)
+        if pipe.is_last:
+            torch.testing.assert_close(out, trained(data[0][0]), atol=1e-5, rtol=0)
