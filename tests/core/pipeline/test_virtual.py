@@ -205,3 +205,20 @@ def test_stage_named_messages_go_over_their_boundary_numbered_apart():
     assert links.receive("3F3") == "z"
     offsets = [virtual_tag_offset(b, 4) for b in range(3)]
     assert offsets == [0, 14, 28] and largest_tag(4, links=3) == 41  # block b: 14 numbers, 3 x 4 + agree + loss
+
+
+def test_a_graph_splits_links_are_its_edges_across_ranks():
+    from dualframe.pipeline.graph import Graph, GraphNode, cut_graph
+    from dualframe.pipeline.graph_walk import edge_pairs
+
+    nodes = (GraphNode("a", "a", ("x",), ("h0",)), GraphNode("b", "b", ("h0",), ("h1",)),
+             GraphNode("c", "c", ("h1", "h0"), ("h2",)), GraphNode("d", "d", ("h2",), ("y",)))
+    split = cut_graph(Graph(("x",), nodes, ("y",)), split_points=["b", "c", "d"])
+    assert edge_pairs(split) == [(0, 1), (0, 2), (1, 2), (2, 3)]  # h0 skips stage 1
+    interleaved = layout_pipeline(4, [1] * 4, 4, "interleaved-1f1b", world=2, virtual_stages=2)
+    zero_bubble = layout_pipeline(4, [1] * 4, 4, "zb-v", world=2, virtual_stages=2)
+    assert virtual_process_sets(interleaved, split) == [[0, 1]] == virtual_process_sets(zero_bubble, split)
+    three = layout_pipeline(6, [1] * 6, 3, "interleaved-1f1b", world=3, virtual_stages=2)
+    nodes6 = tuple(GraphNode(n, n, (f"v{k}",), (f"v{k + 1}",)) for k, n in enumerate("abcdef"))
+    chain = cut_graph(Graph(("v0",), nodes6, ("v6",)), split_points=["b", "c", "d", "e", "f"])
+    assert virtual_process_sets(three, chain) == virtual_process_sets(three) == [[0, 1], [1, 2], [0, 2]]
