@@ -244,7 +244,7 @@ def open_stage(backend: "Backend[T]", layout: StageLayout, step_names: bool = Tr
     grid = layout.grid
     world = grid.replicas * grid.stages
     needed = pipeline_process_sets(world, grid.stages)
-    if split is not None:  # a value skipping stages goes straight to its reader: that pair needs a set too
+    if split is not None and layout.virtual_stages == 1:  # a value skipping stages goes straight to its reader
         from dualframe.pipeline.graph_walk import edge_process_sets
 
         needed += [g for g in edge_process_sets(split, grid.pipeline_groups) if g not in needed and len(g) < world]
