@@ -151,8 +151,8 @@ class VirtualGraphStage(VirtualPipelineStage[T]):
     walk of one action is the graph walk's (``graph_walk.graph_action``) with that stage's edges and work.
 
     Example:
-        >>> role = open_stage(BACKEND, layout, split=split)     # doctest: +SKIP  (layout.virtual_stages == 2)
-        >>> record = role.step(role.actions, micro_inputs, {j: work_j, ...}, train=True)  # doctest: +SKIP
+        >>> role = open_stage(BACKEND, layout, split=split)  # a layout of virtual_stages=2     # doctest: +SKIP
+        >>> record = role.step(role.actions, micro_inputs, works, train=True)  # works: {j: ...}  # doctest: +SKIP
     """
 
     def __init__(self, *args: Any, split: GraphSplit, **kwargs: Any) -> None:
