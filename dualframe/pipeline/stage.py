@@ -324,7 +324,7 @@ class StageView:
 
     @property
     def stage_index(self) -> int:
-        """j: the stage this rank holds."""
+        """j: the stage this rank holds (with virtual stages: its position in the pipeline, ``held_stages`` its stages)."""
         return self.role.index
 
     @property
