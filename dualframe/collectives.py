@@ -7,12 +7,14 @@ the core's ``Collectives`` protocol (``dualframe.backend``) on that framework's 
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from typing import Any, ContextManager, Dict, Generic, List, Optional, Sequence, TypeVar, Union
 
 from dualframe.errors import NotInitializedError, StrategyError, TopologyError
 from dualframe.launch.mpi_world import start_mpi
 from dualframe.launch.topology import detect
+from dualframe.reliability import failure
 from dualframe.reliability.checkpoint import split_gathered
 from dualframe.strategy import REDUCE_OPS
 
@@ -127,6 +129,9 @@ class HorovodCollectives(Generic[T]):
         else:
             start_mpi()  # MPI owned by mpi4py: a rank that finishes first no longer finalizes it under the others
         self.hvd.init(**arguments)
+        # Elastic ranks join at other times, and a comm may be a subset: no allgather on the world there.
+        if comm is None and self._distributed() and os.environ.get("HOROVOD_ELASTIC") != "1":
+            failure.watch_peers(self.gather_bytes, int(self.hvd.rank()))
 
     def is_initialized(self) -> bool:
         """True once Horovod runs."""

@@ -53,9 +53,9 @@ class DataParallel:
     """Every rank holds the whole model; gradients are reduced across ranks after backward.
 
     ``shard`` keeps 1/N of the optimizer state per rank (``"optimizer"``, ZeRO-1) or also 1/N of
-    the gradients (``"gradients"``, ZeRO-2): the adapters' ``distribute`` passes it to
-    ``DistributedOptimizer(shard=...)`` (see ``dualframe.dp.shard``); the weights stay those of
-    ``"none"``.
+    the gradients (``"gradients"``, ZeRO-2) or also 1/N of the parameters (``"parameters"``, ZeRO-3,
+    Keras so far): the adapters' ``distribute`` passes it to ``DistributedOptimizer(shard=...)`` (see
+    ``dualframe.dp.shard``); the weights stay those of ``"none"``.
 
     Example:
         >>> import dualframe

@@ -41,6 +41,7 @@ torch horovodrun 2 torch_examples/data_parallel.py --epochs 2
 torch mpirun     2 torch_examples/sharded_optimizer.py --epochs 2
 tf    mpirun     2 tf_examples/data_parallel.py --epochs 2
 tf    mpirun     2 tf_examples/sharded_optimizer.py --epochs 2
+tf    mpirun     2 tf_examples/sharded_parameters.py --epochs 2
 torch single     1 torch_examples/model_split.py
 torch single     1 torch_examples/pipeline.py
 tf    single     1 tf_examples/model_split.py

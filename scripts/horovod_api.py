@@ -39,6 +39,15 @@ OP_VALUES = {"Average": 0, "Sum": 1, "Adasum": 2, "Min": 3, "Max": 4, "Product":
 #: Names whose imported signature is a decorator's ``(*args, **kwargs)``: where the real one is written.
 REAL_SIGNATURES = {"init": ("horovod/common/basics.py", "HorovodBasics", "init")}
 
+#: (module, name, what Horovod's object is an instance of, dualframe's, the test that checks dualframe's).
+WRAPPED = [
+    ("tf", "DistributedGradientTape", "`tf.GradientTape` and the wrapped tape's class", "the same",
+     "tests/tensorflow/test_dp_tensorflow.py::test_the_tape_is_an_instance_of_tf_gradient_tape_and_of_the_wrapped_tapes_class"),
+    ("tf", "PartialDistributedGradientTape", "`tf.GradientTape` and the wrapped tape's class", "the same",
+     "tests/tensorflow/test_dp_tensorflow.py::test_the_tape_is_an_instance_of_tf_gradient_tape_and_of_the_wrapped_tapes_class"),
+    ("tf, tf.keras", "DistributedOptimizer", "the wrapped optimizer's class", "the same (a Keras 3 optimizer's)",
+     "tests/tensorflow/test_horovod_api.py::test_the_wrapped_optimizer_is_an_instance_of_the_users_class_and_trains_the_same"),
+]
 Param = Tuple[str, str, str]  # name, kind, default (normalized text; "" for none)
 
 
@@ -243,6 +252,10 @@ def table(found: List[Row]) -> str:
         short = r.module.replace("horovod.tensorflow", "tf")
         lines.append(f"| {short} | `{r.name}` | {r.status} | {r.added} | `{r.horovod}` |" if r.horovod
                      else f"| {short} | `{r.name}` | {r.status} | {r.added} | |")
+    lines += ["", "## Wrapped objects", "",
+              "What Horovod's wrappers are an instance of, and dualframe's (user code tests it with `isinstance`):",
+              "", "| module | name | Horovod's is an instance of | dualframe's | tested by |", "| --- | --- | --- | --- | --- |"]
+    lines += [f"| {module} | `{name}` | {horovod} | {ours} | `{test}` |" for module, name, horovod, ours, test in WRAPPED]
     return "\n".join(lines) + "\n"
 
 

@@ -21,7 +21,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from dualframe.errors import StrategyError
 
 #: The values of ``DistributedOptimizer(shard=...)`` besides None.
-SHARD_MODES = ("optimizer", "gradients")
+SHARD_MODES = ("optimizer", "gradients", "parameters")
 #: The reduction ops a reduce-scatter can carry.
 SHARD_OPS = ("average", "sum")
 #: The adapters' largest bucket, in elements (16 MiB of float32): small enough that the first
@@ -33,7 +33,7 @@ def check_shard(shard: object, op: str = "average") -> Optional[str]:
     """The shard mode meant by ``shard`` (None, ``"optimizer"`` or ``"gradients"``), checked against ``op``.
 
     Args:
-        shard: None (or ``"none"``), ``"optimizer"`` or ``"gradients"``.
+        shard: None (or ``"none"``), ``"optimizer"``, ``"gradients"`` or ``"parameters"`` (ZeRO-3, ``dualframe.dp.zero3``).
         op: the core's name of the reduction op (``"average"`` ...).
 
     Raises:
@@ -45,12 +45,13 @@ def check_shard(shard: object, op: str = "average") -> Optional[str]:
         >>> check_shard("weights")
         Traceback (most recent call last):
         ...
-        dualframe.errors.StrategyError: unknown shard 'weights'; use None, 'optimizer' (ZeRO-1) or 'gradients' (ZeRO-2)
+        dualframe.errors.StrategyError: unknown shard 'weights'; use None, 'optimizer' (ZeRO-1), 'gradients' (ZeRO-2) or 'parameters' (ZeRO-3)
     """
     if shard is None or (isinstance(shard, str) and shard.lower() == "none"):
         return None
     if not isinstance(shard, str) or shard.lower() not in SHARD_MODES:
-        raise StrategyError(f"unknown shard {shard!r}; use None, 'optimizer' (ZeRO-1) or 'gradients' (ZeRO-2)")
+        raise StrategyError(f"unknown shard {shard!r}; use None, 'optimizer' (ZeRO-1), 'gradients' (ZeRO-2) "
+                           f"or 'parameters' (ZeRO-3)")
     if op not in SHARD_OPS:
         why = (" Adasum combines whole gradients pairwise, so it cannot be split by rank."
                if op == "adasum" else "")

@@ -95,17 +95,18 @@ class PipelineStage(Generic[T]):
         """True on the rank holding the last stage (it reads the targets and computes the loss)."""
         return self.index == self.stages - 1
 
-    def agree(self, inputs: Optional[T], targets: Optional[T], train: bool) -> List[int]:
+    def agree(self, inputs: Optional[T], targets: Optional[T], train: bool, own_loss: bool = False) -> List[int]:
         """Agree over the pipeline on the batch; return the micro-batch sizes.
 
         One small sum over the pipeline's ranks: over its point-to-point transport where it has one
-        (``_direct_sum``), else a Horovod allreduce.
+        (``_direct_sum``), else a Horovod allreduce. ``own_loss``: the model computes its loss from its
+        inputs' labels; targets are then refused rather than needed.
 
         Raises:
             ChunksError, StrategyError: a bad batch, on every stage of the pipeline alike.
         """
         shape: Optional[Tuple[int, ...]] = None
-        code, rows = 0, (None if train else 0)
+        code, rows = 0, (None if train and not own_loss else 0)
         if self.is_first and inputs is not None:
             shape, code = self.wire.describe(inputs)
         if train and self.is_last and targets is not None:
@@ -118,7 +119,8 @@ class PipelineStage(Generic[T]):
         else:
             handle = self.wire.allreduce(mine, "sum", self.link.name("agree"), self.pipeline_set)
             summed = self.wire.values(self.link.wait(handle, what))
-        shape, code, sizes = read_agreement(summed, self.layout.chunks, need_targets=train)
+        shape, code, sizes = read_agreement(summed, self.layout.chunks, need_targets=train and not own_loss,
+                                            own_loss=train and own_loss)
         self._key = (shape, code)
         return sizes
 

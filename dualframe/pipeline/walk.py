@@ -204,11 +204,15 @@ def step_agreement(shape: Optional[Sequence[int]], dtype_code: int, target_rows:
     return fields
 
 
-def read_agreement(fields: Sequence[int], chunks: int, need_targets: bool) -> Tuple[Tuple[int, ...], int, List[int]]:
+def read_agreement(fields: Sequence[int], chunks: int, need_targets: bool,
+                   own_loss: bool = False) -> Tuple[Tuple[int, ...], int, List[int]]:
     """Check the summed agreement and return (input shape, dtype code, micro-batch sizes).
 
+    ``own_loss``: the model computes its loss from labels among its inputs, so targets must be left out.
+
     Raises:
-        StrategyError: no inputs on the first stage, a 0-d or over-8-d input, missing or mismatched targets.
+        StrategyError: no inputs on the first stage, a 0-d or over-8-d input, missing or mismatched targets,
+            targets given to a model that computes its own loss.
         ChunksError: a batch smaller than ``chunks``.
     """
     status, ndim = int(fields[0]), int(fields[1])
@@ -218,6 +222,10 @@ def read_agreement(fields: Sequence[int], chunks: int, need_targets: bool) -> Tu
         raise StrategyError(f"inputs must have 1 to {MAX_DIMS} dimensions, batch first (inputs.ndim: {ndim})")
     shape = tuple(int(d) for d in fields[2:2 + ndim])
     sizes = micro_batch_sizes(shape[0], chunks)
+    if own_loss and int(fields[4 + MAX_DIMS]):
+        raise StrategyError("the last stage got targets, but the loss is the model's own (loss_fn=None), computed "
+                            "from the labels among its inputs (train_step({..., 'labels': y})); leave targets out, "
+                            "or pass a loss_fn")
     if need_targets:
         if int(fields[3 + MAX_DIMS]) == _MISSING:
             raise StrategyError("the last stage of the pipeline got targets=None; pass the targets there")

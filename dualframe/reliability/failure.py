@@ -27,10 +27,12 @@ import threading
 import time
 import traceback
 from types import TracebackType
-from typing import Dict, Iterator, Mapping, Optional, Tuple, Type
+from typing import Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Type
 
 from dualframe.errors import StrategyError, TopologyError
 from dualframe.launch.topology import detect
+from dualframe.reliability import lost_rank
+from dualframe.reliability.heartbeat import seconds_variable
 
 #: Variable holding the stall timeout in seconds (0 turns the watchdog off).
 STALL_VARIABLE = "DUALFRAME_STALL_TIMEOUT"
@@ -65,17 +67,25 @@ def describe(error: BaseException) -> str:
     first_line = (str(error).strip().splitlines() or [""])[0]
     first_line = re.sub(r"^\{\{function_node [^}]*\}\}\s*", "", first_line)  # TensorFlow's op-error prefix
     if is_peer_failure(error):
-        return ("stopped: Horovod shut down because another rank failed or left "
-                f"(its own 'dualframe: rank ... failed' line names it) [{type(error).__name__}]")
+        return f"stopped: Horovod shut down because another rank failed or left [{type(error).__name__}]"
     return f"failed: {type(error).__name__}: {first_line}"
 
 
-def end_job(message: str, code: int = EXIT_CODE) -> None:
+def is_lost_peer(error: BaseException) -> bool:
+    """True where ``error`` says a peer went: Horovod shut down, or a pipeline's ``PeerLostError``."""
+    return is_peer_failure(error) or type(error).__name__ == "PeerLostError"
+
+
+def end_job(message: str, code: int = EXIT_CODE, how: str = "failed") -> None:
     """Print ``dualframe: <rank label> <message>`` to stderr and exit at once with ``code``.
 
+    The other ranks' heartbeats hear first that this rank ends and ``how`` (failed, stopped).
     ``os._exit`` skips Python's shutdown, which can block on a collective that will never finish;
     the launcher sees the non-zero exit and terminates the other ranks.
     """
+    beat = lost_rank.current()
+    if beat is not None:
+        beat.bye(how, message)
     try:
         sys.stdout.flush()
     except Exception:  # pragma: no cover - a closed stdout must not stop the exit
@@ -90,6 +100,10 @@ def _excepthook(kind: Type[BaseException], error: BaseException, tb: Optional[Tr
         sys.__excepthook__(kind, error, tb)
         return
     traceback.print_exception(kind, error, tb)
+    if is_lost_peer(error):
+        stopped = describe(error)
+        lost = lost_rank.who_was_lost(str(error), final=lambda guess: end_job(f"{stopped}; {guess}", how="stopped"))
+        end_job(f"{stopped}; {lost}", how="stopped")
     end_job(describe(error))
 
 
@@ -98,6 +112,9 @@ def _thread_excepthook(args: "threading.ExceptHookArgs") -> None:
         return
     traceback.print_exception(args.exc_type, args.exc_value, args.exc_traceback)
     thread = args.thread.name if args.thread is not None else "?"
+    if is_lost_peer(args.exc_value):
+        end_job(f"{describe(args.exc_value)} (in thread {thread!r}); {lost_rank.who_was_lost(str(args.exc_value))}",
+                how="stopped")
     end_job(f"{describe(args.exc_value)} (in thread {thread!r})")
 
 
@@ -107,16 +124,7 @@ def stall_timeout(environ: Optional[Mapping[str, str]] = None) -> float:
     Raises:
         StrategyError: the variable is not a number >= 0.
     """
-    raw = (os.environ if environ is None else environ).get(STALL_VARIABLE, "")
-    if raw.strip() == "":
-        return DEFAULT_STALL_SECONDS
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value >= 0:
-        raise StrategyError(f"{STALL_VARIABLE} must be a number of seconds >= 0 ({STALL_VARIABLE}={raw!r})")
-    return value
+    return seconds_variable(STALL_VARIABLE, DEFAULT_STALL_SECONDS, environ)
 
 
 class Watchdog:
@@ -193,14 +201,17 @@ class Watchdog:
             what = self.expired()
             if what is not None:
                 faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+                lost = lost_rank.lost_now()
                 end_job(
                     f"stalled: {what} waited more than {self.timeout:g} s for the other ranks "
-                    f"({STALL_VARIABLE}={self.timeout:g}); ranks may call collectives with different names "
-                    "or in a different order, or a rank stopped calling them. Ending the job."
-                )
+                    f"({STALL_VARIABLE}={self.timeout:g}); "
+                    + (f"{lost}. Ending the job." if lost else
+                       "ranks may call collectives with different names or in a different order, or a rank "
+                       "stopped calling them. Ending the job."), how="stopped")
 
 
 _installed: Dict[str, Watchdog] = {}
+_hooked: List[bool] = []  # non-empty once the exception hooks are installed
 
 
 def install(threads: bool = True, environ: Optional[Mapping[str, str]] = None) -> Watchdog:
@@ -226,6 +237,7 @@ def install(threads: bool = True, environ: Optional[Mapping[str, str]] = None) -
         _installed["watchdog"] = Watchdog(0)  # one process cannot hang on a peer
         return _installed["watchdog"]
     timeout = stall_timeout(env)
+    _hooked.append(True)
     sys.excepthook = _excepthook
     if threads:
         threading.excepthook = _thread_excepthook
@@ -234,6 +246,20 @@ def install(threads: bool = True, environ: Optional[Mapping[str, str]] = None) -
         os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", str(max(2, int(timeout))))
     _installed["watchdog"] = Watchdog(timeout)
     return _installed["watchdog"]
+
+
+def watch_peers(gather: Callable[[bytes, str], List[bytes]], rank: int) -> None:
+    """Gather every rank's (rank, host, addresses, pid) and start the heartbeat (``lost_rank.watch``).
+
+    Called by ``hvd.init()`` on every rank of a job of more than one process (one allgather); the
+    heartbeat runs where the failure hooks are installed. Its notices are printed as
+    ``dualframe: <rank label> lost rank 1 (host node2, pid 4242): no heartbeat for 15.0 s``.
+    """
+    def write(line: str) -> None:
+        sys.stderr.write(f"dualframe: {rank_label()} {line}\n")
+        sys.stderr.flush()
+
+    lost_rank.watch(gather, rank, write, on=bool(_hooked))
 
 
 def watchdog() -> Watchdog:

@@ -83,6 +83,9 @@ def _check_common(directory: Any, model: Any, root_rank: Any) -> None:
     if not model.built:
         raise CheckpointError(f"model {model.name!r} is not built: build it (an Input, or model.build) before "
                               "saving or loading a checkpoint")
+    if getattr(getattr(model, "optimizer", None), "shard", None) == "parameters":
+        raise CheckpointError("a shard='parameters' (ZeRO-3) model holds no values in its variables; save it with "
+                              "model.save_weights (every rank calls) and load it with model.load_weights")
     size = _size()
     if isinstance(root_rank, bool) or not isinstance(root_rank, int) or not 0 <= root_rank < size:
         raise CheckpointError(f"root_rank must be a rank in [0, {size}) (root_rank: {root_rank!r})")

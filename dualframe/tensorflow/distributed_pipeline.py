@@ -241,6 +241,9 @@ class DistributedPipeline(KerasFit, StageView):
         pipeline already sums a step's micro-batches, so one ``apply_gradients`` per step); with a
         single replica, the optimizer itself. Extra arguments (``compression``, ``op`` ...) pass through.
         """
+        if str(kwargs.get("shard")).lower() == "parameters":
+            raise StrategyError("shard='parameters' (ZeRO-3) is not built for pipeline stages yet; use "
+                                "shard='gradients' to shard a stage's gradients and state among its replicas")
         if self.stage_process_set is None:
             return optimizer
         return DistributedOptimizer(optimizer, process_set=self.stage_process_set, **kwargs)

@@ -6,6 +6,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import keras
 import tensorflow as tf
 
+from dualframe.dp.subclass import wrapper_subclass
 from dualframe.errors import StrategyError
 from dualframe.tensorflow.collectives import hvd
 from dualframe.tensorflow.failure import eager_guard
@@ -13,12 +14,15 @@ from dualframe.tensorflow.compression import Compression
 from dualframe.tensorflow.gradients import ReduceSettings, reduce_gradients
 
 
-class DistributedGradientTape:
+class DistributedGradientTape(tf.GradientTape):
     """Wraps a ``tf.GradientTape``: ``gradient()`` returns gradients reduced across ranks.
 
-    A plain wrapper, so it works with Keras 3 variables (Horovod's subclass keys sources by
-    ``Variable.ref()``, which Keras 3 variables lack). Gradients of sources registered with
-    ``register_local_source`` stay local (divided by the size when ``scale_local_gradients``, as Horovod).
+    An instance of ``tf.GradientTape`` and of the wrapped tape's own class, as Horovod's (a class
+    deriving from both, made once per tape class by ``dualframe.dp.subclass``). Recording, watching
+    and the local ``jacobian``/``batch_jacobian`` go to the wrapped tape; its sources are kept by
+    identity, so it works with Keras 3 variables (Horovod's keys them by ``Variable.ref()``, which
+    Keras 3 variables lack). Gradients of sources registered with ``register_local_source`` stay local
+    (divided by the size when ``scale_local_gradients``, as Horovod).
 
     Example:
         >>> with tf.GradientTape() as tape:                                  # doctest: +SKIP
@@ -27,6 +31,12 @@ class DistributedGradientTape:
         >>> grads = tape.gradient(loss, model.trainable_variables)           # doctest: +SKIP
         >>> optimizer.apply_gradients(zip(grads, model.trainable_variables))  # doctest: +SKIP
     """
+
+    def __new__(cls, gradtape: Any = None, *args: Any, **kwargs: Any) -> "DistributedGradientTape":
+        if cls is DistributedGradientTape and isinstance(gradtape, tf.GradientTape) \
+                and not isinstance(gradtape, DistributedGradientTape):
+            cls = wrapper_subclass(DistributedGradientTape, type(gradtape))[0]
+        return super().__new__(cls)
 
     def __init__(self, gradtape: tf.GradientTape, device_dense: str = "", device_sparse: str = "",
                  compression: Any = Compression.none, sparse_as_dense: bool = False, op: Any = hvd.Average,
@@ -39,32 +49,43 @@ class DistributedGradientTape:
         self._settings = ReduceSettings.build(
             "DistributedGradientTape", compression, op, sparse_as_dense, gradient_predivide_factor, process_set,
             device_dense=device_dense, device_sparse=device_sparse, groups=groups, num_groups=num_groups)
-        self._tape = gradtape
+        # tf.GradientTape's own fields, for code that reads them; this object records nothing itself.
+        tf.GradientTape.__init__(self, persistent=gradtape._persistent,
+                                 watch_accessed_variables=gradtape._watch_accessed_variables)
+        self._wrapped = gradtape
         self.scale_local_gradients = bool(scale_local_gradients)
         self._local_sources: Dict[int, Any] = {}
 
     def __enter__(self) -> "DistributedGradientTape":
-        self._tape.__enter__()
+        self._wrapped.__enter__()
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
-        self._tape.__exit__(*exc_info)
+        self._wrapped.__exit__(*exc_info)
 
     def watch(self, tensor: Any) -> None:
         """Watch ``tensor`` (as ``tf.GradientTape.watch``)."""
-        self._tape.watch(tensor)
+        self._wrapped.watch(tensor)
 
     def watched_variables(self) -> Tuple[Any, ...]:
         """The variables the tape watched."""
-        return tuple(self._tape.watched_variables())
+        return tuple(self._wrapped.watched_variables())
 
     def stop_recording(self) -> Any:
         """Context manager that pauses recording (as ``tf.GradientTape.stop_recording``)."""
-        return self._tape.stop_recording()
+        return self._wrapped.stop_recording()
 
     def reset(self) -> None:
         """Clear what the tape recorded."""
-        self._tape.reset()
+        self._wrapped.reset()
+
+    def jacobian(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped tape's ``jacobian``: local, not reduced (as Horovod's)."""
+        return self._wrapped.jacobian(*args, **kwargs)
+
+    def batch_jacobian(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped tape's ``batch_jacobian``: local, not reduced (as Horovod's)."""
+        return self._wrapped.batch_jacobian(*args, **kwargs)
 
     def register_local_source(self, source: Any) -> None:
         """Keep ``source``'s gradient local: it is not reduced across ranks."""
@@ -78,7 +99,7 @@ class DistributedGradientTape:
         nothing here: traced reductions are always named by position (``gradients.named``).
         """
         flat = tf.nest.flatten(sources)
-        grads = list(self._tape.gradient(target, flat, output_gradients, unconnected_gradients))
+        grads = list(self._wrapped.gradient(target, flat, output_gradients, unconnected_gradients))
         shared = [i for i, s in enumerate(flat) if id(s) not in self._local_sources]
         with eager_guard("DistributedGradientTape.gradient"):
             reduced = reduce_gradients([grads[i] for i in shared], self._settings, [flat[i] for i in shared])

@@ -134,7 +134,8 @@ class DistributedOptimizer(InnerAttributes, keras.optimizers.Optimizer):
             variables reduced together (``num_groups`` is the old spelling of an int ``groups``).
         scale_local_gradients: divide the gradients of variables given to ``register_local_var``
             (kept local, not reduced) by the size, as Horovod.
-        shard: None (default), ``"optimizer"`` (ZeRO-1) or ``"gradients"`` (ZeRO-2): returns a
+        shard: None (default), ``"optimizer"`` (ZeRO-1), ``"gradients"`` (ZeRO-2) or ``"parameters"``
+            (ZeRO-3: then ``model = opt.shard_model(model)``): returns a
             :class:`dualframe.tensorflow.sharded_optimizer.ShardedOptimizer`, whose state covers 1/N of the parameters.
         scatter: with ``shard`` only: ``"auto"``, ``"reducescatter"`` or ``"allreduce"`` (how gradients reach
             their owners); refused without ``shard``, as in torch.

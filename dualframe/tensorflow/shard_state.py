@@ -75,18 +75,31 @@ class ShardedState:
         self.slices: List[Any] = []
         self.buffers: List[Any] = []
         self.counter: Any = None
+        #: ZeRO-3: the model's full values until ``build`` cuts them (then []); None: read the model's variables.
+        self.values: Optional[List[Any]] = None
+        #: ZeRO-3: the model whose values the slices hold, and the values of its non-trainable variables
+        #: (replicated, as in plain data parallelism: batch-norm statistics, counters).
+        self.model: Any = None
+        self.replicated: List[Any] = []
+        #: ZeRO-3: a bucket key per variable (its layer and dtype), so that no bucket spans two layers.
+        self.groups: Optional[List[str]] = None
         #: Whether every rank was seen to hold the same parameters (at the first apply after a build or sync).
         self.checked = False
 
-    def build(self, layout: ShardLayout, variables: List[Any], rank: int) -> None:
-        """One flat slice variable per bucket, holding this rank's part of the model; the inner optimizer's slots."""
+    def build(self, layout: ShardLayout, variables: List[Any], rank: int,
+              values: Optional[Sequence[Any]] = None) -> None:
+        """One flat slice variable per bucket, holding this rank's part of the model; the inner optimizer's slots.
+
+        ``values`` (one per variable) are read instead of the variables (ZeRO-3: the model holds none).
+        """
         self.layout, self.variables, self.rank = layout, variables, rank
         self.slices = []
         for b, bucket in enumerate(layout.buckets):
             dtype = variables[bucket.tensors[0]].dtype if bucket.tensors else "float32"
-            self.slices.append(keras.Variable(tf.zeros([bucket.shard], dtype=dtype), trainable=False,
+            # ZeRO-3's slices are what a tape differentiates (through each layer's gather): trainable there.
+            self.slices.append(keras.Variable(tf.zeros([bucket.shard], dtype=dtype), trainable=self.model is not None,
                                               name=f"{SLICE_NAME}{b}"))
-        self.load_slices()
+        self.load_slices(values)
         self.inner.build(self.slices)
 
     def check_variables(self, grads: Sequence[Any], variables: Optional[Sequence[Any]]) -> None:
@@ -96,53 +109,82 @@ class ShardedState:
                 f"a sharded optimizer applies gradients to the variables it was built on, in that order "
                 f"(built on {len(self.variables)}, given {len(grads)}); pass every trainable variable each step")
 
-    # --- model <-> slices -------------------------------------------------------------------------------------
-    def dense(self, grads: Sequence[Any]) -> List[tf.Tensor]:
-        """The gradients as dense tensors, a missing one as zeros of its variable's shape."""
-        return [tf.zeros(v.shape, v.dtype) if g is None else tf.convert_to_tensor(g)
-                for g, v in zip(grads, self.variables)]
+    def are_slices(self, variables: Sequence[Any]) -> bool:
+        """Whether ``variables`` are exactly this state's slice variables, in order."""
+        variables = list(variables)
+        return len(variables) == len(self.slices) and all(a is b for a, b in zip(variables, self.slices))
 
-    def flatten(self, grads: Sequence[Any]) -> List[tf.Tensor]:
-        """Per bucket: the gradients flattened, concatenated and zero-padded (a missing gradient counts as zeros)."""
+    # --- model <-> slices -------------------------------------------------------------------------------------
+    def dense(self, grads: Sequence[Any], members: Optional[Sequence[int]] = None) -> List[Any]:
+        """The gradients (of every variable, or of ``members``; others None) as dense tensors, a missing one as zeros."""
+        chosen = set(range(len(self.variables)) if members is None else members)
+        return [None if t not in chosen else tf.zeros(v.shape, v.dtype) if g is None else tf.convert_to_tensor(g)
+                for t, (g, v) in enumerate(zip(grads, self.variables))]
+
+    def members(self, buckets: Optional[Sequence[int]] = None) -> List[int]:
+        """The variables in ``buckets`` (default: all), bucket by bucket."""
+        assert self.layout is not None
+        return [t for b in self._chosen(buckets) for t in self.layout.buckets[b].tensors]
+
+    def flatten(self, grads: Sequence[Any], buckets: Optional[Sequence[int]] = None) -> List[tf.Tensor]:
+        """Per bucket (all, or ``buckets``): the gradients flattened, concatenated and zero-padded.
+
+        A missing gradient counts as zeros; ``grads`` is indexed like the model's variables.
+        """
         assert self.layout is not None
         flats: List[tf.Tensor] = []
-        for bucket in self.layout.buckets:
+        for b in self._chosen(buckets):
+            bucket = self.layout.buckets[b]
             parts = []
             for t in bucket.tensors:
                 grad, variable = grads[t], self.variables[t]
                 grad = tf.zeros(variable.shape, variable.dtype) if grad is None else tf.convert_to_tensor(grad)
                 parts.append(tf.reshape(grad, [-1]))
-            flats.append(self._pad(parts, bucket.padded - bucket.length, self.slices[len(flats)].dtype))
+            flats.append(self._pad(parts, bucket.padded - bucket.length, self.slices[b].dtype))
         return flats
 
-    def own_slices(self, tensors: Sequence[Any]) -> List[tf.Tensor]:
-        """Per bucket: this rank's slice of full-size ``tensors`` (one per model variable), zero-padded.
+    def _chosen(self, buckets: Optional[Sequence[int]]) -> Sequence[int]:
+        assert self.layout is not None
+        return range(len(self.layout.buckets)) if buckets is None else buckets
+
+    def own_slices(self, tensors: Sequence[Any], buckets: Optional[Sequence[int]] = None) -> List[tf.Tensor]:
+        """Per bucket (all, or ``buckets``): this rank's slice of full-size ``tensors`` (one per model variable).
 
         Copies 1/N of the elements: what a reduce-scatter made of an allreduce keeps, and what
         :meth:`load_slices` reads from the model.
         """
         assert self.layout is not None
         out: List[tf.Tensor] = []
-        for bucket, slice_variable in zip(self.layout.buckets, self.slices):
-            pieces = bucket.pieces(self.rank)
+        for b in self._chosen(buckets):
+            bucket, pieces = self.layout.buckets[b], self.layout.buckets[b].pieces(self.rank)
             parts = [tf.reshape(tensors[p.tensor], [-1])[p.start:p.start + p.length] for p in pieces]
             owned = sum(p.length for p in pieces)
-            out.append(self._pad(parts, bucket.shard - owned, slice_variable.dtype))
+            out.append(self._pad(parts, bucket.shard - owned, self.slices[b].dtype))
         return out
 
-    def load_slices(self) -> None:
-        """Copy this rank's slice of the model's current values into the slice variables."""
-        for slice_variable, value in zip(self.slices, self.own_slices(self.variables)):
+    def load_slices(self, values: Optional[Sequence[Any]] = None) -> None:
+        """Copy this rank's slice of the model's current values (or of ``values``) into the slice variables."""
+        for slice_variable, value in zip(self.slices, self.own_slices(self.variables if values is None else values)):
             slice_variable.assign(value)
 
-    def write_back(self, gathered: Sequence[Any]) -> None:
-        """Write every bucket's allgathered flat buffer into the model's variables (one split per bucket)."""
+    def unflatten(self, gathered: Sequence[Any], buckets: Optional[Sequence[int]] = None) -> List[Any]:
+        """Allgathered flat buffers of every bucket (or of ``buckets``) cut back into one tensor per model variable.
+
+        One split per bucket; the variables of other buckets get None.
+        """
         assert self.layout is not None
-        for bucket, flat in zip(self.layout.buckets, gathered):
+        out: List[Any] = [None] * len(self.variables)
+        for b, flat in zip(self._chosen(buckets), gathered):
+            bucket = self.layout.buckets[b]
             sizes = list(bucket.sizes) + ([bucket.padded - bucket.length] if bucket.padded > bucket.length else [])
             for t, part in zip(bucket.tensors, tf.split(flat, sizes)):
-                variable = self.variables[t]
-                variable.assign(tf.reshape(part, variable.shape))
+                out[t] = tf.reshape(part, self.variables[t].shape)
+        return out
+
+    def write_back(self, gathered: Sequence[Any]) -> None:
+        """Write every bucket's allgathered flat buffer into the model's variables."""
+        for variable, value in zip(self.variables, self.unflatten(gathered)):
+            variable.assign(value)
 
     @staticmethod
     def _pad(parts: List[Any], pad: int, dtype: Any) -> tf.Tensor:

@@ -1,4 +1,4 @@
-"""ZeRO-1/2 for Keras 3: ``DistributedOptimizer(shard=...)``, an optimizer whose state covers this rank's slice of the parameters.
+"""ZeRO-1/2/3 for Keras 3: ``DistributedOptimizer(shard=...)``, an optimizer whose state covers this rank's slice of the parameters.
 
 The cut is the core's :class:`dualframe.dp.shard.ShardLayout`; this module moves the bytes. Per bucket
 the gradients are flattened, concatenated, zero-padded and reduce-scattered (one grouped Horovod
@@ -11,6 +11,8 @@ communicates once per step, as the plain wrapper does. ``shard="gradients"`` (Ze
 every pass and accumulates only the rank's slice, so no full-size gradient outlives its backward pass.
 (Keras's tape returns every gradient before the optimizer runs, so within one pass the full gradient
 exists in both modes; ZeRO-2 saves the accumulators and lets each bucket's flat copy go once scattered.)
+``shard="parameters"`` (ZeRO-3) steps as ZeRO-2 but never writes the model back: the slices are the
+parameters, and ``dualframe.tensorflow.sharded_parameters`` gathers them for each step.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from dualframe.dp.shard import (BUCKET_ELEMENTS, ShardLayout, check_same_paramet
                                 parameter_signature)
 from dualframe.errors import StrategyError
 from dualframe.tensorflow.collectives import hvd
+from dualframe.tensorflow import sharded_parameters
 from dualframe.tensorflow.compression import Compression
 from dualframe.tensorflow.gradients import SHARD_SCOPE, collective_scope, named
 from dualframe.tensorflow.optimizer import KerasTwoNames, _config, register_wrapper, wrap_settings
@@ -47,7 +50,11 @@ def scatter_path(scatter: str) -> str:
 
 @keras.saving.register_keras_serializable(package="dualframe")
 class ShardedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
-    """Data parallelism with the optimizer state (ZeRO-1) or also the gradients (ZeRO-2) sharded across ranks.
+    """Data parallelism with the optimizer state (ZeRO-1), also the gradients (ZeRO-2) or also the parameters (ZeRO-3) sharded.
+
+    With ``shard="parameters"`` the model must go through :meth:`shard_model` (or ``hvd.distribute`` with
+    ``DataParallel(shard="parameters")``), which returns the model to train; see
+    :mod:`dualframe.tensorflow.sharded_parameters`.
 
     Made by ``hvd.DistributedOptimizer(optimizer, shard="optimizer" | "gradients")`` and used as the
     plain wrapper is: ``model.compile(optimizer=...)`` then ``fit``, or ``opt.apply(grads, vars)`` /
@@ -64,7 +71,7 @@ class ShardedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
 
     Args:
         optimizer: the Keras optimizer to shard (only its class and config are used).
-        shard: ``"optimizer"`` (ZeRO-1) or ``"gradients"`` (ZeRO-2).
+        shard: ``"optimizer"`` (ZeRO-1), ``"gradients"`` (ZeRO-2) or ``"parameters"`` (ZeRO-3).
         bucket_elements: largest flat bucket in elements (default 4M: 16 MiB of float32; None: one bucket
             per dtype). Keep buckets well under 32 MiB on CPU: glibc serves larger blocks with a fresh
             mmap each time, and every temporary of the update then pays page faults (a 67 MiB bucket made
@@ -90,8 +97,8 @@ class ShardedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
             average_aggregated_gradients, process_set, device_dense, device_sparse)
         mode = check_shard(shard, settings.op)
         if mode is None:
-            raise StrategyError("ShardedOptimizer needs shard='optimizer' or 'gradients'; for shard=None use "
-                                "hvd.DistributedOptimizer")
+            raise StrategyError("ShardedOptimizer needs shard='optimizer', 'gradients' or 'parameters'; for "
+                                "shard=None use hvd.DistributedOptimizer")
         check_elementwise(optimizer)
         scatter = check_scatter(scatter, mode)  # type: ignore[assignment]
         ShardLayout.build([], 1, bucket_elements=bucket_elements)  # checks bucket_elements now, not at build
@@ -115,17 +122,26 @@ class ShardedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
         that joins builds its optimizer while the others wait in ``sync``.
         """
         variables = list(var_list)
+        if self.shard == "parameters" and self._zero.values is None:
+            raise StrategyError(
+                "shard='parameters' keeps only this rank's slice of the model's values, so the model must be "
+                "sharded first: model = opt.shard_model(model), or model = hvd.distribute(model, "
+                "dualframe.DataParallel(shard='parameters'))")
         ranks = self.reduction.process_set.size()
         with tf.init_scope():
             layout = ShardLayout.build([int(np.prod(v.shape)) for v in variables], ranks,
-                                       dtypes=[str(v.dtype) for v in variables],
+                                       dtypes=self._zero.groups or [str(v.dtype) for v in variables],
                                        bucket_elements=self.bucket_elements)
-            self._zero.build(layout, variables, self.reduction.process_set.rank())
-            if self.shard == "gradients":
+            self._zero.build(layout, variables, self.reduction.process_set.rank(), self._zero.values)
+            if self.shard == "parameters":
+                self._zero.values = []  # the full values go: from now on the slices are the parameters
+            if self.shard != "optimizer":
                 self._build_slice_accumulators()
         if self.shard == "optimizer":
             self.accumulation.build(self, variables)
-        super().build(variables)
+        # ZeRO-3's model variables have no values, and Keras keys the variables it builds on by their values'
+        # handles; this wrapper never updates them itself (the inner optimizer updates the slices).
+        super().build([] if self.shard == "parameters" else variables)
 
     def reshard(self) -> None:
         """Cut the state again for the process set's current size (an elastic job resized; no communication).
@@ -134,6 +150,9 @@ class ShardedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
         ``hvd.elastic.KerasState.sync`` does. A traced train step keeps the old slices: drop it (the
         elastic state's ``reset`` does).
         """
+        if self.shard == "parameters":
+            raise StrategyError("shard='parameters' cannot be re-cut for a resized job (the slices are the only "
+                                "copy of the parameters); save_weights, then load them on the new job")
         zero = self._zero
         self._zero = ShardedState(type(zero.inner).from_config(zero.inner.get_config()))
         with tf.init_scope():
@@ -142,7 +161,7 @@ class ShardedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
                                        dtypes=[str(v.dtype) for v in zero.variables],
                                        bucket_elements=self.bucket_elements)
             self._zero.build(layout, zero.variables, self.reduction.process_set.rank())
-            if self.shard == "gradients":
+            if self.shard != "optimizer":
                 self._build_slice_accumulators()
 
     def recheck(self) -> None:
@@ -172,18 +191,35 @@ class ShardedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
     # --- one step --------------------------------------------------------------------------------------------------
     def apply(self, grads: Sequence[Any], trainable_variables: Optional[Sequence[Any]] = None) -> None:
         """Reduce-scatter ``grads`` (every pass with ZeRO-2, every N-th with ZeRO-1), update the slice, allgather."""
+        if self.shard == "parameters":
+            self._apply_to_slices(list(grads), trainable_variables)
+            return
         if trainable_variables is not None and not self.built:
             self.build(list(trainable_variables))
         grads = list(grads)
         self._zero.check_variables(grads, trainable_variables)
+        self._check_once()
+        if self.shard == "optimizer":
+            self.accumulation.step(grads, lambda g: self._update(self._reduce_scatter(g)))
+        else:
+            self._sliced_step(self._reduce_scatter(grads))
+
+    def _check_once(self) -> None:
         if not self._zero.checked:
             with tf.init_scope():  # eager even while fit traces the step: every rank raises alike, now
                 self._check_same_everywhere(self._zero.variables, self.reduction.process_set.size())
             self._zero.checked = True
-        if self.shard == "optimizer":
-            self.accumulation.step(grads, lambda g: self._update(self._reduce_scatter(g)))
-        else:
-            self._sliced_step(grads)
+
+    def _apply_to_slices(self, grads: List[Any], variables: Optional[Sequence[Any]]) -> None:
+        """ZeRO-3: the gradients of :meth:`parameter_slices`, already reduced by each layer's backward."""
+        zero = self._zero
+        if zero.model is None or variables is None or not zero.are_slices(variables):
+            raise StrategyError(
+                "shard='parameters': the model's own variables hold no values; shard it (model = "
+                "opt.shard_model(model)), then apply the gradients of opt.parameter_slices(): slices = "
+                "opt.parameter_slices(); opt.apply(tape.gradient(loss, slices), slices); fit does this")
+        self._check_once()
+        self._sliced_step([tf.zeros_like(s) if g is None else g for g, s in zip(grads, zero.slices)])
 
     def apply_gradients(self, grads_and_vars: Any) -> Any:
         """``apply`` on (gradient, variable) pairs; returns the inner optimizer's iterations."""
@@ -191,12 +227,13 @@ class ShardedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
         self.apply(grads, variables)
         return self.iterations
 
-    def _sliced_step(self, grads: List[Any]) -> None:
+    def _sliced_step(self, slice_grads: List[Any]) -> None:
+        """Update the slices with reduced ``slice_grads`` (every N-th call; accumulated in slices till then)."""
         zero, steps = self._zero, self.accumulation.steps
         if steps == 1:
-            self._update(self._reduce_scatter(grads))
+            self._update(slice_grads)
             return
-        for buffer, piece in zip(zero.buffers, self._reduce_scatter(grads)):
+        for buffer, piece in zip(zero.buffers, slice_grads):
             buffer.assign_add(piece)
         zero.counter.assign_add(1)
 
@@ -209,27 +246,36 @@ class ShardedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
 
         ops.cond(ops.equal(zero.counter, steps), boundary, lambda: None)
 
-    def _reduce_scatter(self, grads: List[Any]) -> List[tf.Tensor]:
-        settings = self.reduction
-        if settings.process_set.size() == 1:
-            return self._zero.own_slices(self._zero.dense(grads))
+    def _reduce_scatter(self, grads: List[Any], buckets: Optional[Sequence[int]] = None,
+                        role: str = "") -> List[tf.Tensor]:
+        """This rank's reduced slice of each bucket (all, or ``buckets``) of ``grads`` (indexed like the variables)."""
+        settings, zero = self.reduction, self._zero
         prescale, postscale = settings.scale_factors()
-        with collective_scope(SHARD_SCOPE):
-            if scatter_path(self.scatter) == "allreduce":
+        if settings.process_set.size() > 1 and scatter_path(self.scatter) != "allreduce":
+            with collective_scope(SHARD_SCOPE):
+                return list(hvd.grouped_reducescatter(
+                    named(zero.flatten(grads, buckets), f"{role}bucket"), op=settings.horovod_op,
+                    compression=settings.compression, process_set=settings.process_set, prescale_factor=prescale,
+                    postscale_factor=postscale, device_dense=settings.device_dense))
+        members = zero.members(buckets)
+        dense = zero.dense(grads, members)
+        if settings.process_set.size() > 1:
+            with collective_scope(SHARD_SCOPE):
                 reduced = hvd.grouped_allreduce(
-                    named(self._zero.dense(grads), "grad"), op=settings.horovod_op, compression=settings.compression,
-                    process_set=settings.process_set, prescale_factor=prescale, postscale_factor=postscale,
-                    device_dense=settings.device_dense)
-                return self._zero.own_slices(list(reduced))
-            return list(hvd.grouped_reducescatter(
-                named(self._zero.flatten(grads), "bucket"), op=settings.horovod_op, compression=settings.compression,
-                process_set=settings.process_set, prescale_factor=prescale, postscale_factor=postscale,
-                device_dense=settings.device_dense))
+                    named([dense[t] for t in members], f"{role}grad"), op=settings.horovod_op,
+                    compression=settings.compression, process_set=settings.process_set, prescale_factor=prescale,
+                    postscale_factor=postscale, device_dense=settings.device_dense)
+            for t, value in zip(members, reduced):
+                dense[t] = value
+        return zero.own_slices(dense, buckets)
 
     def _update(self, slice_grads: List[tf.Tensor]) -> None:
         zero = self._zero
-        zero.load_slices()  # the model may have been set, loaded or broadcast since the last step
+        if self.shard != "parameters":
+            zero.load_slices()  # the model may have been set, loaded or broadcast since the last step
         zero.inner.apply(self._clip(slice_grads), zero.slices)
+        if self.shard == "parameters":
+            return  # the slices are the parameters; the next step gathers them
         values = [tf.convert_to_tensor(s) for s in zero.slices]
         if self.reduction.process_set.size() > 1:
             with collective_scope(SHARD_SCOPE):
@@ -255,6 +301,27 @@ class ShardedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
     def variables(self) -> List[Any]:
         """What every rank holds alike: this wrapper's variables and the inner optimizer's non-slot ones."""
         return list(super().variables) + self._zero.replicated_variables()
+
+    # --- ZeRO-3 (shard="parameters"): the model's values are the slices -------------------------------------------
+    def shard_model(self, model: keras.Model, root_rank: int = 0) -> keras.Model:
+        """A copy of ``model`` holding no values, trained from this optimizer's slices of ``root_rank``'s values.
+
+        See :mod:`dualframe.tensorflow.sharded_parameters`. Fit the returned model (compile it with this
+        optimizer) or, in a GradientTape loop, differentiate with respect to :meth:`gather`'s tensors.
+        """
+        return sharded_parameters.shard_model(self, model, root_rank)
+
+    def parameter_slices(self) -> List[Any]:
+        """ZeRO-3: this rank's slices of the parameters, what a GradientTape loop differentiates and applies to.
+
+        Their gradients come out of the tape already reduced (each layer's backward reduce-scatters), so
+        ``opt.apply(tape.gradient(loss, slices), slices)`` only updates them.
+        """
+        return list(self._zero.slices)
+
+    def parameter_bytes(self) -> int:
+        """Bytes of this rank's slices of the parameters (with ``shard="parameters"``, all of them it keeps)."""
+        return sum(int(np.prod(v.shape)) * np.dtype(str(v.dtype)).itemsize for v in self._zero.slices)
 
     def shard_variables(self) -> List[Any]:
         """This rank's slot variables (each covering one bucket's slice)."""

@@ -21,6 +21,10 @@ def distribute(model: keras.Model, strategy: Optional[Strategy] = None, root_ran
     broadcast from ``root_rank`` now, so ``fit`` needs no broadcast callback. Compile again and
     the wrapping is gone: call ``distribute`` after ``compile``.
 
+    ``shard="parameters"`` (ZeRO-3) returns a NEW model, compiled alike, that holds no values of its
+    own (``ShardedOptimizer.shard_model``): keep the returned one (``model = distribute(model, ...)``)
+    and drop the given one, whose memory is then freed.
+
     Example:
         >>> model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")     # doctest: +SKIP
         >>> model = hvd.distribute(model, dualframe.DataParallel(compression="fp16"))  # doctest: +SKIP
@@ -44,6 +48,8 @@ def _data_parallel(model: Any, strategy: DataParallel, root_rank: int) -> keras.
         raise StrategyError(f"build the model before distribute (call it on a batch or give an Input) "
                             f"(model {model.name!r} is not built)")
     check_wrappable(model.optimizer)
+    if strategy.shard == "parameters":
+        return _parameters_sharded(model, strategy, root_rank)
     # shard= only when sharded: the loss-scaling wrapper (mixed_float16) takes no shard argument.
     sharding: Dict[str, Any] = {} if strategy.shard == "none" else {"shard": strategy.shard}
     model.optimizer = DistributedOptimizer(
@@ -53,3 +59,17 @@ def _data_parallel(model: Any, strategy: DataParallel, root_rank: int) -> keras.
     model.train_function = None  # traced with the old optimizer, if ever
     broadcast_model(model, root_rank)
     return model
+
+
+def _parameters_sharded(model: keras.Model, strategy: DataParallel, root_rank: int) -> keras.Model:
+    """ZeRO-3: the storage-free copy that ``shard_model`` makes, compiled with the given model's compile settings."""
+    config = dict(model.get_compile_config() or {})
+    config.pop("optimizer", None)
+    settings = keras.saving.deserialize_keras_object(config)
+    optimizer = DistributedOptimizer(
+        model.optimizer, compression=strategy.compression, op=strategy.op, shard="parameters",
+        backward_passes_per_step=strategy.backward_passes_per_step,
+        gradient_predivide_factor=strategy.gradient_predivide_factor)
+    sharded: keras.Model = optimizer.shard_model(model, root_rank)
+    sharded.compile(optimizer=optimizer, **settings)
+    return sharded

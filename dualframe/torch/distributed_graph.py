@@ -15,6 +15,7 @@ from dualframe.errors import StrategyError
 from dualframe.pipeline.graph import GraphSplit, cut_graph
 from dualframe.torch.graph import Captured, Leaves, capture, capture_other_mode, stage_module
 from dualframe.torch.graph_stage_work import check_crossing
+from dualframe.torch.model_loss import loss_value
 from dualframe.torch.graph_run import _joined, batch_size, split_inputs
 from dualframe.torch.graph_split import _param_bytes
 
@@ -35,6 +36,7 @@ class GraphPart:
         self.split: GraphSplit = cut_graph(self.captured.graph, split_points=split_points, balance=balance,
                                            stages=stages, costs=costs)
         check_crossing(self.captured, self.split)
+        self.loss = loss_value(self.captured)  # the output value that is the model's own loss, if any
         self.mode = module.training
         self._other = (module, leaves, sample)
         self.mode_dependent: Optional[bool] = None  # asked the first time a step runs in the other mode
@@ -128,10 +130,12 @@ class GraphPart:
         moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in values.items()}
         return split_inputs(moved, sizes)
 
-    def joined_outputs(self, outputs: Sequence[Dict[str, Any]]) -> Any:
-        """The model's return value from each micro-batch's outputs (on the last stage)."""
+    def joined_outputs(self, outputs: Sequence[Dict[str, Any]], weights: Sequence[float]) -> Any:
+        """The model's return value from each micro-batch's outputs (on the last stage); the model's own loss
+        is their mean weighted by ``weights`` (each micro-batch's share of rows)."""
         names = self.split.graph.outputs
-        return self.captured.unflatten({v: _joined([o[v] for o in outputs], v) for v in names})
+        return self.captured.unflatten({v: _joined([o[v] for o in outputs], v, weights if v == self.loss else None)
+                                        for v in names})
 
 
 def _tensors(gm: torch.nn.Module, target: str) -> Dict[str, torch.Tensor]:

@@ -28,6 +28,7 @@ from dualframe.torch.pipeline_work import ActivationMeter, TorchStageWork
 from dualframe.torch.distributed_graph import GraphPart
 from dualframe.torch.graph import Leaves
 from dualframe.torch.graph_stage_work import TorchGraphStageWork
+from dualframe.torch.model_loss import model_loss
 from dualframe.torch.model_parallel import is_graph_split
 from dualframe.torch.split_backward import SplitBackward
 from dualframe.torch.tied import TiedCopies, find_stage_tied, model_state_dict, stage_part, tensor_names
@@ -70,7 +71,9 @@ class DistributedPipeline(StageView, nn.Module):
             on rank ``j % ranks``; ``chunks`` a multiple of the ranks) or ``"zb-v"`` (two stages per rank in a
             V: rank r holds stages r and ``2 ranks - 1 - r``, the loss on rank 0; the backward split as ZB-H1's).
         loss_fn: ``loss_fn(output, target)``, the mean over a micro-batch's rows (e.g. ``nn.MSELoss()``);
-            ``output`` is what the model returns (a tuple or dict for several outputs).
+            ``output`` is what the model returns (a tuple or dict for several outputs). None (a graph):
+            the model's own loss, ``output.loss`` of a Hugging Face model whose labels are among its inputs
+            (``train_step({"input_ids": ids, "labels": ids})``, no targets; the sample holds labels too).
         devices: one device per stage (default: CPU).
         data_parallel: replicas of the pipeline (default: processes // stages); checked against the world.
         timeout: seconds to wait for a neighbouring stage before raising PeerLostError.
@@ -207,11 +210,12 @@ class DistributedPipeline(StageView, nn.Module):
             self.graph.check_mode(self.training)
         if self.graph is not None and self.is_first and (inputs is not None or keywords):
             values, key = self.graph.inputs(inputs, keywords)
-        sizes = self.role.agree(key, targets, train)
+        sizes = self.role.agree(key, targets, train, own_loss=self.loss_fn is None)
         micro_inputs, micro_targets = self.role.micro_batches(
             inputs.to(self.device) if self.graph is None and self.is_first and inputs is not None else None,
             targets.to(self.device) if self.is_last and train and targets is not None else None, sizes, train)
         weights = [s / sum(sizes) for s in sizes]
+        loss_fn = (self.loss_fn or model_loss) if train else None
         work: Any
         if self.graph is not None:
             micro_inputs = self.graph.micro_inputs(values, sizes, self.device) if self.is_first else []
@@ -219,10 +223,10 @@ class DistributedPipeline(StageView, nn.Module):
             return self._run_virtual(actions, micro_inputs, micro_targets, weights, train)
         if self.graph is not None:
             work = TorchGraphStageWork(self.stage, self.graph.split, self.stage_index, self.graph.captured,
-                                       self.device, self.loss_fn if train else None, micro_targets, weights, self.meter,
+                                       self.device, loss_fn, micro_targets, weights, self.meter,
                                        self.split_backward)
         else:
-            work = TorchStageWork(self.stage, self.is_first, self.is_last, self.loss_fn if train else None,
+            work = TorchStageWork(self.stage, self.is_first, self.is_last, loss_fn,
                                   micro_targets, weights, self.meter, self.split_backward)
         with torch.set_grad_enabled(train), self.meter.counting():
             record = self.role.step(actions, micro_inputs, work, train)
@@ -253,8 +257,10 @@ class DistributedPipeline(StageView, nn.Module):
         Returns the mini-batch's mean loss on every rank of the pipeline (over all replicas' batches
         with ``data_parallel`` > 1). The optimizer step is the caller's, as with a plain model.
         """
-        if self.loss_fn is None:
-            raise StrategyError("train_step needs a loss_fn; pass loss_fn= to DistributedPipeline")
+        if self.loss_fn is None and (self.graph is None or self.graph.loss is None):
+            why = "an nn.Sequential's output" if self.graph is None else "the model's output (captured on the sample)"
+            raise StrategyError(f"train_step needs a loss_fn: {why} holds no loss of its own; pass loss_fn= to "
+                                "DistributedPipeline, or (a Hugging Face model) labels among the sample's inputs")
         work, _ = self._run(self.actions, inputs, targets, train=True, keywords=keywords)
         if self.stage_process_set is None:  # with replicas: in distributed_optimizer's step, after their average
             self.tied.sum_gradients()
@@ -263,11 +269,14 @@ class DistributedPipeline(StageView, nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
         """Inference through the pipeline (no gradients): the output on the last stage, None elsewhere.
 
-        Takes what the model takes (positional and keyword inputs), or one tuple or dict as ``train_step``.
+        Takes what the model takes (positional and keyword inputs), or one tuple or dict as ``train_step``;
+        a loss the model computes itself (labels among the inputs) is the micro-batches' weighted by rows.
         """
         forwards = self.role.forward_actions(self.chunks)
         inputs = args[0] if len(args) == 1 else (args if args else None)
         work, _ = self._run(forwards, inputs, None, train=False, keywords=kwargs)
         if not self.is_last:
             return None
-        return self.graph.joined_outputs(work.outputs) if self.graph is not None else BACKEND.batches.concat(work.outputs)
+        if self.graph is not None:
+            return self.graph.joined_outputs(work.outputs, work.weights)
+        return BACKEND.batches.concat(work.outputs)

@@ -65,8 +65,9 @@ def batch_size(values: Dict[str, Any]) -> int:
     raise ChunksError("the model's inputs hold no tensor with a batch dimension to cut into micro-batches")
 
 
-def _joined(pieces: Sequence[Any], name: str) -> Any:
-    """Micro-batch pieces of one value joined along dimension 0."""
+def _joined(pieces: Sequence[Any], name: str, weights: Optional[Sequence[float]] = None) -> Any:
+    """Micro-batch pieces of one value joined along dimension 0; with ``weights`` (the model's own loss,
+    a mean), 0-d pieces joined as their mean weighted by the micro-batches' shares of rows."""
     flats = [pytree.tree_flatten(piece) for piece in pieces]
     spec = flats[0][1]
     joined = []
@@ -75,6 +76,8 @@ def _joined(pieces: Sequence[Any], name: str) -> Any:
             joined.append(leaf)
         elif len(pieces) == 1:
             joined.append(leaf.detach())
+        elif leaf.dim() == 0 and weights is not None:
+            joined.append(sum(f[0][k].detach() * w for f, w in zip(flats, weights)))
         elif leaf.dim() == 0:
             raise ChunksError(f"output {name!r} is a 0-d tensor, which micro-batches cannot be joined into; "
                               "return per-row values (or use chunks=1)")
@@ -88,9 +91,10 @@ class GraphStepRun(StepRun):
 
     def __init__(self, stages: Sequence[nn.Module], devices: Sequence[torch.device], plan: Split,
                  split: GraphSplit, parts: Sequence[Dict[str, Any]], params: Sequence[Sequence[nn.Parameter]],
-                 shapes: Optional[Dict[str, Any]] = None, **walk: Any) -> None:
+                 shapes: Optional[Dict[str, Any]] = None, loss: Optional[str] = None, **walk: Any) -> None:
         super().__init__(stages, devices, plan, parts, params, **walk)  # type: ignore[arg-type]
         self.split = split
+        self.loss = loss  # the output value that is the model's own loss (a mean over rows), if any
         self.shapes = shapes  # filled with each sent value's tensor shapes and dtypes (micro-batch 0)
         self.cell_reads: Dict[Tuple[int, int], List[Any]] = {}
         self.cell_sends: Dict[Tuple[int, int], Tuple[Any, ...]] = {}
@@ -129,18 +133,31 @@ class GraphStepRun(StepRun):
 
     def _result(self) -> Dict[str, Any]:
         """Each model output joined over micro-batches (on its producer's device)."""
-        return {name: _joined([self._value(i, name) for i in range(len(self.parts))], name)
+        weights = self._weights()
+        return {name: _joined([self._value(i, name) for i in range(len(self.parts))], name,
+                              weights if name == self.loss else None)
                 for name in self.split.graph.outputs}
+
+    def _weights(self) -> List[float]:
+        """Each micro-batch's share of the rows (how the model's own loss joins)."""
+        rows = [self._rows(i) for i in range(len(self.parts))]
+        return [r / sum(rows) for r in rows]
 
     def _start_backward(self, grad_outputs: Dict[str, Grads]) -> None:
         """Cut each output's gradients into micro-batches."""
         rows = [self._rows(i) for i in range(len(self.parts))]
         self.output_grads = [{} for _ in self.parts]
         for name, grads in grad_outputs.items():
-            pieces = [g.split(rows) if g is not None and g.dim() > 0 else [g] * len(rows) for g in grads]
+            pieces = [g.split(rows) if g is not None and g.dim() > 0 else self._repeated(g, name) for g in grads]
             for i in range(len(self.parts)):
                 self.output_grads[i][name] = [p[i] for p in pieces]
         self.input_grads = [{} for _ in self.parts]
+
+    def _repeated(self, grad: Optional[torch.Tensor], name: str) -> List[Optional[torch.Tensor]]:
+        """A 0-d output's gradient for each micro-batch: the same, or its share where the output is the loss."""
+        if grad is None or name != self.loss or len(self.parts) == 1:
+            return [grad] * len(self.parts)
+        return [grad * w for w in self._weights()]
 
     def _rows(self, i: int) -> int:
         return batch_size(self.parts[i])  # type: ignore[arg-type]

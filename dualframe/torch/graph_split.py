@@ -1,6 +1,7 @@
 """A torch model cut as a graph: capture, cut (the core decides where), one GraphModule per stage on its device.
 
-The stages reference the original model's modules and parameters (no copies); the split model
+The stages reference the original model's modules and parameters (no copies, but for a tensor that
+stages on different devices read: ``tied_devices``); the split model
 registers the original's own parameters, buffers and children under their own names, so its
 ``state_dict()`` has the original's keys in the original's order and ``parameters()`` its order.
 """
@@ -14,11 +15,14 @@ from torch.utils import _pytree as pytree
 
 from dualframe.errors import DeviceError, SplitPointError, StrategyError, TraceError
 from dualframe.pipeline.graph import GraphSplit, cut_graph, graph_units
-from dualframe.pipeline.tied import tied_description
+from dualframe.pipeline.tied import TiedWeight, tied_description
 from dualframe.torch.graph import Captured, Leaves, capture, capture_other_mode, stage_module
 from dualframe.torch.graph_cost import BY, Shapes, _attr, measure
 from dualframe.torch.graph_run import GraphStepRun, tensor_leaves
-from dualframe.torch.tied import find_stage_tied
+from dualframe.torch.model_loss import loss_value
+from dualframe.torch import tied_devices
+from dualframe.torch.tied import find_stage_tied, tensor_names
+from dualframe.torch.tied_devices import DeviceCopies
 
 
 
@@ -29,6 +33,7 @@ class ModeStages(NamedTuple):
     split: GraphSplit
     modules: List[Any]
     params: List[List[nn.Parameter]]
+    loss: Optional[str]  # the output value that is the model's own loss (``model_loss``), if any
 
 
 class GraphStages:
@@ -69,11 +74,12 @@ class GraphStages:
         self.devices = [torch.device(d) for d in devices]
         if self.split.stages != len(self.devices):
             raise DeviceError(f"one device per stage (stages: {self.split.stages}, devices: {list(devices)})")
-        self.modules = self._place(self.captured, self.split)
+        self.copies = DeviceCopies(self.devices, tensor_names(module), one_device=tied_devices.COPY_ON_ONE_DEVICE)
+        self.modules, self.tied = self._place(self.captured, self.split)
         self.params = [list(stage.parameters()) for stage in self.modules]
-        self.tied = find_stage_tied(module, self.modules)  # one parameter object: autograd sums its stages' shares
         self.mode = module.training
-        self._modes = {self.mode: ModeStages(self.captured, self.split, self.modules, self.params)}
+        self._modes = {self.mode: ModeStages(self.captured, self.split, self.modules, self.params,
+                                             loss_value(self.captured))}
         self._other = (module, leaves, sample)  # the other mode is captured when first run (one capture to build)
 
     def _other_mode(self, other: Captured) -> ModeStages:
@@ -85,17 +91,19 @@ class GraphStages:
             raise TraceError(f"in {mode} mode the model runs a different graph, where the cut fails ({error}); "
                              "split it in the mode you run it, or keep mode-dependent code in leaf modules "
                              "(nn.Dropout, not F.dropout(training=self.training))") from None
-        modules = self._place(other, split)
-        return ModeStages(other, split, modules, [list(stage.parameters()) for stage in modules])
+        modules, _ = self._place(other, split)
+        return ModeStages(other, split, modules, [list(stage.parameters()) for stage in modules], loss_value(other))
 
-    def _place(self, captured: Captured, split: GraphSplit) -> List[Any]:
-        """Stage modules on their devices, after checking that no parameter would need two devices."""
+    def _place(self, captured: Captured, split: GraphSplit) -> Tuple[List[Any], List[TiedWeight]]:
+        """Stage modules on their devices (a tensor read on several devices copied to the later ones), and the
+        parameters several stages read (found before the copies replace them)."""
         modules = [stage_module(captured, split.reads[j], split.stage_nodes(j), split.sends[j], j)
                    for j in range(split.stages)]
-        self._check_shared(modules)
+        tied = find_stage_tied(captured.module, modules)
+        self.copies.place(modules)
         for stage, device in zip(modules, self.devices):
             stage.to(device)
-        return modules
+        return modules, tied
 
     def view(self, training: bool) -> ModeStages:
         """The stages to run in ``training`` mode (the same for both modes where the forward does not differ).
@@ -108,18 +116,6 @@ class GraphStages:
             self._modes[training] = self._other_mode(other) if other is not None else self._modes[self.mode]
         return self._modes[training]
 
-    def _check_shared(self, modules: Sequence[Any]) -> None:
-        """A parameter or buffer read by stages on different devices cannot be placed: refuse, naming it."""
-        owner: Dict[int, Tuple[int, str]] = {}
-        for j, stage in enumerate(modules):
-            for name, tensor in list(stage.named_parameters()) + list(stage.named_buffers()):
-                first = owner.setdefault(id(tensor), (j, name))
-                if self.devices[first[0]] != self.devices[j]:
-                    raise DeviceError(
-                        f"{name!r} is used by stage {first[0]} ({self.devices[first[0]]}) and stage {j} "
-                        f"({self.devices[j]}); put both stages on one device or cut so that one stage uses it "
-                        "(DistributedPipeline gives each process stage a copy and sums their gradients)")
-
     def run(self, plan: Any, parts: Sequence[Dict[str, Any]], training: bool, **walk: Any) -> GraphStepRun:
         """A step over ``parts`` (micro-batches of the inputs); value shapes are noted from micro-batch 0."""
         view = self.view(training)
@@ -128,7 +124,8 @@ class GraphStages:
             shapes[name] = [(tuple(t.shape), t.dtype) for t in tensor_leaves(parts[0][name])]
         if view.split is self.split:  # describe() shows the capture mode's cut
             self.shapes, self.shapes_from = shapes, "micro-batch 0 of the last step"
-        return GraphStepRun(view.modules, self.devices, plan, view.split, parts, view.params, shapes=shapes, **walk)
+        return GraphStepRun(view.modules, self.devices, plan, view.split, parts, view.params, shapes=shapes,
+                            masters=self.copies.masters, loss=view.loss, **walk)
 
     def unit_balance(self) -> Optional[List[int]]:
         """Top-level units per stage, or None when a cut falls inside a unit."""
@@ -157,7 +154,7 @@ class GraphStages:
                 to = ", ".join("output" if c == split.stages else f"stage {c}" for c in readers)
                 source = "input" if split.producer[name] < 0 else f"stage {split.producer[name]}"
                 lines.append(f"    {name}: {_shape_text(self.shapes.get(name))} ({source} -> {to})")
-        return "\n".join(lines + tied_description(self.tied))
+        return "\n".join(lines + tied_description(self.tied) + self.copies.describe())
 
 
 def _shape_text(shapes: Optional[List[Tuple[Tuple[int, ...], torch.dtype]]]) -> str:

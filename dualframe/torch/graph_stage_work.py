@@ -166,7 +166,7 @@ class TorchGraphStageWork:
     """
 
     def __init__(self, stage: nn.Module, split: GraphSplit, j: int, captured: Captured, device: torch.device,
-                 loss_fn: Optional[Callable[[Any, torch.Tensor], torch.Tensor]], targets: List[torch.Tensor],
+                 loss_fn: Optional[Callable[[Any, Any], torch.Tensor]], targets: List[torch.Tensor],
                  weights: List[float], meter: ActivationMeter, split_backward: Optional[SplitBackward] = None) -> None:
         self.stage, self.split, self.j, self.captured, self.device = stage, split, j, captured, device
         self.split_backward = split_backward
@@ -208,7 +208,8 @@ class TorchGraphStageWork:
                 self.outputs.append({v: t.detach() if isinstance(t, torch.Tensor) else t for v, t in outputs.items()})
                 return messages
             assert self.loss_fn is not None
-            loss = self.loss_fn(self.captured.unflatten(outputs), self.targets[i]) * self.weights[i]
+            target = self.targets[i] if self.targets else None  # None: the model's own loss reads its labels
+            loss = self.loss_fn(self.captured.unflatten(outputs), target) * self.weights[i]
             self.loss_sum += float(loss.detach())
             self._saved[i] = (held, {}, loss)
         elif training:

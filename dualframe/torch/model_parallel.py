@@ -3,7 +3,7 @@ model's graph cut at named modules, by units or by measured cost)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable, List, Optional, Sequence, Union
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -64,6 +64,26 @@ def _layers(module: Union[nn.Sequential, Iterable[nn.Module]]) -> List[nn.Module
     return layers
 
 
+def check_shared_layers(groups: Sequence[Sequence[nn.Module]], devices: Sequence[str]) -> None:
+    """Refuse layers of a Sequential split on different devices that share a parameter or buffer.
+
+    A Sequential's groups hold the layers themselves, so a shared tensor cannot be on two devices; a
+    graph split gives each device its own copy.
+
+    Raises:
+        DeviceError: naming the tensor, the groups and their devices.
+    """
+    first: Dict[int, int] = {}
+    for j, group in enumerate(groups):
+        for layer in group:
+            for name, tensor in [*layer.named_parameters(), *layer.named_buffers()]:
+                k = first.setdefault(id(tensor), j)
+                if devices[k] != devices[j]:
+                    raise DeviceError(f"groups {k} ({devices[k]}) and {j} ({devices[j]}) share {name!r}; cut the model "
+                                      "as a graph (split_points=[...]): each device then holds a copy, their "
+                                      "gradients summed")
+
+
 class ModelParallel(Recording, nn.Module):
     """The module running the strategy ``dualframe.ModelParallel``: a torch model in groups (stages) on ``devices[j]``.
 
@@ -73,7 +93,11 @@ class ModelParallel(Recording, nn.Module):
     ``split_points``, after ``balance`` top-level units, or, with ``stages=n`` alone, where the measured
     cost per stage on ``sample`` is even and little crosses. Each value a stage computes goes to the
     device of every later stage that reads it; the outputs stay on the devices that made them.
-    ``state_dict()`` keeps the original model's keys, ``parameters()`` its order.
+    ``state_dict()`` keeps the original model's keys, ``parameters()`` its order. A parameter that stages
+    on different devices read (a tied head) is copied to the later devices, the copies' gradients summed
+    into it and their values renewed from it before each forward (``dualframe.torch.tied_devices``). A model
+    that computes its own loss (a Hugging Face model given ``labels=``) returns it as with the unsplit
+    model, over ``chunks`` micro-batches their losses weighted by rows (``dualframe.torch.model_loss``).
 
     Example:
         >>> import dualframe.torch as hvd
@@ -116,6 +140,7 @@ class ModelParallel(Recording, nn.Module):
         self.plan: Split = validate_split(len(layers), balance, devices, chunks, checkpoint,
                                           available=available_devices(), canonical=canonical_device,
                                           accelerators=accelerators(), schedule=schedule)
+        check_shared_layers([[layers[index] for index in r] for r in self.plan.ranges], self.plan.devices)
         self.devices = [torch.device(d) for d in self.plan.devices]
         self.partitions = nn.ModuleList(
             nn.Sequential(*[layers[index] for index in r]).to(device)
@@ -213,6 +238,7 @@ class ModelParallel(Recording, nn.Module):
 
     def _forward_graph(self, args: Sequence[Any], kwargs: Any) -> Any:
         assert self._graph is not None
+        self._graph.copies.sync()
         view = self._graph.view(self.training)
         captured, split = view.captured, view.split
         values = captured.bind(args, kwargs)
@@ -221,7 +247,7 @@ class ModelParallel(Recording, nn.Module):
         self._begin_step(batch)
         run = self._graph.run(self.plan, parts, self.training, record=self.recorder(self.plan.devices),
                               lanes=self._lanes())
-        flat = unique_params(view.params)
+        flat = unique_params(view.params, self._graph.copies.masters)
         inputs = [t for name in split.graph.inputs for t in tensor_leaves(values[name])]
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs + flat)
         try:

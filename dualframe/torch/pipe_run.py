@@ -10,7 +10,7 @@ gradients of the input and of the parameters, summed over micro-batches.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, Hashable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -32,9 +32,11 @@ class StepRun:
 
     def __init__(self, stages: Sequence[nn.Module], devices: Sequence[torch.device], plan: Split,
                  parts: Sequence[torch.Tensor], params: Sequence[Sequence[nn.Parameter]],
-                 record: Optional[RecordFn] = None, lanes: Optional[Sequence[Hashable]] = None) -> None:
+                 record: Optional[RecordFn] = None, lanes: Optional[Sequence[Hashable]] = None,
+                 masters: Optional[Mapping[int, torch.Tensor]] = None) -> None:
         self.stages, self.devices, self.plan, self.parts = stages, devices, plan, list(parts)
         self.params = params
+        self.masters = masters or {}  # a copy's id -> the model's tensor it stands for (tied_devices)
         self.record = record
         self.lanes = lanes  # run_ticks' lanes: cells of a tick in one lane share a thread
         self.inputs: Dict[Cell, torch.Tensor] = {}
@@ -87,13 +89,14 @@ class StepRun:
         return None if any(g is None for g in firsts) else torch.cat(firsts)  # type: ignore[arg-type]
 
     def _param_gradients(self) -> List[Optional[torch.Tensor]]:
-        """Every parameter's gradient summed over micro-batches (and over the stages sharing it)."""
+        """Every parameter's gradient summed over micro-batches (and over the stages sharing it or its copies)."""
         summed: Dict[int, Optional[torch.Tensor]] = {}
         for stage, grads in zip(self.params, self.param_grads):
             for p, g in zip(stage, grads):
-                old = summed.get(id(p))
-                summed[id(p)] = g if old is None else (old if g is None else old + g.to(old.device))
-        return [summed.get(id(p)) for p in unique_params(self.params)]
+                key = id(self.masters.get(id(p), p))
+                old = summed.get(key)
+                summed[key] = g if old is None else (old if g is None else old + g.to(old.device))
+        return [summed.get(id(p)) for p in unique_params(self.params, self.masters)]
 
     def _backward_cell(self, i: int, j: int) -> None:
         device, last = self.devices[j], self.plan.stages - 1
@@ -139,10 +142,13 @@ class PipeFunction(torch.autograd.Function):
         return (None, grad_input, *param_grads)
 
 
-def unique_params(params: Sequence[Sequence[nn.Parameter]]) -> List[nn.Parameter]:
-    """Every stage's parameters in order, each once (a parameter may be shared by two stages)."""
+def unique_params(params: Sequence[Sequence[nn.Parameter]],
+                  masters: Optional[Mapping[int, Any]] = None) -> List[nn.Parameter]:
+    """Every stage's parameters in order, each once (a parameter may be shared by two stages; a copy on
+    another device stands for its master, ``masters``: id of a copy -> the model's parameter)."""
     seen: Dict[int, nn.Parameter] = {}
     for stage in params:
         for p in stage:
+            p = (masters or {}).get(id(p), p)
             seen.setdefault(id(p), p)
     return list(seen.values())

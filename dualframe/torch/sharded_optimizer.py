@@ -77,6 +77,9 @@ class ShardedOptimizer(SliceGradients, DistributedOptimizer):
         self.op_name = dp_checks.check_numbers(backward_passes_per_step, op, gradient_predivide_factor)
         self.op = OPS[self.op_name]
         self.shard = check_shard(shard, self.op_name)
+        if self.shard == "parameters":
+            raise StrategyError("shard='parameters' (ZeRO-3) is built for Keras only so far; in torch use "
+                                "shard='gradients' (ZeRO-2)")
         self.scatter = check_scatter(scatter, self.shard)
         #: The collective each bucket's gradient goes through: "allreduce" or "reducescatter".
         self.gradient_path = AUTO_SCATTER if self.scatter == "auto" else str(self.scatter)  # not None: shard is given

@@ -4,7 +4,9 @@ A parameter is tied when several stages read the same ``nn.Parameter`` object (G
 is ``transformer.wte.weight``). In a process pipeline each holding rank keeps its own copy, which starts
 as the lowest holder's (a broadcast at build) and whose gradient is summed over the holders before the
 optimizer step (``dualframe.pipeline.tied``). A stage's state dict names a weight the model knows under
-several names by all of them, so the stages' dicts merge into the unsplit model's.
+several names by all of them, so the stages' dicts merge into the unsplit model's. In one process
+(``ModelParallel``, ``Pipeline``) a tensor read by stages on different devices is the model's own on the
+lowest such stage's device and a copy on each other device (``tied_devices.DeviceCopies``).
 """
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import time
@@ -73,6 +74,17 @@ def pytest_program(worker: pathlib.Path, timeout: int) -> List[str]:
     """The worker file under pytest, as every rank runs it."""
     return [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", f"--timeout={timeout}",
             "--rootdir", str(ROOT), str(worker)]
+
+
+#: The survivor's lines (rank 0 of 2, on dfn1), and what its last one must say after rank 1 on dfn2 was lost.
+SURVIVOR = re.compile(r"dualframe: rank 0/2 \(pid \d+ on dfn1\) (.*)")
+LOST = re.compile(r"lost rank 1 \(host dfn2, pid \d+\)")
+
+
+def survivor_names_the_lost_rank(output: str) -> Tuple[bool, str]:
+    """(whether the survivor's last dualframe line names rank 1 on dfn2, that line)."""
+    said = SURVIVOR.findall(output)
+    return bool(said and LOST.search(said[-1])), (said[-1] if said else "(no dualframe line from rank 0)")
 
 
 def wait_slurm_idle(timeout: float = 90) -> None:

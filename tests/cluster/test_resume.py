@@ -2,7 +2,7 @@
 
 tests/parallel/failure_workers/torch_resume.py: ``--phase crash`` trains, checkpoints every step into
 the shared folder and SIGKILLs rank 1 (on dfn2) after step 5; mpirun must end the job within 60 s
-naming rank 1 and dfn2. ``--phase resume`` restarts both ranks on dfn1 alone (``-H dfn1:2``) from
+naming rank 1 and dfn2, and the survivor's last line too. ``--phase resume`` restarts both ranks on dfn1 alone (``-H dfn1:2``) from
 the newest checkpoint, and rank 0 checks the weights against 10 straight steps.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import uuid
 
 import pytest
 
-from _cluster import MCA, ROOT, SHARED, exported, on_node, require, worker_env
+from _cluster import MCA, ROOT, SHARED, exported, on_node, require, survivor_names_the_lost_rank, worker_env
 from dualframe.launch.commands import mpirun_command
 
 WORKER = ROOT / "tests" / "parallel" / "failure_workers" / "torch_resume.py"
@@ -41,6 +41,8 @@ def test_killed_on_one_node_resumed_on_the_other_equals_the_straight_run():
     fault = re.search(r"dualframe-test: fault kill at ([\d.]+)", output)
     assert code != 0 and fault, f"rank 1 was not killed:\n{output[-6000:]}"
     assert re.search(r"process rank 1 with PID \d+ on node dfn2 exited on signal 9 \(Killed\)", output), output[-6000:]
+    named, line = survivor_names_the_lost_rank(output)
+    assert named, f"the survivor's last line does not name rank 1 on dfn2 ({line}):\n{output[-6000:]}"
     assert ended - float(fault.group(1)) < 60, f"the job took {ended - float(fault.group(1)):.0f} s after the kill"
     start = time.time()
     code, output, _ = mpirun("dfn1:2", "resume", str(folder))

@@ -22,7 +22,7 @@ def test_data_parallel_shard_normalised(shard, expected):
     ({"compression": "int8"}, StrategyError, r"unknown compression 'int8'; choose one of none, fp16"),
     ({"gradient_predivide_factor": 0}, StrategyError, r"gradient_predivide_factor must be a number > 0"),
     ({"op": "sum", "gradient_predivide_factor": 2.0}, StrategyError, r"only applies to op='average'"),
-    ({"shard": "weights"}, StrategyError, r"unknown shard 'weights'; use None, 'optimizer' \(ZeRO-1\) or 'gradients'"),
+    ({"shard": "weights"}, StrategyError, r"unknown shard 'weights'; use None, 'optimizer' \(ZeRO-1\), 'gradients' \(ZeRO-2\) or 'parameters'"),
     ({"shard": 2}, StrategyError, r"unknown shard 2"),
     ({"shard": "optimizer", "op": "adasum"}, StrategyError, r"needs op Average or Sum \(op: adasum\)"),
 ])

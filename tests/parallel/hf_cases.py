@@ -83,6 +83,12 @@ def batch(name, seed=1, rows=BATCH):
     return inputs, torch.randint(0, VOCAB, rows_out.shape, generator=g)
 
 
+def labelled(name, seed=1):
+    """``batch(name)``'s inputs with its targets among them as ``labels=`` (the model then returns its loss)."""
+    inputs, target = batch(name, seed)
+    return {**inputs, "labels": target}
+
+
 def loss_fn(output, target):
     """Mean cross-entropy of every position's logits (the model's output object, or its dict form)."""
     logits = output["logits"] if isinstance(output, dict) else output.logits

@@ -5,7 +5,8 @@ at the head.
 torch.export captures each (torch.fx cannot trace them); the values crossing a cut inside the stack include
 the traced batch size (``sym_size_int``), which crosses as data beside the tensors. float64, dropout off:
 every step's loss and the weights after 2 SGD steps equal one process training the unsplit model, to 1e-9.
-Models: tests/parallel/hf_cases.py (GPT-2 without tied weights).
+GPT-2 given its labels among its inputs trains on its own loss (``loss_fn=None``; transformers computes it
+in float32: 1e-6), the weights to 1e-9. Models: tests/parallel/hf_cases.py (GPT-2 without tied weights).
 """
 # timeout: 500
 import copy
@@ -16,7 +17,8 @@ import torch
 
 import dualframe.torch as hvd
 from dualframe.torch.distributed_pipeline import DistributedPipeline
-from hf_cases import MODELS, batch, loss_fn, make  # tests/parallel is on sys.path (pytest rootdir import)
+from dualframe.errors import StrategyError
+from hf_cases import MODELS, batch, labelled, loss_fn, make  # tests/parallel is on sys.path (pytest rootdir import)
 
 STEPS, LR = 2, 0.5
 
@@ -85,3 +87,35 @@ def test_stages_2_cuts_in_the_middle_of_the_decoder_and_loads_the_models_state_d
         torch.testing.assert_close(out.logits, ref.logits, atol=1e-9, rtol=0)
     else:
         assert out is None
+    pipe.loss_fn = None  # the model's own loss: its sample had no labels, so its output holds none
+    with pytest.raises(StrategyError, match=r"the model's output \(captured on the sample\) holds no loss of its own"):
+        pipe.train_step(inputs if pipe.is_first else None)
+
+
+def test_labels_among_the_inputs_train_on_the_models_own_loss():
+    model = make("gpt2")
+    data = [labelled("gpt2", seed=step) for step in range(STEPS)]
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
+    pipe = DistributedPipeline(copy.deepcopy(model), chunks=3, split_points=["transformer.h.2"], sample=data[0])
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=LR)
+    for inputs in data:  # the labels go from stage 0 to the stage computing the loss, like any input
+        optimizer.zero_grad()
+        ref_opt.zero_grad()
+        loss = pipe.train_step(inputs if pipe.is_first else None)
+        expected = reference(**inputs).loss
+        expected.backward()
+        assert loss == pytest.approx(expected.item(), abs=1e-6, rel=0)
+        optimizer.step()
+        ref_opt.step()
+    merged = {}
+    for part in horovod.allgather_object(pipe.state_dict()):
+        merged.update(part)
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(merged[key], value, atol=1e-9, rtol=0, msg=key)
+    with torch.no_grad():
+        out = pipe(**data[0]) if pipe.is_first else pipe(None)
+        if pipe.is_last:
+            assert out.loss.item() == pytest.approx(reference(**data[0]).loss.item(), abs=1e-6, rel=0)
+    with pytest.raises(StrategyError, match=r"the last stage got targets, but the loss is the model's own"):
+        pipe.train_step(data[0] if pipe.is_first else None, data[0]["labels"] if pipe.is_last else None)

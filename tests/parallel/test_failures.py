@@ -35,6 +35,9 @@ KILLED = {
 }
 FAILED = r"dualframe: rank 1/2 \(pid \d+ on \S+\) failed: {cause}"
 STOPPED = r"dualframe: rank 0/2 \(pid \d+ on \S+\) stopped: Horovod shut down because another rank failed"
+#: The survivor's line naming the lost rank, its host and pid, and why (its heartbeat heard rank 1's last word).
+LOST = r"dualframe: rank 0/2 \(pid \d+ on \S+\) lost rank 1 \(host \S+, pid \d+\): it failed: {cause}"
+FINISHED = STOPPED + r".*; rank 1 \(host \S+, pid \d+\): it had finished its script"
 
 
 def launch(launcher: str, program: List[str], extra_env: Optional[Dict[str, str]] = None,
@@ -68,11 +71,14 @@ def check(launcher: str, script: str, fault: str, expected: List[str], env: Opti
 #: a thread's exception and an early exit are the launcher's or the hook's behaviour whatever the
 #: launcher, so each runs under one (all were measured under both: docs/reliability.md).
 TORCH_CASES = [
-    ("raise", "horovodrun", [FAILED.format(cause="RuntimeError: injected fault")]),
-    ("raise", "mpirun", [FAILED.format(cause="RuntimeError: injected fault")]),
+    ("raise", "horovodrun", [FAILED.format(cause="RuntimeError: injected fault"),
+                             LOST.format(cause="RuntimeError: injected fault")]),
+    ("raise", "mpirun", [FAILED.format(cause="RuntimeError: injected fault"),
+                         LOST.format(cause="RuntimeError: injected fault")]),
     ("exit", "mpirun", [EXITED["mpirun"].format(code=3)]),
-    ("thread", "horovodrun", [FAILED.format(cause=r"ZeroDivisionError: division by zero \(in thread 'loader'\)")]),
-    ("early", "mpirun", [STOPPED]),
+    ("thread", "horovodrun", [FAILED.format(cause=r"ZeroDivisionError: division by zero \(in thread 'loader'\)"),
+                              LOST.format(cause=r"ZeroDivisionError: division by zero \(in thread 'loader'\)")]),
+    ("early", "mpirun", [FINISHED]),
     ("name", "horovodrun", [r"rank \d/2 .* stalled: a Horovod collective \(synchronize\) waited more than 5 s"]),
     ("name", "mpirun", [r"(stalled for longer than|waited more than) 5 s"]),
 ]

@@ -81,6 +81,23 @@ class SharedEnds(nn.Module):
         return self.last(torch.tanh(self.mid(torch.tanh(self.first(x)))))
 
 
+class SharedLayer(nn.Module):
+    """One layer (``shared``) called twice, once in each half: cut at ``mid``, both stages read its weight and bias."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.shared, self.mid = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x):
+        h = torch.tanh(self.shared(torch.tanh(self.inp(x))))
+        return self.shared(torch.tanh(self.mid(h)))
+
+
+def shared_layer():
+    torch.manual_seed(4)
+    return SharedLayer().double()
+
+
 def shared_ends(sequential=False):
     """``SharedEnds`` in float64 (seed 3), or its layers as an ``nn.Sequential`` (first ... last)."""
     torch.manual_seed(3)

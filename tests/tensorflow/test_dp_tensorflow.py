@@ -28,6 +28,26 @@ def test_tape_gradients_equal_plain_gradients_and_keep_structure():
     np.testing.assert_allclose(got["bias"][0], expected[1], rtol=1e-6)
 
 
+class RecordingTape(tf.GradientTape):
+    """A user's own tape class (Horovod's wrapper is an instance of it)."""
+
+
+def test_the_tape_is_an_instance_of_tf_gradient_tape_and_of_the_wrapped_tapes_class():
+    variable = tf.Variable([1.0, 2.0])
+    with tf.GradientTape(persistent=True) as plain:
+        y = variable * variable
+    tape = hvd.DistributedGradientTape(plain)
+    assert isinstance(tape, tf.GradientTape) and type(tape).__name__ == "DistributedGradientTape"
+    assert tape._persistent and not isinstance(tape, RecordingTape)
+    np.testing.assert_allclose(tape.gradient(y, variable), [2.0, 4.0])
+    np.testing.assert_allclose(tape.jacobian(y, variable), [[2.0, 0.0], [0.0, 4.0]])  # the wrapped tape's, local
+    with hvd.PartialDistributedGradientTape(RecordingTape()) as own:
+        y = tf.reduce_sum(3.0 * variable)
+    assert isinstance(own, RecordingTape) and isinstance(own, hvd.DistributedGradientTape)
+    assert type(own) is type(hvd.DistributedGradientTape(RecordingTape()))  # one class per tape class
+    np.testing.assert_allclose(own.gradient(y, [variable])[0], [3.0, 3.0])
+
+
 def test_tape_argument_checks():
     with pytest.raises(dualframe.StrategyError, match="already a DistributedGradientTape"):
         hvd.DistributedGradientTape(hvd.DistributedGradientTape(tf.GradientTape()))

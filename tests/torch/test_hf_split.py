@@ -16,7 +16,7 @@ import dualframe.torch as hvd  # noqa: E402
 from dualframe.errors import StrategyError, TraceError  # noqa: E402
 from dualframe.torch.distributed_graph import GraphPart  # noqa: E402
 from dualframe.torch.graph_stage_work import pack, unpack  # noqa: E402
-from tests.parallel.hf_cases import MODELS, batch, loss_fn, make, reference_grads  # noqa: E402
+from tests.parallel.hf_cases import MODELS, batch, labelled, loss_fn, make, reference_grads  # noqa: E402
 
 CUTS = [(name, cut) for name, (_, inside, head) in MODELS.items() for cut in (inside, head)]
 
@@ -163,3 +163,30 @@ def test_reformer_whose_layers_run_in_a_custom_function_is_refused():
                                          r"31 .*reformer.embeddings.word_embeddings \(Embedding\).*ReversibleFunction"):
         hvd.ModelParallel(model, split_points=["reformer.encoder.layers.1"], devices=["cpu", "cpu"],
                           sample={"input_ids": torch.randint(0, 96, (2, 8))})
+
+
+@pytest.mark.parametrize("strategy", [hvd.ModelParallel, hvd.Pipeline])
+def test_labels_among_the_inputs_give_the_models_own_loss(strategy):
+    """The output's ``loss`` over 3 micro-batches is their row-weighted mean; 2 SGD steps with momentum on it.
+
+    transformers computes its loss in float32 (it casts the logits), so the loss agrees to 1e-6; the
+    gradients and weights, float64, to 1e-9.
+    """
+    model, data = make("gpt2"), [labelled("gpt2", seed) for seed in (1, 2)]
+    reference = copy.deepcopy(model)
+    split = strategy(model, split_points=["transformer.h.2"], devices=["cpu", "cpu"], chunks=3, sample=data[0])
+    opt = torch.optim.SGD(split.parameters(), lr=0.3, momentum=0.9)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.3, momentum=0.9)
+    for inputs in data:
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        loss, expected = split(**inputs).loss, reference(**inputs).loss
+        assert loss.item() == pytest.approx(expected.item(), abs=1e-6, rel=0)
+        loss.backward()
+        expected.backward()
+        for (n, p), q in zip(split.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, atol=1e-9, rtol=0, msg=n)
+        opt.step()
+        ref_opt.step()
+    for (n, p), q in zip(split.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-9, rtol=0, msg=n)

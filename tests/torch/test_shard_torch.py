@@ -51,6 +51,8 @@ def test_refused_before_any_communication_in_one_process():
     net = model()
     with pytest.raises(StrategyError, match="element-wise optimizer"):
         hvd.DistributedOptimizer(torch.optim.LBFGS(net.parameters()), shard="optimizer")
+    with pytest.raises(StrategyError, match="'parameters' \\(ZeRO-3\\) is built for Keras only"):
+        hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), shard="parameters")
     opt = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), shard="optimizer")
     with pytest.raises(StrategyError, match="step\\(closure\\) is not available"):
         opt.step(lambda: 0.0)

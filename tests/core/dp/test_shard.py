@@ -72,6 +72,9 @@ def test_unknown_shard_is_refused(bad):
 def test_modes_are_normalised():
     assert [check_shard(s, op) for s, op in itertools.product(["OPTIMIZER", "gradients"], ["sum", "average"])] == \
         ["optimizer"] * 2 + ["gradients"] * 2
+    assert check_shard("Parameters") == "parameters"  # ZeRO-3
+    with pytest.raises(StrategyError, match=r"shard='parameters' reduce-scatters .* \(op: adasum\)"):
+        check_shard("parameters", "adasum")
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -2,7 +2,7 @@
 import pytest
 
 from dualframe.errors import StrategyError
-from dualframe.pipeline.walk import RecordBook, StepRecord, pipeline_bubble
+from dualframe.pipeline.walk import RecordBook, StepRecord, pipeline_bubble, read_agreement, step_agreement
 from dualframe.pipeline.clock import gpipe_bubble
 
 
@@ -84,3 +84,17 @@ def test_walk_runs_w_as_the_weights_gradient_on_the_stage_without_messages():
         "receive F1", "forward 1", "backward 1", "send B1", "weight 0", "weight 1",
     ]
     assert [tag for tag, _, _ in record.actions] == ["F0", "B0", "F1", "B1", "W0", "W1"]
+
+
+def test_a_model_computing_its_own_loss_needs_no_targets_and_refuses_them():
+    def summed(first, last):
+        return [a + b for a, b in zip(first, last)]
+
+    first = step_agreement((6, 8), 3, None, first=True, last=False)
+    without = summed(first, step_agreement(None, 0, 0, first=False, last=True))
+    assert read_agreement(without, 3, need_targets=False, own_loss=True) == ((6, 8), 3, [2, 2, 2])
+    with pytest.raises(StrategyError, match="got targets=None; pass the targets there"):
+        read_agreement(summed(first, step_agreement(None, 0, None, first=False, last=True)), 3, need_targets=True)
+    given = summed(first, step_agreement(None, 0, 6, first=False, last=True))
+    with pytest.raises(StrategyError, match=r"the last stage got targets, but the loss is the model's own"):
+        read_agreement(given, 3, need_targets=False, own_loss=True)

@@ -1,0 +1,167 @@
+"""Benchmark Keras ZeRO-3 (shard="parameters") against plain data parallelism and ZeRO-2 in one run: memory and step time.
+
+    flock /tmp/dualframe-bench.lock .venv/bin/python scripts/bench_zero3_keras.py               # np=2 and np=4
+    .venv/bin/python scripts/bench_zero3_keras.py --ranks 2 --rounds 5 --width 2048 --layers 5
+
+For each number of ranks, under mpirun (``--launcher gloo``: horovodrun --gloo), an MLP of ``layers``
+Dense(width x width) layers (5 x 2048^2: 21M parameters) with Adam:
+
+memory: one launch per mode (plain ``DistributedOptimizer``, ``shard="gradients"``, ``shard="parameters"``
+        through ``distribute``). Each rank reports the bytes it keeps between steps (parameters it holds:
+        the model's variables, or its slices under ZeRO-3; the optimizer's slots), its resident memory after
+        the steps (``/proc/self/statm``) and its peak (``ru_maxrss``); printed against plain's.
+time:   one launch holding the three models; rounds interleave them (order rotated each round), each times
+        ``steps`` fit steps; the median of the per-round ratios to plain (the issue's goal for ZeRO-3: <= 1.3).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import pathlib
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import bench_env
+
+bench_env.repo_on_path()
+
+from dualframe.launch.commands import horovodrun_command, mpirun_command, thread_env  # noqa: E402
+
+MODES = ("plain", "gradients", "parameters")
+
+
+def _model_and_data(width: int, layers: int, batch: int, steps: int, mode: str) -> tuple:
+    import numpy as np
+    import keras
+    import dualframe
+    import dualframe.tensorflow.keras as hvd
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((width,))] + [keras.layers.Dense(width, activation="relu")
+                                                        for _ in range(layers - 1)] + [keras.layers.Dense(10)])
+    model.compile(optimizer=keras.optimizers.Adam(1e-4),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model = hvd.distribute(model, dualframe.DataParallel(shard="none" if mode == "plain" else mode))
+    gc.collect()  # ZeRO-3's distribute returns a copy without values: the given model goes here
+    rng = np.random.RandomState(hvd.rank())
+    x, y = rng.randn(steps * batch, width).astype("float32"), rng.randint(0, 10, steps * batch)
+    model.fit(x[:2 * batch], y[:2 * batch], batch_size=batch, verbose=0)  # build and trace outside the timing
+    return model, x, y
+
+
+def kept_bytes(model) -> dict:
+    """Bytes this rank keeps between steps: parameters (the model's, or ZeRO-3's slices) and optimizer slots."""
+    import numpy as np
+
+    optimizer = model.optimizer
+    if getattr(optimizer, "shard", None) == "parameters":
+        parameters = optimizer.parameter_bytes()
+    else:
+        parameters = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables)
+    if hasattr(optimizer, "state_bytes"):
+        slots = int(optimizer.state_bytes())
+    else:
+        slots = sum(int(np.prod(v.shape)) * 4 for v in optimizer.inner_optimizer.variables if len(v.shape))
+    return {"parameters": parameters, "slots": slots}
+
+
+def resident() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def worker(part: str, mode: str, args: argparse.Namespace) -> None:
+    """Under a launcher: rank 0 prints one RESULT line of JSON."""
+    import tensorflow as tf
+    import dualframe.tensorflow.keras as hvd
+
+    hvd.init()
+    if part == "memory":
+        model, x, y = _model_and_data(args.width, args.layers, args.batch, args.steps, mode)
+        model.fit(x, y, batch_size=args.batch, shuffle=False, verbose=0)
+        gc.collect()
+        kept = kept_bytes(model)
+        row = [kept["parameters"], kept["slots"], resident(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024]
+        values = hvd.allgather(tf.constant([row], dtype=tf.int64)).numpy().max(axis=0)
+        result = dict(zip(("parameters", "slots", "resident", "peak"), (int(v) for v in values)))
+    else:
+        models = {m: _model_and_data(args.width, args.layers, args.batch, args.steps, m) for m in MODES}
+        result = {m: [] for m in MODES}
+        for k in range(args.rounds):
+            for m in MODES[k % len(MODES):] + MODES[:k % len(MODES)]:  # the first in a round pays for waking up
+                model, x, y = models[m]
+                hvd.barrier()
+                start = time.perf_counter()
+                model.fit(x, y, batch_size=args.batch, shuffle=False, verbose=0)
+                result[m].append(float(hvd.allreduce(tf.constant((time.perf_counter() - start) / args.steps),
+                                                     op=hvd.Max)))
+    if hvd.rank() == 0:
+        print("RESULT " + json.dumps(result), flush=True)
+
+
+def launch(ranks: int, part: str, mode: str, args: argparse.Namespace) -> dict:
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **thread_env(ranks, cores=ranks))
+    env["PATH"] = f"{pathlib.Path(sys.executable).parent}:{env['PATH']}"
+    program = [sys.executable, __file__, "--worker", part, "--mode", mode, "--width", str(args.width),
+               "--layers", str(args.layers), "--batch", str(args.batch), "--steps", str(args.steps),
+               "--rounds", str(args.rounds)]
+    if args.launcher == "gloo":
+        command = horovodrun_command(ranks, program, hosts=f"localhost:{ranks}")
+    else:
+        command = mpirun_command(ranks, program, oversubscribe=True,
+                                 export=("PATH", "PYTHONPATH", "TF_CPP_MIN_LOG_LEVEL", *thread_env(1)))
+    output = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800, check=True).stdout
+    line = next(line for line in output.splitlines() if "RESULT " in line)  # horovodrun prefixes "[0]<stdout>:"
+    return json.loads(line.split("RESULT ", 1)[1])
+
+
+def report(ranks: int, args: argparse.Namespace) -> None:
+    if not args.time_only:
+        memory = {m: launch(ranks, "memory", m, args) for m in MODES}
+        plain = memory["plain"]
+        print(f"np={ranks} {args.launcher}, {args.layers} x Dense({args.width}), Adam; per rank (max over ranks):")
+        for m in MODES:
+            row = memory[m]
+            kept, base = row["parameters"] + row["slots"], plain["parameters"] + plain["slots"]
+            print(f"  {m:10s} parameters + slots kept {kept / 2**20:7.1f} MiB ({kept / base:.3f} of plain; "
+                  f"1/np = {1 / ranks:.3f}), resident after the steps {row['resident'] / 2**20:7.1f} MiB "
+                  f"({(row['resident'] - plain['resident']) / 2**20:+.1f} MiB against plain), peak "
+                  f"{row['peak'] / 2**20:7.1f} MiB ({(row['peak'] - plain['peak']) / 2**20:+.1f} MiB)", flush=True)
+    times = launch(ranks, "time", "all", args)
+    base = statistics.median(times["plain"])
+    for m in MODES[1:]:
+        ratios = [t / p for t, p in zip(times[m], times["plain"])]
+        print(f"  np={ranks} {args.launcher} step time shard={m!r}: {statistics.median(times[m]) * 1e3:.1f} ms vs "
+              f"plain {base * 1e3:.1f} ms, ratio {statistics.median(ratios):.3f} (median of {args.rounds} "
+              f"interleaved rounds: {' '.join(f'{r:.2f}' for r in ratios)})", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--launcher", choices=["mpirun", "gloo"], default="mpirun")
+    parser.add_argument("--time-only", action="store_true", help="skip the memory launches")
+    parser.add_argument("--worker", choices=["memory", "time"], help=argparse.SUPPRESS)
+    parser.add_argument("--mode", default="plain", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker, args.mode, args)
+        return
+    print(f"load average {os.getloadavg()[0]:.2f} at start", flush=True)
+    for ranks in args.ranks:
+        report(ranks, args)
+    print(f"load average {os.getloadavg()[0]:.2f} at end")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""Keras ZeRO-3 (``shard="parameters"``) in one process: equal to the plain optimizer with dropout and batch norm."""
+import numpy as np
+import pytest
+import keras
+
+import dualframe
+import dualframe.tensorflow.keras as hvd
+
+hvd.init()
+
+
+def model(seed=0):
+    """Dense -> BatchNormalization -> Dropout -> residual Dense -> Dense (a non-trainable state in two layers)."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((5,))
+    hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+    hidden = keras.layers.Dropout(0.3, seed=seed)(keras.layers.BatchNormalization()(hidden))
+    hidden = keras.layers.Add()([hidden, keras.layers.Dense(8)(hidden)])
+    return keras.Model(inputs, keras.layers.Dense(1)(hidden))
+
+
+def data():
+    rng = np.random.RandomState(0)
+    x = rng.randn(24, 5).astype("float32")
+    return x, np.tanh(x.sum(1, keepdims=True))
+
+
+@pytest.mark.parametrize("bucket_elements", [None, 20])
+def test_fit_with_dropout_and_batch_norm_equals_plain(bucket_elements):
+    """The recompute draws the forward's dropout mask; the forward's batch-norm updates are kept, once."""
+    x, y = data()
+    opt = hvd.DistributedOptimizer(keras.optimizers.Adam(0.05), shard="parameters", bucket_elements=bucket_elements)
+    sharded = opt.shard_model(model())
+    sharded.compile(optimizer=opt, loss="mse")
+    plain = model()
+    plain.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+    for m in (sharded, plain):
+        m.fit(x, y, batch_size=6, epochs=2, shuffle=False, verbose=0)
+    for a, b in zip(sharded.get_weights(), plain.get_weights()):  # moving statistics included
+        np.testing.assert_allclose(a, b, atol=1e-6)
+    np.testing.assert_allclose(sharded.predict(x, verbose=0), plain.predict(x, verbose=0), atol=1e-6)
+    np.testing.assert_allclose(sharded.evaluate(x, y, verbose=0), plain.evaluate(x, y, verbose=0), atol=1e-6)
+    # No bucket spans two layers (each layer gathers its own); bucket_elements=20 cuts the larger ones.
+    owners = [{opt._zero.groups[t].split("/")[0] for t in bucket.tensors} for bucket in opt._zero.layout.buckets]
+    assert all(len(o) == 1 for o in owners)
+    assert len(owners) == (4 if bucket_elements is None else 6)
+
+
+def test_set_weights_and_the_refusals():
+    x, y = data()
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), shard="parameters")
+    sharded = opt.shard_model(model(1))
+    weights = model(2).get_weights()
+    sharded.set_weights(weights)
+    for a, b in zip(sharded.get_weights(), weights):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(dualframe.StrategyError, match="one array per weight"):
+        sharded.set_weights(weights[:-1])
+    with pytest.raises(dualframe.StrategyError, match="already holds a model's slices"):
+        opt.shard_model(model(1))
+    with pytest.raises(dualframe.StrategyError, match="apply the gradients of opt.parameter_slices"):
+        opt.apply([None] * len(sharded.trainable_variables), sharded.trainable_variables)
+    with pytest.raises(dualframe.StrategyError, match="cannot be re-cut"):
+        opt.reshard()
+    assert hvd.DistributedOptimizer.from_config(opt.get_config()).shard == "parameters"
+
+
+def test_embeddings_of_token_ids_frozen_and_trained_equal_plain():
+    """A layer with integer inputs only: its gradient goes to its slices alone; a frozen one just reads its state."""
+    def embedded():
+        keras.utils.set_random_seed(3)
+        ids = keras.Input((4,), dtype="int32")
+        summed = keras.layers.Add()([keras.layers.Embedding(10, 3, trainable=False)(ids),
+                                     keras.layers.Embedding(10, 3)(ids)])
+        return keras.Model(ids, keras.layers.Dense(1)(keras.layers.Flatten()(summed)))
+
+    x = np.random.RandomState(0).randint(0, 10, (8, 4)).astype("int32")
+    y = np.linspace(-1, 1, 8, dtype="float32")[:, None]
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), shard="parameters")
+    sharded = opt.shard_model(embedded())
+    sharded.compile(optimizer=opt, loss="mse")
+    plain = embedded()
+    plain.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    for m in (sharded, plain):
+        m.fit(x, y, batch_size=4, shuffle=False, verbose=0)
+    for a, b in zip(sharded.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+    assert np.abs(plain.get_weights()[1] - embedded().get_weights()[1]).max() > 1e-3  # the trained one moved
