@@ -220,7 +220,7 @@ class DistributedPipeline(StageView, nn.Module):
         if self.graph is not None:
             micro_inputs = self.graph.micro_inputs(values, sizes, self.device) if self.is_first else []
         if len(self.held_stages) > 1:
-            return self._run_virtual(actions, micro_inputs, micro_targets, weights, train)
+            return self._run_virtual(actions, micro_inputs, micro_targets, weights, train, loss_fn)
         if self.graph is not None:
             work = TorchGraphStageWork(self.stage, self.graph.split, self.stage_index, self.graph.captured,
                                        self.device, loss_fn, micro_targets, weights, self.meter,
@@ -233,9 +233,9 @@ class DistributedPipeline(StageView, nn.Module):
         return work, record
 
     def _run_virtual(self, actions: Sequence[Action], micro_inputs: Any, micro_targets: Any, weights: Sequence[float],
-                     train: bool) -> Tuple[Any, StepRecord]:
+                     train: bool, loss_fn: Any) -> Tuple[Any, StepRecord]:
         """Walk this rank's stages (virtual stages): one work per stage; returns the last stage's work where held."""
-        last, loss_fn = len(self.role.layout.ranges) - 1, self.loss_fn if train else None
+        last = len(self.role.layout.ranges) - 1
         works: Dict[int, Any] = {}
         for j, m in self.held_stages.items():
             targets = micro_targets if j == last else []
