@@ -50,6 +50,15 @@ def interleaved_steps(configs: Mapping[str, Callable[..., Any]], args: Sequence[
                         for name, step in configs.items()}, rounds)
 
 
+def pipeline_step(pipe: Any, optimizer: Any) -> Callable[[Any, Any], None]:
+    """One training step of a torch process pipeline as a ``step(x, y)``: zero the gradients, ``train_step``, update."""
+    def step(x: Any, y: Any) -> None:
+        optimizer.zero_grad()
+        pipe.train_step(x, y)
+        optimizer.step()
+    return step
+
+
 def stage_seconds(pipe: Any, allgather: Callable[[Any], List[Any]]) -> Tuple[Tuple[float, ...], Tuple[float, ...]]:
     """Every rank's mean busy and mean wall seconds per step of its stage, as (busy, walls), rank by rank."""
     busy, walls = zip(*allgather((pipe.records.mean_busy(), pipe.records.mean_wall())))

@@ -39,13 +39,7 @@ from dualframe.torch.distributed_pipeline import DistributedPipeline
 def ours(model, chunks, schedule="gpipe", transport="auto"):
     pipe = DistributedPipeline(model, [len(model) // 2] * 2, chunks=chunks, schedule=schedule, loss_fn=nn.MSELoss(),
                                transport=transport)
-    optimizer = torch.optim.SGD(pipe.parameters(), lr=1e-4)
-
-    def step(x, y):
-        optimizer.zero_grad()
-        pipe.train_step(x, y)
-        optimizer.step()
-    return pipe, step
+    return pipe, bench_common.pipeline_step(pipe, torch.optim.SGD(pipe.parameters(), lr=1e-4))
 
 
 def torch_gpipe(model, chunks, name="ScheduleGPipe"):

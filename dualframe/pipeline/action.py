@@ -1,9 +1,11 @@
-"""One step of one pipeline stage (``F3``, ``B3``, ``W3``) and the shapes schedules are written in.
+"""One step of one pipeline stage (``F3``, ``B3``, ``W3``; ``2F3`` on stage 2) and the shapes schedules are written in.
 
 Index names, fixed here once: ``i`` micro-batch, ``j`` stage, ``k`` clock tick, ``m`` micro-batches
-(``chunks``), ``n`` stages. A schedule is a list with one entry per stage j: the ordered actions that
-stage runs in one training step (``dualframe.pipeline.schedule`` builds and names them,
-``dualframe.pipeline.clock`` lays them on a clock).
+(``chunks``), ``n`` stages. A schedule is a list with one entry per rank: the ordered actions that
+rank runs in one training step (``dualframe.pipeline.schedule`` builds and names them,
+``dualframe.pipeline.clock`` lays them on a clock). An action without a stage belongs to the rank's only
+stage (list j runs stage j); with virtual stages (``dualframe.pipeline.virtual``) a rank holds several and
+each action names its own, as ``torch.distributed.pipelining``'s ``_Action(stage_index, kind, micro)``.
 
 Kinds: ``F i`` the forward of micro-batch i; ``B i`` its backward; ``W i`` its weight gradient. A
 schedule whose lists hold W actions splits the backward in two (zero-bubble schedules): ``B i`` then
@@ -26,27 +28,41 @@ KINDS = (FORWARD, BACKWARD, WEIGHT)
 class Action:
     """One step of one stage: ``Action("F", 3)`` is the forward of micro-batch 3, shown ``F3``.
 
+    ``stage``: the stage it runs on, None for the rank's only stage; ``Action("F", 3, 2)`` shows ``2F3``.
+
     Example:
         >>> Action.parse("B2")
         Action(kind='B', micro=2)
-        >>> Action.parse("W0").kind
-        'W'
-        >>> str(Action("F", 0))
-        'F0'
+        >>> Action.parse("W0").kind, Action.parse("3B1").stage
+        ('W', 3)
+        >>> str(Action("F", 0)), str(Action("F", 0, stage=2))
+        ('F0', '2F0')
     """
 
     kind: str
     micro: int
+    stage: Optional[int] = None
 
     def __str__(self) -> str:
-        return f"{self.kind}{self.micro}"
+        return f"{'' if self.stage is None else self.stage}{self.kind}{self.micro}"
+
+    def __repr__(self) -> str:
+        where = "" if self.stage is None else f", stage={self.stage}"
+        return f"Action(kind={self.kind!r}, micro={self.micro}{where})"
+
+    def on(self, j: int) -> int:
+        """The stage this action runs on, ``j`` (its list's stage) when it names none."""
+        return j if self.stage is None else self.stage
 
     @classmethod
     def parse(cls, text: str) -> "Action":
-        """``"F3"`` -> ``Action("F", 3)``."""
-        if len(text) < 2 or text[0] not in KINDS or not text[1:].isdigit():
-            raise ScheduleError(f"an action is F<micro-batch>, B<micro-batch> or W<micro-batch> (action: {text!r})")
-        return cls(text[0], int(text[1:]))
+        """``"F3"`` -> ``Action("F", 3)``; ``"2F3"`` -> ``Action("F", 3, stage=2)``."""
+        cut = next((k for k, c in enumerate(text) if c in KINDS), -1)
+        head, tail = text[:max(cut, 0)], text[cut + 1:]
+        if cut < 0 or not tail.isdigit() or (head and not head.isdigit()):
+            raise ScheduleError(f"an action is F<micro-batch>, B<micro-batch> or W<micro-batch> (action: {text!r}); "
+                                f"on a named stage, the stage first: 2F3")
+        return cls(text[cut], int(tail), int(head) if head else None)
 
 
 #: One ordered action list per stage: ``lists[j]`` is what stage j runs in one step.

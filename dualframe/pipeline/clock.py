@@ -36,27 +36,51 @@ def peak_live_activations(actions: Sequence[Action], held_until: str = BACKWARD)
     return peak
 
 
-def _ready(action: Action, j: int, n: int, finished: Dict[Tuple[int, Action], int], k: int) -> bool:
-    """Whether stage j may start ``action`` at tick k: what it needs finished before tick k."""
+#: What has finished, and when: (stage, kind, micro-batch) -> tick.
+Finished = Dict[Tuple[int, str, int], int]
+
+
+def _ready(action: Action, j: int, n: int, finished: Finished, k: int) -> bool:
+    """Whether the rank running ``action`` (on stage j of n) may start it at tick k: what it needs finished before k."""
+    i = action.micro
     if action.kind == FORWARD:
-        needed = (j - 1, action) if j > 0 else None
+        needed = (j - 1, FORWARD, i) if j > 0 else None
     elif action.kind == WEIGHT:
         # The weight gradient reads the output's gradient that this stage's own B i received.
-        needed = (j, Action(BACKWARD, action.micro))
+        needed = (j, BACKWARD, i)
     else:
         # The last stage turns its own forward into the loss; the others wait for the gradient.
-        needed = (j + 1, action) if j < n - 1 else (j, Action(FORWARD, action.micro))
+        needed = (j + 1, BACKWARD, i) if j < n - 1 else (j, FORWARD, i)
     return needed is None or finished.get(needed, k) < k
+
+
+def _stage_actions(lists: Sequence[Sequence[Action]]) -> Dict[int, List[Action]]:
+    """Each stage's actions in order, the stage plain (``Action.on``), refusing a stage run on two ranks."""
+    by_stage: Dict[int, List[Action]] = {}
+    rank_of: Dict[int, int] = {}
+    for rank, actions in enumerate(lists):
+        for action in actions:
+            j = action.on(rank)
+            if rank_of.setdefault(j, rank) != rank:
+                raise ScheduleError(f"stage {j} runs on rank {rank_of[j]} and on rank {rank}; a stage lives on one "
+                                    f"rank (rank {rank}: {' '.join(map(str, actions))})")
+            by_stage.setdefault(j, []).append(Action(action.kind, action.micro))
+    missing = sorted(set(range(max(by_stage, default=-1) + 1)) - set(by_stage))
+    if missing or any(j < 0 for j in by_stage):
+        raise ScheduleError(f"the stages must be 0..n-1, each on some rank (stages: {sorted(by_stage)})")
+    return by_stage
 
 
 def _validate_lists(lists: Sequence[Sequence[Action]]) -> int:
     """Check each stage runs F i and B i (and W i on every stage or on none) once each; return m."""
     if not lists:
         raise ScheduleError("a schedule needs at least one stage (action lists: [])")
-    m = sum(action.kind == FORWARD for action in lists[0])
+    by_stage = _stage_actions(lists)
+    first = by_stage.get(0, [])
+    m = sum(action.kind == FORWARD for action in first)
     kinds = KINDS if any(action.kind == WEIGHT for actions in lists for action in actions) else KINDS[:2]
     expected = sorted(Action(kind, i) for kind in kinds for i in range(m))
-    for j, actions in enumerate(lists):
+    for j, actions in sorted(by_stage.items()):
         if sorted(actions) != expected:
             names = [f"{kind}0..{kind}{m - 1}" for kind in kinds]
             raise ScheduleError(
@@ -71,39 +95,44 @@ def _validate_lists(lists: Sequence[Sequence[Action]]) -> int:
 
 
 def clock_table(lists: Sequence[Sequence[Action]]) -> Table:
-    """Lay per-stage action lists on a clock: ``table[k][j]`` is stage j's action at tick k, or None.
+    """Lay per-rank action lists on a clock: ``table[k][r]`` is rank r's action at tick k, or None.
 
     Every action takes one tick and starts as soon as its input is ready (the previous stage's
-    forward, the next stage's backward; a weight gradient W i, this stage's own B i). Raises ScheduleError with the grid, blocked cell marked,
-    when no stage can move (stuck cells marked).
+    forward, the next stage's backward; a weight gradient W i, this stage's own B i), whichever rank
+    holds that stage: list r runs stage r unless its actions name theirs (virtual stages). Raises
+    ScheduleError with the grid when no rank can move (stuck cells marked).
 
     Example:
         >>> from dualframe.pipeline.schedule import gpipe
         >>> [" ".join(str(cell or ".") for cell in row) for row in clock_table(gpipe(2, 2))]
         ['F0 .', 'F1 F0', '. F1', '. B1', 'B1 B0', 'B0 .']
     """
-    n, _ = len(lists), _validate_lists(lists)
-    position = [0] * n
-    finished: Dict[Tuple[int, Action], int] = {}
+    ranks, _ = len(lists), _validate_lists(lists)
+    n = len(_stage_actions(lists))
+    position = [0] * ranks
+    finished: Finished = {}
     table: Table = []
     k = 0
-    while any(position[j] < len(lists[j]) for j in range(n)):
-        row: List[Optional[Action]] = [None] * n
-        for j in range(n):
-            if position[j] < len(lists[j]) and _ready(lists[j][position[j]], j, n, finished, k):
-                row[j] = lists[j][position[j]]
+    while any(position[r] < len(lists[r]) for r in range(ranks)):
+        row: List[Optional[Action]] = [None] * ranks
+        for r in range(ranks):
+            if position[r] < len(lists[r]):
+                action = lists[r][position[r]]
+                if _ready(action, action.on(r), n, finished, k):
+                    row[r] = action
         if all(cell is None for cell in row):
-            pending = [j for j in range(n) if position[j] < len(lists[j])]
-            table.append([lists[j][position[j]] if j in pending else None for j in range(n)])
-            waits = ", ".join(f"stage {j} for {lists[j][position[j]]}" for j in pending)
+            pending = [r for r in range(ranks) if position[r] < len(lists[r])]
+            table.append([lists[r][position[r]] if r in pending else None for r in range(ranks)])
+            what = "stage" if n == ranks and all(a.stage is None for a in lists[0]) else "rank"
+            waits = ", ".join(f"{what} {r} for {lists[r][position[r]]}" for r in pending)
             raise ScheduleError(
-                f"the schedule cannot finish: at tick {k} no stage can move ({waits}; marked *):\n"
-                + format_table(table, marks=[(k, j) for j in pending])
+                f"the schedule cannot finish: at tick {k} no {what} can move ({waits}; marked *):\n"
+                + format_table(table, marks=[(k, r) for r in pending])
             )
-        for j, cell in enumerate(row):
+        for r, cell in enumerate(row):
             if cell is not None:
-                finished[(j, cell)] = k
-                position[j] += 1
+                finished[(cell.on(r), cell.kind, cell.micro)] = k
+                position[r] += 1
         table.append(row)
         k += 1
     return table
@@ -112,12 +141,13 @@ def clock_table(lists: Sequence[Sequence[Action]]) -> Table:
 def format_table(table: Table, marks: Sequence[Tuple[int, int]] = ()) -> str:
     """The step x rank grid as text, one line per tick, ``.`` for idle, ``*`` after marked (k, j) cells."""
     n = len(table[0]) if table else 0
-    lines = ["k\\j" + "".join(f"{j:>4}" for j in range(n))]
+    width = max([4] + [len(str(cell)) + 1 for row in table for cell in row if cell is not None])
+    lines = ["k\\j" + "".join(f"{j:>{width}}" for j in range(n))]
     for k, row in enumerate(table):
         cells = []
         for j, cell in enumerate(row):
             text = "." if cell is None else str(cell)
-            cells.append(f"{text + ('*' if (k, j) in marks else ''):>4}")
+            cells.append(f"{text + ('*' if (k, j) in marks else ''):>{width}}")
         lines.append(f"{k:>3}" + "".join(cells))
     return "\n".join(lines)
 

@@ -100,29 +100,39 @@ def graph_walk(actions: Sequence[Action], edges: Edges, inputs: Sequence[Any], w
     """Run a stage's actions in order, exchanging messages along its edges (``links`` by peer stage)."""
     record = StepRecord(start=clock())
     for action in actions:
-        i, tag = action.micro, str(action)
-        if action.kind == FORWARD:
-            received: Dict[int, Any] = {p: links[p].receive(tag) for p in edges.sources}
-            if first:
-                received[-1] = inputs[i]
-            begin = clock()
-            sends = work.forward(i, received)
-            record.actions.append((tag, begin, clock()))
-            for c in edges.targets:
-                links[c].send(tag, sends[c])
-        elif action.kind == WEIGHT:
-            begin = clock()
-            cast("SplitGraphStageWork[T]", work).weight(i)  # lists with W come with a split work
-            record.actions.append((tag, begin, clock()))
-        else:
-            grads = {c: links[c].receive(tag) for c in edges.targets}
-            begin = clock()
-            back = work.backward(i, grads)
-            record.actions.append((tag, begin, clock()))
-            for p in edges.sources:
-                links[p].send(tag, back[p])
+        graph_action(action, edges, inputs, work, links, first, record, clock)
     record.end = clock()
     return record
+
+
+def graph_action(action: Action, edges: Edges, inputs: Sequence[Any], work: "GraphStageWork[T]",
+                 links: Mapping[int, "StageLinks[T]"], first: bool, record: StepRecord,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+    """Run one action of a graph stage: receive along its edges, compute, send along them; time it in ``record``.
+
+    The message tags name the micro-batch only (``F3``): each edge has its own link.
+    """
+    i, tag = action.micro, f"{action.kind}{action.micro}"
+    if action.kind == FORWARD:
+        received: Dict[int, Any] = {p: links[p].receive(tag) for p in edges.sources}
+        if first:
+            received[-1] = inputs[i]
+        begin = clock()
+        sends = work.forward(i, received)
+        record.actions.append((str(action), begin, clock()))
+        for c in edges.targets:
+            links[c].send(tag, sends[c])
+    elif action.kind == WEIGHT:
+        begin = clock()
+        cast("SplitGraphStageWork[T]", work).weight(i)  # lists with W come with a split work
+        record.actions.append((str(action), begin, clock()))
+    else:
+        grads = {c: links[c].receive(tag) for c in edges.targets}
+        begin = clock()
+        back = work.backward(i, grads)
+        record.actions.append((str(action), begin, clock()))
+        for p in edges.sources:
+            links[p].send(tag, back[p])
 
 
 class GraphPipelineStage(PipelineStage[T]):

@@ -12,11 +12,11 @@ import os
 from dataclasses import dataclass
 from typing import Any, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 
-from dualframe.errors import DualframeError, StrategyError
+from dualframe.errors import BalanceError, DualframeError, StrategyError
 from dualframe.pipeline.partition import partition_ranges
 from dualframe.pipeline.action import Action
 from dualframe.pipeline.microbatch import recomputed
-from dualframe.pipeline.schedule import rank_schedule
+from dualframe.pipeline.schedule import rank_schedule, stage_placement, virtual_count
 from dualframe.strategy import RankGrid, checkpoint_mode, positive_int, validate_devices
 
 #: dtypes a pipeline message may carry, by code: index in this tuple (both frameworks' spelling).
@@ -30,16 +30,17 @@ class PeerLostError(DualframeError, TimeoutError):
 
 
 def check_pipeline(layers: int, balance: Sequence[int], loss_fn: Any, data_parallel: Optional[int],
-                   timeout: float, world: int) -> Tuple[List[range], RankGrid]:
+                   timeout: float, world: int, virtual_stages: int = 1) -> Tuple[List[range], RankGrid]:
     """Check a process pipeline's arguments against its model and world; return the stage ranges and the grid.
 
     Args:
         layers: how many layers the model has.
-        balance: layers per stage.
+        balance: layers per stage (all ``ranks x virtual_stages`` of them).
         loss_fn: None or a callable.
-        data_parallel: None or the replicas expected (must equal world // stages).
+        data_parallel: None or the replicas expected (must equal world // ranks per pipeline).
         timeout: seconds a stage waits for a neighbour (> 0).
         world: the number of processes.
+        virtual_stages: stages each rank holds; the grid's ``stages`` are then ranks per pipeline.
 
     Raises:
         BalanceError, StrategyError: a rule broken; the message names it and the values.
@@ -50,19 +51,27 @@ def check_pipeline(layers: int, balance: Sequence[int], loss_fn: Any, data_paral
         ([range(0, 3), range(3, 5)], 2)
     """
     ranges = partition_ranges(balance, layers)
+    v = virtual_count(virtual_stages)
+    if len(ranges) % v or (v > 1 and len(ranges) < 2 * v):
+        raise BalanceError(f"balance must describe ranks x virtual_stages stages, at least 2 ranks (balance: "
+                           f"{len(ranges)} stages, virtual_stages: {v}); give {max(2, len(ranges) // v) * v} entries")
     if loss_fn is not None and not callable(loss_fn):
         raise StrategyError(f"loss_fn must be callable, e.g. a mean-squared-error loss (loss_fn: {loss_fn!r})")
-    grid = RankGrid.build(world, len(ranges))
+    grid = RankGrid.build(world, len(ranges) // v)
     if len(ranges) == 1 and grid.replicas > 1:
         # Replicas of a one-stage pipeline share no 2-rank link set; that is plain data parallelism.
         raise StrategyError(
             f"a one-stage pipeline over several processes is data parallelism (balance: {list(balance)}, "
             f"processes: {world}); use DistributedOptimizer, or split the model into >= 2 stages"
         )
+    if v > 1 and grid.replicas > 1:
+        raise StrategyError(f"virtual_stages={v} runs one pipeline, not data-parallel replicas of it yet (processes: "
+                            f"{world}, ranks per pipeline: {grid.stages}); launch with -np {grid.stages}, or use "
+                            f"virtual_stages=1 with replicas")
     if data_parallel is not None and positive_int("data_parallel", data_parallel) != grid.replicas:
         raise StrategyError(
             f"data_parallel x stages must equal the number of processes (data_parallel: {data_parallel}, "
-            f"stages: {len(ranges)}, processes: {world}); launch with -np {data_parallel * len(ranges)}"
+            f"stages: {grid.stages}, processes: {world}); launch with -np {data_parallel * grid.stages}"
         )
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise StrategyError(f"timeout must be a number of seconds > 0 (timeout: {timeout!r})")
@@ -71,7 +80,10 @@ def check_pipeline(layers: int, balance: Sequence[int], loss_fn: Any, data_paral
 
 @dataclass(frozen=True)
 class StageLayout:
-    """A process pipeline's checked arguments: stage ranges, rank grid, each stage's actions and device.
+    """A process pipeline's checked arguments: stage ranges, rank grid, each rank's actions and device.
+
+    ``placement[j]``: the rank (position in its pipeline) holding stage j; with ``virtual_stages`` v > 1,
+    ``ranges`` has ``grid.stages x v`` entries and every action names its stage.
 
     Example:
         >>> layout = layout_pipeline(5, [3, 2], chunks=2, schedule="GPipe", world=2)
@@ -89,27 +101,52 @@ class StageLayout:
     timeout: float
     #: Activation checkpointing in each stage: ``"always"``, ``"except_last"`` or ``"never"``.
     checkpoint: str = "never"
+    #: The rank position of each stage (virtual stages); empty: stage j on position j.
+    placement: Tuple[int, ...] = ()
 
     @property
     def recomputed(self) -> FrozenSet[int]:
         """The micro-batches whose stage forward is run again in their backward (``microbatch.recomputed``)."""
         return recomputed(self.checkpoint, self.chunks)
 
+    @property
+    def virtual_stages(self) -> int:
+        """Stages per rank (1: each rank holds stage j = its position)."""
+        return len(self.ranges) // self.grid.stages
+
+    def held(self, position: int) -> List[int]:
+        """The stages the rank at ``position`` of its pipeline holds, ascending."""
+        return [j for j, p in enumerate(self.placement or range(len(self.ranges))) if p == position]
+
 
 def layout_pipeline(layers: int, balance: Sequence[int], chunks: int, schedule: str = "gpipe", loss_fn: Any = None,
                     devices: Optional[Sequence[str]] = None, data_parallel: Optional[int] = None,
-                    timeout: float = 45.0, world: int = 1, checkpoint: str = "never") -> StageLayout:
+                    timeout: float = 45.0, world: int = 1, checkpoint: str = "never",
+                    virtual_stages: int = 1) -> StageLayout:
     """Check every argument of a DistributedPipeline (``check_pipeline``, schedule, chunks, devices, checkpoint).
 
     No communication.
 
+    ``devices``: one per rank of the pipeline (its stages share it).
+
+    Example:
+        >>> layout = layout_pipeline(8, [2] * 4, chunks=4, schedule="zb-v", world=2, virtual_stages=2)
+        >>> layout.placement, layout.held(0), [str(a) for a in layout.actions[0][:4]]
+        ((0, 1, 1, 0), [0, 3], ['0F0', '0F1', '0F2', '3F0'])
+
     Raises:
         BalanceError, ChunksError, DeviceError, ScheduleError, StrategyError: a rule broken.
     """
-    ranges, grid = check_pipeline(layers, balance, loss_fn, data_parallel, timeout, world)
-    actions = rank_schedule(schedule, len(ranges), chunks)
-    return StageLayout(ranges, grid, actions, validate_devices(devices, len(ranges)), chunks, schedule.lower(),
-                       loss_fn, timeout, checkpoint_mode(checkpoint))
+    v = virtual_count(virtual_stages)
+    rank_schedule(schedule, 2, 2 * v, v)  # the schedule's own refusals (virtual_stages it cannot run) come first
+    if v > 1 and checkpoint_mode(checkpoint) != "never":
+        raise StrategyError(f"checkpoint={checkpoint!r} with virtual_stages={v} is not available yet: a rank's "
+                            f"stages recompute one stage each; use checkpoint='never' or virtual_stages=1")
+    ranges, grid = check_pipeline(layers, balance, loss_fn, data_parallel, timeout, world, v)
+    actions = rank_schedule(schedule, grid.stages, chunks, v)
+    return StageLayout(ranges, grid, actions, validate_devices(devices, grid.stages), chunks, schedule.lower(),
+                       loss_fn, timeout, checkpoint=checkpoint_mode(checkpoint),
+                       placement=tuple(stage_placement(schedule, grid.stages, v)))
 
 
 def dtype_code(name: str) -> int:

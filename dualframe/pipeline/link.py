@@ -64,9 +64,26 @@ def control_tag(name: str, chunks: int) -> int:
     return len(_KINDS) * chunks + _CONTROL.index(name)
 
 
-def largest_tag(chunks: int) -> int:
-    """The highest point-to-point number of a step of ``chunks`` micro-batches (MPI's tag bound must reach it)."""
-    return control_tag(_CONTROL[-1], chunks)
+def largest_tag(chunks: int, links: int = 1) -> int:
+    """The highest point-to-point number of a step of ``chunks`` micro-batches (MPI's tag bound must reach it).
+
+    ``links``: how many stage boundaries number their messages apart (``virtual_tag_offset``).
+
+    Example:
+        >>> largest_tag(4), largest_tag(4, links=3), virtual_tag_offset(2, 4)
+        (13, 41, 28)
+    """
+    return control_tag(_CONTROL[-1], chunks) + (links - 1) * (control_tag(_CONTROL[-1], chunks) + 1)
+
+
+def virtual_tag_offset(boundary: int, chunks: int) -> int:
+    """What the link between stage ``boundary`` and ``boundary + 1`` adds to its point-to-point numbers.
+
+    With virtual stages one pair of ranks carries several boundaries' messages (interleaved 1F1B's
+    stages 0 -> 1 and 2 -> 3 both go from rank 0 to rank 1): each boundary numbers them in its own
+    block, the size of a whole step's numbers, so no boundary's message matches another's receive.
+    """
+    return boundary * (control_tag(_CONTROL[-1], chunks) + 1)
 
 
 #: How pipeline messages travel: "auto" (the first point-to-point transport every rank has, else Horovod
@@ -215,6 +232,8 @@ class StageLink(Generic[T]):
             per name, so its names repeat every step, which Horovod allows once the previous op of
             that name finished; torch names every step's messages anew).
         direct: point-to-point (MPI or ZeroMQ) between the pipeline's ranks; None moves messages as Horovod broadcasts.
+        tag_offset: added to every point-to-point number (``message_tag``) of this link, so that several
+            links between the same two ranks (``virtual_tag_offset``) never take each other's messages.
 
     Example:
         >>> link = StageLink(wire, 0, [0, 1], 0, sets, "dpipe0", timeout=45.0)   # doctest: +SKIP
@@ -224,8 +243,9 @@ class StageLink(Generic[T]):
 
     def __init__(self, wire: "Wire[T]", stage: int, ranks: Sequence[int], rank: int,
                  sets: Dict[Tuple[int, ...], Any], prefix: str, timeout: float, step_names: bool = True,
-                 direct: "Optional[PointToPoint[T]]" = None) -> None:
+                 direct: "Optional[PointToPoint[T]]" = None, tag_offset: int = 0) -> None:
         self.wire, self.stage, self.ranks, self.rank, self.direct = wire, stage, list(ranks), rank, direct
+        self.tag_offset = tag_offset  # several links between one pair of ranks (virtual stages) number apart
         self.prefix, self.timeout, self.step_names = prefix, timeout, step_names
         j = stage
         self.prev = (ranks[j - 1], sets[tuple(sorted((ranks[j - 1], ranks[j])))]) if j > 0 else None
@@ -265,7 +285,8 @@ class StageLink(Generic[T]):
         name = self._message(tag, root, self.rank)
         buffer = self.wire.empty(*shape)
         if self.direct is not None:
-            self._posted[tag] = (self.direct.receive(buffer, root, message_tag(tag)), name, self.direct)
+            number = message_tag(tag) + self.tag_offset
+            self._posted[tag] = (self.direct.receive(buffer, root, number), name, self.direct)
         else:
             self._posted[tag] = (self.wire.broadcast(buffer, root, name, ps), name, self.wire)
 
@@ -284,7 +305,8 @@ class StageLink(Generic[T]):
         buffer = self.wire.tensor([0] * HEADER_LENGTH, INT64)
         what = f"waiting for the shape of {tag} from rank {root}"
         if self.direct is not None:
-            header = self.wait(self.direct.receive(buffer, root, message_tag(tag, header=True)), what, self.direct)
+            number = message_tag(tag, header=True) + self.tag_offset
+            header = self.wait(self.direct.receive(buffer, root, number), what, self.direct)
         else:
             header = self.wait(self.wire.broadcast(buffer, root, self._message(tag, root, self.rank) + ".shape", ps), what)
         return decode_header(self.wire.values(header))
@@ -304,7 +326,8 @@ class StageLink(Generic[T]):
     def _start_send(self, tensor: T, receiver: int, ps: Any, tag: str, header: bool = False) -> None:
         name = self._message(tag, self.rank, receiver) + (".shape" if header else "")
         if self.direct is not None:
-            self._sends.append((self.direct.send(tensor, receiver, message_tag(tag, header)), name, self.direct))
+            number = message_tag(tag, header) + self.tag_offset
+            self._sends.append((self.direct.send(tensor, receiver, number), name, self.direct))
         else:
             self._sends.append((self.wire.broadcast(tensor, self.rank, name, ps), name, self.wire))
 

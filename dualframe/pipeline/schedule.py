@@ -6,7 +6,9 @@ actions that stage runs in one training step, ``F i`` (forward of micro-batch i)
 or, for a zero-bubble schedule, ``B i`` (its input gradient) and ``W i`` (its weight gradient).
 
 A schedule joins the house in one place, ``register``: its builder, and whether the one-process
-``Pipeline`` (whose caller computes the loss after forward returns) can run it. Everything else
+``Pipeline`` (whose caller computes the loss after forward returns) can run it; a schedule of virtual
+stages (several stages per rank, ``dualframe.pipeline.virtual``) registers with its ``VirtualRule``
+(placement of stages on ranks, the chunks it needs). Everything else
 derives from the lists: ``dualframe.pipeline.clock`` lays them on a clock and proves they finish;
 ``one_process_ticks`` cuts that table into the ticks the one-process executor runs;
 ``dualframe.pipeline.link_order.link_messages`` gives the order in which neighbouring stages exchange
@@ -22,6 +24,8 @@ from dualframe.errors import ScheduleError
 from dualframe.pipeline.action import BACKWARD, FORWARD, WEIGHT, Action, ActionLists, Ticks
 from dualframe.pipeline.clock import clock_table, pass_ticks
 from dualframe.pipeline.microbatch import validate_chunks
+from dualframe.pipeline.virtual import (interleaved_1f1b, interleaved_check, interleaved_place, zb_v, zb_v_check,
+                                        zb_v_place)
 
 
 def _stages(stages: int) -> int:
@@ -96,24 +100,41 @@ Builder = Callable[[int, int], ActionLists]
 
 
 @dataclass(frozen=True)
+class VirtualRule:
+    """How a schedule of virtual stages is built and placed: ranks x ``virtual_stages`` stages, several per rank.
+
+    ``build(ranks, chunks, virtual_stages)`` -> one action list per rank, each action naming its stage;
+    ``place(stage, ranks)`` -> the rank holding that stage; ``check(ranks, chunks, virtual_stages)``
+    raises ScheduleError or ChunksError, naming the rule, for a combination the schedule cannot run.
+    """
+
+    build: Callable[[int, int, int], ActionLists]
+    place: Callable[[int, int], int]
+    check: Callable[[int, int, int], None]
+
+
+@dataclass(frozen=True)
 class ScheduleEntry:
     """A schedule in the registry: its name, its builder, and whether one process can run it.
 
     ``one_process``: the schedule finishes every forward before any backward, so the one-process
     ``Pipeline`` can run it although its caller computes the loss after forward returns (``pass_ticks``
     checks the claim on the clock table). When False, ``why_not`` says why, for the refusal.
+    ``virtual``: a schedule of virtual stages (its builder then is ``virtual.build``).
     """
 
     name: str
     build: Builder
     one_process: bool
     why_not: str = ""
+    virtual: Optional[VirtualRule] = None
 
 
 _REGISTRY: Dict[str, ScheduleEntry] = {}
 
 
-def register(name: str, build: Builder, *, one_process: bool, why_not: str = "") -> Builder:
+def register(name: str, build: Builder, *, one_process: bool, why_not: str = "",
+             virtual: Optional[VirtualRule] = None) -> Builder:
     """Add a schedule under ``name`` (lower case); every adapter and ``dualframe.Pipeline`` then accept it.
 
     Example:
@@ -133,7 +154,7 @@ def register(name: str, build: Builder, *, one_process: bool, why_not: str = "")
         raise ScheduleError(f"schedule {name!r} is already registered; choose another name")
     if not one_process and not why_not:
         raise ScheduleError(f"schedule {name!r}: say in why_not why the one-process Pipeline cannot run it")
-    _REGISTRY[name] = ScheduleEntry(name, build, bool(one_process), why_not)
+    _REGISTRY[name] = ScheduleEntry(name, build, bool(one_process), why_not, virtual)
     return build
 
 
@@ -143,9 +164,11 @@ def unregister(name: str) -> None:
     _one_process_ticks.cache_clear()
 
 
-def schedule_names(one_process: Optional[bool] = None) -> Tuple[str, ...]:
-    """The registered names, in registration order; ``one_process=True``: those one process can run."""
-    return tuple(s.name for s in _REGISTRY.values() if one_process is None or s.one_process == one_process)
+def schedule_names(one_process: Optional[bool] = None, virtual: Optional[bool] = None) -> Tuple[str, ...]:
+    """The registered names, in registration order; ``one_process=True``: those one process can run;
+    ``virtual=True``: those running several stages per rank."""
+    return tuple(s.name for s in _REGISTRY.values() if (one_process is None or s.one_process == one_process)
+                 and (virtual is None or (s.virtual is not None) == virtual))
 
 
 def registered(schedule: str) -> ScheduleEntry:
@@ -179,15 +202,53 @@ def one_process(schedule: str) -> ScheduleEntry:
     return entry
 
 
-def rank_schedule(schedule: str, stages: int, chunks: int) -> ActionLists:
-    """The per-stage action lists of the registered schedule ``schedule`` (``"gpipe"``, ``"1f1b"``).
+def rank_schedule(schedule: str, stages: int, chunks: int, virtual_stages: int = 1) -> ActionLists:
+    """The per-rank action lists of the registered schedule ``schedule`` (``"gpipe"``, ``"1f1b"``, ``"zb-v"``).
+
+    ``stages``: ranks of the pipeline; with ``virtual_stages`` v > 1 each rank holds v stages
+    (``stages * v`` in all) and every action names its stage.
+
+    Example:
+        >>> [" ".join(map(str, a)) for a in rank_schedule("interleaved-1f1b", 2, 2, virtual_stages=2)]
+        ['0F0 0F1 2F0 2F1 2B0 2B1 0B0 0B1', '1F0 1F1 3F0 3B0 3F1 3B1 1B0 1B1']
 
     Raises:
-        ScheduleError: an unknown name, or ``stages`` below one. ChunksError: ``chunks`` below one.
+        ScheduleError: an unknown name, ``stages`` below one, or ``virtual_stages`` the schedule cannot run.
+        ChunksError: ``chunks`` below one or not fitting the schedule's rule.
     """
-    lists = registered(schedule).build(_stages(stages), validate_chunks(chunks))
+    entry, n, m, v = registered(schedule), _stages(stages), validate_chunks(chunks), virtual_count(virtual_stages)
+    if entry.virtual is not None:
+        entry.virtual.check(n, m, v)
+        lists = entry.virtual.build(n, m, v)
+    elif v != 1:
+        raise ScheduleError(
+            f"schedule {entry.name!r} runs one stage per rank, so it cannot run virtual_stages={v}; use "
+            f"schedule={' or '.join(repr(s) for s in schedule_names(virtual=True))}, or virtual_stages=1")
+    else:
+        lists = entry.build(n, m)
     clock_table(lists)  # proves the lists finish; cheap next to a training step
     return lists
+
+
+def virtual_count(virtual_stages: int) -> int:
+    """``virtual_stages`` if it is an int >= 1, else ScheduleError."""
+    if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
+        raise ScheduleError(f"virtual_stages must be an int >= 1, the stages each rank holds "
+                            f"(virtual_stages: {virtual_stages!r})")
+    return virtual_stages
+
+
+def stage_placement(schedule: str, stages: int, virtual_stages: int = 1) -> List[int]:
+    """The rank (position in its pipeline) holding each of the ``stages * virtual_stages`` stages.
+
+    Example:
+        >>> stage_placement("interleaved-1f1b", 2, 2), stage_placement("zb-v", 2, 2), stage_placement("1f1b", 3)
+        ([0, 1, 0, 1], [0, 1, 1, 0], [0, 1, 2])
+    """
+    entry, n, v = registered(schedule), _stages(stages), virtual_count(virtual_stages)
+    if entry.virtual is None:
+        return list(range(n))
+    return [entry.virtual.place(j, n) for j in range(n * v)]
 
 
 register("gpipe", gpipe, one_process=True)
@@ -199,6 +260,14 @@ register("zb-h1", zb_h1, one_process=False,
          why_not="zb-h1 interleaves backward with forward as 1f1b does (B0 and W0 run before the last "
                  "forward), which needs the loss inside the pipeline, but this Pipeline returns the output "
                  "and its caller computes the loss after forward returns")
+
+
+register("interleaved-1f1b", interleaved_1f1b, one_process=False,
+         why_not="interleaved-1f1b runs several stages per rank and interleaves backward with forward",
+         virtual=VirtualRule(interleaved_1f1b, interleaved_place, interleaved_check))
+register("zb-v", zb_v, one_process=False,
+         why_not="zb-v runs two stages per rank and interleaves backward with forward",
+         virtual=VirtualRule(zb_v, zb_v_place, zb_v_check))
 
 
 def one_process_ticks(schedule: str, chunks: int, stages: int, kind: str) -> Ticks:

@@ -8,11 +8,11 @@ every framework: agree on the batch (``stage_runner.step_agreement``), walk the 
 from __future__ import annotations
 
 import itertools
-from typing import Any, Dict, Generic, List, Optional, Sequence, Tuple, TypeVar
+from typing import Any, Dict, Generic, List, Mapping, Optional, Sequence, Tuple, TypeVar, Union
 
 from dualframe.backend import Backend, PointToPoint, StageWork, Wire
 from dualframe.errors import ScheduleError
-from dualframe.pipeline.action import Action, splits_backward
+from dualframe.pipeline.action import FORWARD, Action, splits_backward
 from dualframe.pipeline.link import StageLink, control_tag
 from dualframe.pipeline.walk import RecordBook, StepRecord, pipeline_bubble, read_agreement, step_agreement, walk
 from dualframe.pipeline.layout import DTYPE_NAMES, StageLayout, pipeline_process_sets
@@ -83,6 +83,7 @@ class PipelineStage(Generic[T]):
                               direct)
         self.records = RecordBook()
         self._key: Any = None
+        self.loss_rank = self.pipeline_ranks[-1]  # the rank holding the last stage, which computes the loss
 
     @property
     def is_first(self) -> bool:
@@ -123,6 +124,10 @@ class PipelineStage(Generic[T]):
         self._key = (shape, code)
         return sizes
 
+    def forward_actions(self, chunks: int) -> List[Action]:
+        """Inference: this rank's forwards of ``chunks`` micro-batches, in order."""
+        return [Action(FORWARD, i) for i in range(chunks)]
+
     def micro_batches(self, inputs: Optional[T], targets: Optional[T], sizes: Sequence[int],
                       train: bool) -> Tuple[List[T], List[T]]:
         """The agreed micro-batches: of the inputs on the first stage, of the targets on the last when training."""
@@ -133,8 +138,8 @@ class PipelineStage(Generic[T]):
         micro_targets = split(targets, sizes) if self.is_last and train and targets is not None else []
         return micro_inputs, micro_targets
 
-    def step(self, actions: Sequence[Action], micro_inputs: Sequence[T], work: "StageWork[T]",
-             train: bool) -> StepRecord:
+    def step(self, actions: Sequence[Action], micro_inputs: Sequence[T],
+             work: "Union[StageWork[T], Mapping[int, StageWork[T]]]", train: bool) -> StepRecord:
         """Walk ``actions`` on the agreed batch, exchanging messages with the neighbours; keep its record."""
         self.link.begin(self._key, backward=train, chunks=self.layout.chunks)
         record = walk(actions, self.index, self.stages, micro_inputs, work, self.link)
@@ -155,7 +160,7 @@ class PipelineStage(Generic[T]):
             loss = self.link.wait(handle, "averaging the loss")
         if self.direct is not None:
             return float(self._direct_loss(loss))
-        handle = self.wire.broadcast(loss, self.pipeline_ranks[-1], name, self.pipeline_set)
+        handle = self.wire.broadcast(loss, self.loss_rank, name, self.pipeline_set)
         return float(self.wire.values(self.link.wait(handle, "waiting for the loss"))[0])
 
     def _others(self) -> List[int]:
@@ -196,7 +201,7 @@ class PipelineStage(Generic[T]):
 
     def _direct_loss(self, loss: T) -> Any:
         """The last stage's loss sent to every other stage through point-to-point (a broadcast's result)."""
-        tag, last = control_tag("loss", self.layout.chunks), self.pipeline_ranks[-1]
+        tag, last = control_tag("loss", self.layout.chunks), self.loss_rank
         if self.is_last:
             self._delivered(self._post_to_others(loss, tag), "sending the loss")
             return self.wire.values(loss)[0]
@@ -241,10 +246,12 @@ def open_stage(backend: "Backend[T]", layout: StageLayout, step_names: bool = Tr
     grid = layout.grid
     world = grid.replicas * grid.stages
     needed = pipeline_process_sets(world, grid.stages)
-    if split is not None:  # a value skipping stages goes straight to its reader: that pair needs a set too
+    if split is not None and layout.virtual_stages == 1:  # a value skipping stages goes straight to its reader
         from dualframe.pipeline.graph_walk import edge_process_sets
 
         needed += [g for g in edge_process_sets(split, grid.pipeline_groups) if g not in needed and len(g) < world]
+    if layout.virtual_stages > 1:  # interleaved stages wrap from the last rank to the first: that pair too
+        needed += [g for g in virtual_process_sets(layout, split) if g not in needed and len(g) < world]
     if tied:
         from dualframe.pipeline.tied import tied_process_sets
 
@@ -254,13 +261,51 @@ def open_stage(backend: "Backend[T]", layout: StageLayout, step_names: bool = Tr
     j = grid.position(rank)[1]
     device = backend.placement.device(layout.devices[j] if layout.devices else None)
     prefix = f"dpipe{next(_IDS)}"
-    direct = backend.point_to_point(device, layout.chunks, prefix, transport)  # None: messages go as Horovod broadcasts
+    # Virtual stages number each link's messages in its own block: MPI's tag bound must reach the last.
+    blocks = len(_stage_pairs(layout, split))
+    tag_chunks = layout.chunks if layout.virtual_stages == 1 else blocks * (layout.chunks + 1)
+    direct = backend.point_to_point(device, tag_chunks, prefix, transport)  # None: messages go as Horovod broadcasts
+    if layout.virtual_stages > 1:
+        from dualframe.pipeline.virtual_stage import VirtualGraphStage, VirtualPipelineStage
+
+        if split is not None:
+            return VirtualGraphStage(layout, backend.wire(device), rank, sets, prefix, step_names, direct, device,
+                                     backend, split=split)
+        return VirtualPipelineStage(layout, backend.wire(device), rank, sets, prefix, step_names, direct, device,
+                                    backend)
     if split is not None:
         from dualframe.pipeline.graph_walk import GraphPipelineStage
 
         return GraphPipelineStage(layout, backend.wire(device), rank, sets, prefix, step_names, direct, device,
                                   backend, split=split)
     return PipelineStage(layout, backend.wire(device), rank, sets, prefix, step_names, direct, device, backend)
+
+
+def _stage_pairs(layout: StageLayout, split: Any = None) -> List[Tuple[int, int]]:
+    """The (p, c) stage pairs that exchange messages: a chain's neighbours, a graph split's edges."""
+    if split is None:
+        return [(j, j + 1) for j in range(len(layout.ranges) - 1)]
+    from dualframe.pipeline.graph_walk import edge_pairs
+
+    return edge_pairs(split)
+
+
+def virtual_process_sets(layout: StageLayout, split: Any = None) -> List[List[int]]:
+    """The two-rank groups of every link between stages on different ranks (a graph's edges), in every replica.
+
+    Example:
+        >>> from dualframe.pipeline.layout import layout_pipeline
+        >>> virtual_process_sets(layout_pipeline(6, [1] * 6, 3, "interleaved-1f1b", world=3, virtual_stages=2))
+        [[0, 1], [1, 2], [0, 2]]
+    """
+    groups: List[List[int]] = []
+    for ranks in layout.grid.pipeline_groups:
+        for p, c in _stage_pairs(layout, split):
+            a, b = layout.placement[p], layout.placement[c]
+            pair = sorted((ranks[a], ranks[b]))
+            if a != b and pair not in groups:
+                groups.append(pair)
+    return groups
 
 
 class StageView:
@@ -281,7 +326,7 @@ class StageView:
 
     @property
     def stage_index(self) -> int:
-        """j: the stage this rank holds."""
+        """j: the stage this rank holds (with virtual stages: its position in the pipeline, ``held_stages`` its stages)."""
         return self.role.index
 
     @property

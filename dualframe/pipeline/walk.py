@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Protocol, Sequence, Tuple, TypeVar, cast
+from typing import Callable, List, Mapping, Optional, Protocol, Sequence, Tuple, TypeVar, Union, cast
 
 from dualframe.backend import SplitStageWork, StageWork
 from dualframe.errors import ChunksError, StrategyError
@@ -68,42 +68,44 @@ def walk(
     stage: int,
     stages: int,
     inputs: Sequence[T],
-    work: "StageWork[T]",
+    work: "Union[StageWork[T], Mapping[int, StageWork[T]]]",
     links: "StageLinks[T]",
     clock: Callable[[], float] = time.perf_counter,
 ) -> StepRecord:
     """Run stage ``stage``'s actions in order, exchanging messages with its neighbours.
 
     Args:
-        actions: this stage's actions, e.g. ``rank_schedule("1f1b", n, m)[j]``.
-        stage: j, this stage's index; ``stages``: n.
+        actions: this stage's actions, e.g. ``rank_schedule("1f1b", n, m)[j]``; with virtual stages, this
+            rank's, each naming its stage (the message tags then name it too: ``2F3``).
+        stage: j, this stage's index (of actions naming none); ``stages``: n, all the pipeline's stages.
         inputs: the micro-batches (read on the first stage only).
-        work: the framework's forward/backward of this stage.
+        work: the framework's forward/backward of this stage; with virtual stages, per stage j.
         links: the transport to the neighbours.
         clock: the time source for the record.
 
     Returns:
         The StepRecord of this step on this stage.
     """
-    j, n = stage, stages
+    n = stages
     record = StepRecord(start=clock())
     for action in actions:
-        i, tag = action.micro, str(action)
+        i, tag, j = action.micro, str(action), action.on(stage)
+        w = work[j] if isinstance(work, Mapping) else work
         if action.kind == FORWARD:
             x = inputs[i] if j == 0 else links.receive(tag)
             begin = clock()
-            y = work.forward(i, x)
+            y = w.forward(i, x)
             record.actions.append((tag, begin, clock()))
             if j < n - 1 and y is not None:
                 links.send(tag, y)
         elif action.kind == WEIGHT:
             begin = clock()
-            cast("SplitStageWork[T]", work).weight(i)  # lists with W come with a SplitStageWork
+            cast("SplitStageWork[T]", w).weight(i)  # lists with W come with a SplitStageWork
             record.actions.append((tag, begin, clock()))
         else:
             grad = links.receive(tag) if j < n - 1 else None
             begin = clock()
-            grad_input = work.backward(i, grad)
+            grad_input = w.backward(i, grad)
             record.actions.append((tag, begin, clock()))
             if j > 0 and grad_input is not None:
                 links.send(tag, grad_input)

@@ -20,6 +20,7 @@ from dualframe.pipeline.schedule import Action
 from dualframe.pipeline.stage import StageView, open_stage
 from dualframe.pipeline.walk import StepRecord
 from dualframe.pipeline.layout import layout_pipeline
+from dualframe.pipeline.schedule import virtual_count
 from dualframe.pipeline.link import check_transport
 from dualframe.tensorflow.backend import BACKEND
 from dualframe.tensorflow.collectives import hvd
@@ -32,6 +33,7 @@ from dualframe.tensorflow.graph_masks import chain_mask_crossing
 from dualframe.tensorflow.distributed_graph import process_stages
 from dualframe.tensorflow.graph_stage_work import GraphStageFunction, TFGraphStageWork
 from dualframe.tensorflow.pipeline_fit import KerasFit, keras_loss
+from dualframe.tensorflow.virtual_work import VirtualStageWorks, stage_actions
 from dualframe.tensorflow.xla_choice import use_xla
 from dualframe.tensorflow.tied import TiedVariables, find_layer_tied
 from dualframe.pipeline.tied import TiedPlan, TiedWeight
@@ -103,7 +105,8 @@ class DistributedPipeline(KerasFit, StageView):
         schedule: ``"gpipe"``, ``"1f1b"`` (at most ``stages`` micro-batches' tapes alive) or ``"zb-h1"``
             (1F1B's memory, the weights' gradients computed in ticks 1F1B leaves idle:
             ``dualframe.tensorflow.split_backward``; a functional model's stages:
-            ``dualframe.tensorflow.graph_split_backward``).
+            ``dualframe.tensorflow.graph_split_backward``); with ``virtual_stages`` > 1, ``"interleaved-1f1b"``
+            or ``"zb-v"`` (see torch's ``DistributedPipeline``).
         loss_fn: ``loss_fn(targets, outputs)`` in Keras order (``keras.losses.MeanSquaredError()`` or
             ``"mse"``); per-row results are averaged. ``outputs`` is what the model returns (a list or dict
             for several outputs).
@@ -121,6 +124,9 @@ class DistributedPipeline(KerasFit, StageView):
             or ``"except_last"`` (every micro-batch but the last): such a micro-batch's forward runs without a
             tape, keeping only its input, and again under a tape when its backward starts (the same Dropout
             masks; moving statistics updated once). Results equal those without it.
+        virtual_stages: stages each rank holds (a Sequential or a list of layers): ``balance`` then lists all
+            ``ranks x virtual_stages`` stages and the schedule places them (``held_stages``). ``fit`` and stage
+            checkpoints take one stage per rank yet (they refuse by name).
 
     Raises:
         BalanceError, ChunksError, ScheduleError, StrategyError: bad arguments, on every rank, before
@@ -139,7 +145,7 @@ class DistributedPipeline(KerasFit, StageView):
                  data_parallel: Optional[int] = None, timeout: float = 45.0, *,
                  split_points: Optional[Sequence[str]] = None, stages: Optional[int] = None,
                  jit_compile: Optional[bool] = None, transport: Optional[str] = None,
-                 checkpoint: str = "never") -> None:
+                 checkpoint: str = "never", virtual_stages: int = 1) -> None:
         transport = check_transport(transport)
         if jit_compile is not None and not isinstance(jit_compile, bool):
             raise StrategyError(f"jit_compile must be None, True or False (jit_compile: {jit_compile!r})")
@@ -157,9 +163,13 @@ class DistributedPipeline(KerasFit, StageView):
                 raise BalanceError("give balance=[layers per stage] to split a list of layers")
             all_layers: List[Any] = _layers_of(layers)
             layout = layout_pipeline(len(all_layers), balance, chunks, schedule, loss_fn, devices, data_parallel,
-                                     timeout, world, checkpoint)
+                                     timeout, world, checkpoint, virtual_stages)
             ranges = layout.ranges
             _refuse_masks_crossing(all_layers, ranges)
+        elif virtual_count(virtual_stages) > 1:
+            raise StrategyError(f"virtual_stages={virtual_stages} cuts a keras.Sequential or a list of layers by "
+                                f"balance; a functional model's graph split holds one stage per rank; use "
+                                f"virtual_stages=1 there")
         else:  # a functional model: one GraphStage per stage, the same cut on every rank
             n = stage_count(split_points, balance, stages)
             layout = layout_pipeline(n, [1] * n, chunks, schedule, loss_fn, devices, data_parallel, timeout, world,
@@ -175,8 +185,12 @@ class DistributedPipeline(KerasFit, StageView):
         self.role = open_stage(BACKEND, layout, step_names=False, split=self.split, transport=transport, tied=tied)
         self.device, self.direct = self.role.device, self.role.direct  # direct None: Horovod broadcasts
         j = self.role.index
-        self.layer_indices = ranges[j]
-        self.layers = [all_layers[index] for index in ranges[j]]
+        #: The stages this rank holds (one, j = stage_index, unless virtual_stages > 1).
+        self.held_stages = layout.held(j)
+        self.layer_indices: Sequence[int] = ranges[j] if len(self.held_stages) == 1 else [
+            k for held in self.held_stages for k in ranges[held]]
+        self.layers = [all_layers[index] for index in self.layer_indices]
+        self._stage_ranges = {held: ranges[held] for held in self.held_stages}
         self._all_layers = all_layers
         #: The model given (saved whole by ``fit``'s checkpoints), None for a list of layers.
         self.keras_model = layers if isinstance(layers, keras.Model) else None
@@ -186,8 +200,11 @@ class DistributedPipeline(KerasFit, StageView):
         # One trace per training flag and (relaxed) input shape, kept across steps (see pipeline_work,
         # graph_stage_work): each micro-batch's pass is one compiled call.
         jit_compile = use_xla(jit_compile, self.layers, self.device)
-        self._functions = (StageFunctions(self.layers, self.is_first, loss_fn, jit_compile) if self.split is None
-                           else None)
+        self._functions = (StageFunctions(self.layers, self.is_first, loss_fn, jit_compile)
+                           if self.split is None and len(self.held_stages) == 1 else None)
+        self._stage_functions = {held: StageFunctions([all_layers[k] for k in ranges[held]], held == 0, loss_fn,
+                                                      jit_compile) for held in self.held_stages} \
+            if len(self.held_stages) > 1 else {}
         self._graph_function = (None if self.split is None or self.captured is None else GraphStageFunction(
             self.layers[0], self.split, j, self.captured, loss_fn, jit_compile))
         # A graph stage calls its own layers and its copies of tied ones: the Keras layers whose state a replay needs.
@@ -225,19 +242,18 @@ class DistributedPipeline(KerasFit, StageView):
         counts = [len(layer.weights) for layer in self._all_layers]
         if len(weights) != sum(counts):
             raise StrategyError(f"set_weights takes the full model's list (weights: {len(weights)}, model: {sum(counts)})")
-        start = sum(counts[:self.layer_indices.start])
-        for layer in self.layers:
+        for index, layer in zip(self.layer_indices, self.layers):
+            start = sum(counts[:index])
             layer.set_weights(list(weights[start:start + len(layer.weights)]))
-            start += len(layer.weights)
         if self.split is not None:  # this graph stage's copies of tied layers
             for tied, values in _tied_parts(self._all_layers, self.layers, weights):
                 tied.set_weights(values)
 
     def gather_weights(self) -> List[np.ndarray]:
         """The full model's weights, merged from every stage of this pipeline (a collective: call it on all ranks)."""
-        parts = hvd.allgather_object((self.stage_index, self.get_weights()), name=f"{self.role.link.prefix}.weights",
-                                     process_set=self.pipeline_set)
-        return [w for _, part in sorted(parts, key=lambda item: item[0]) for w in part]
+        mine = [(index, layer.get_weights()) for index, layer in zip(self.layer_indices, self.layers)]
+        parts = hvd.allgather_object(mine, name=f"{self.role.link.prefix}.weights", process_set=self.pipeline_set)
+        return [w for _, layer in sorted(item for part in parts for item in part) for w in layer]
 
     def distributed_optimizer(self, optimizer: keras.optimizers.Optimizer, **kwargs: Any) -> Any:
         """Wrap ``optimizer`` so each stage's gradients are averaged among its replicas only.
@@ -264,6 +280,8 @@ class DistributedPipeline(KerasFit, StageView):
         inputs = None if inputs is None or not self.is_first else tf.convert_to_tensor(inputs)
         sizes = self.role.agree(inputs, targets, train)
         micro_inputs, micro_targets = self.role.micro_batches(inputs, targets, sizes, train)
+        if self._stage_functions:
+            return self._run_virtual(actions, micro_inputs, micro_targets, [s / sum(sizes) for s in sizes], train)
         batch_weights = self._batches_weights(actions, train)
         if batch_weights:  # W actions send nothing: each stage decides alone
             actions = deferred_weights(actions)
@@ -271,6 +289,17 @@ class DistributedPipeline(KerasFit, StageView):
                            micro_targets, [s / sum(sizes) for s in sizes], self.device, self._functions, fusable(actions),
                            split=splits_backward(actions), batch_weights=batch_weights, recompute=self._recompute)
         return work, self.role.step(actions, micro_inputs, work, train)
+
+    def _run_virtual(self, actions: Sequence[Action], micro_inputs: Any, micro_targets: Any, weights: List[float],
+                     train: bool) -> Tuple[VirtualStageWorks, StepRecord]:
+        """Walk this rank's stages (virtual stages): one ``TFStageWork`` per stage, over its own functions."""
+        last = len(self.role.layout.ranges) - 1
+        works = {j: TFStageWork([self._all_layers[k] for k in self._stage_ranges[j]], j == 0, j == last,
+                                self.loss_fn if train else None, micro_targets if j == last else [], weights,
+                                self.device, functions, fusable(stage_actions(actions, j)),
+                                split=splits_backward(actions)) for j, functions in self._stage_functions.items()}
+        joined = VirtualStageWorks(works, last)
+        return joined, self.role.step(actions, micro_inputs, works, train)
 
     def _batches_weights(self, actions: Sequence[Action], train: bool) -> bool:
         """Whether this step runs GPipe's W passes as one after its last B (``pipeline_work.deferred_weights``).
@@ -318,8 +347,7 @@ class DistributedPipeline(KerasFit, StageView):
 
     def __call__(self, inputs: Any) -> Any:
         """Inference through the pipeline (no gradients): the model's output on the last stage, None elsewhere."""
-        forwards = [Action("F", i) for i in range(self.chunks)]
-        work, _ = self._run(forwards, inputs, None, train=False)
+        work, _ = self._run(self.role.forward_actions(self.chunks), inputs, None, train=False)
         if not self.is_last:
             return None
         if self.captured is None or self.split is None:

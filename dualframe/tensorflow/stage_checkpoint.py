@@ -29,6 +29,9 @@ def _check(directory: Any, pipe: Any, optimizer: Any) -> str:
     path = check_directory(directory)
     if not isinstance(pipe, DistributedPipeline):
         raise CheckpointError(f"pipe must be a dualframe.tensorflow.DistributedPipeline (pipe: {type(pipe).__name__})")
+    if len(pipe.held_stages) > 1:
+        raise CheckpointError(f"Keras stage checkpoints hold one stage per rank yet (this rank holds stages "
+                              f"{pipe.held_stages}: virtual_stages); save pipe.gather_weights() on rank 0 instead")
     if optimizer is not None and not isinstance(optimizer, keras.optimizers.Optimizer):
         raise CheckpointError(f"optimizer must be a keras.optimizers.Optimizer or None "
                               f"(optimizer: {type(optimizer).__name__})")
@@ -115,7 +118,7 @@ class KerasStageCodec:
         mine = read_newest(path, SUFFIX) if int(hvd.rank()) == 0 else None
         data = collectives.broadcast_bytes(mine, 0, f"{NAME}.merged")
         arrays, header = _decode(data, path)
-        offset = sum(len(layer.variables) for layer in pipe.all_layers[:pipe.layer_indices.start])
+        offset = sum(len(layer.variables) for layer in pipe.all_layers[:pipe.layer_indices[0]])
         variables = stage_variables(pipe)
         paths = header["model_paths"][offset:offset + len(variables)]
         assign_variables("model", variables,

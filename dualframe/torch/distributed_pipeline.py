@@ -21,6 +21,7 @@ from dualframe.pipeline.link import check_transport
 from dualframe.pipeline.stage import StageView, open_stage
 from dualframe.pipeline.walk import StepRecord
 from dualframe.pipeline.layout import StageLayout, layout_pipeline
+from dualframe.pipeline.schedule import virtual_count
 from dualframe.pipeline.tied import TiedPlan
 from dualframe.torch.backend import BACKEND
 from dualframe.torch.pipeline_work import ActivationMeter, TorchStageWork
@@ -34,13 +35,20 @@ from dualframe.torch.stage_recompute import StageRecompute
 from dualframe.torch.tied import TiedCopies, find_stage_tied, model_state_dict, stage_part, tensor_names
 
 
+def rank_module(module: nn.Module, layout: StageLayout, position: int) -> nn.Module:
+    """The layers of every stage the rank at ``position`` holds, under the model's names (virtual stages: several)."""
+    items = list(module._modules.items())
+    held = [r for j in layout.held(position) for r in layout.ranges[j]]
+    return nn.Sequential(OrderedDict(items[r] for r in held))  # type: ignore[arg-type,misc]
+
+
 def _layout(module: nn.Module, balance: Sequence[int], chunks: int, schedule: str, loss_fn: Any,
             devices: Optional[Sequence[str]], data_parallel: Optional[int], timeout: float,
-            checkpoint: str) -> StageLayout:
+            checkpoint: str, virtual_stages: int) -> StageLayout:
     if not isinstance(module, nn.Sequential):
         raise StrategyError(f"DistributedPipeline splits an nn.Sequential (module: {type(module).__name__})")
     return layout_pipeline(len(module), balance, chunks, schedule, loss_fn, devices, data_parallel, timeout,
-                           BACKEND.collectives.world_size(), checkpoint)
+                           BACKEND.collectives.world_size(), checkpoint, virtual_stages)
 
 
 class DistributedPipeline(StageView, nn.Module):
@@ -60,7 +68,9 @@ class DistributedPipeline(StageView, nn.Module):
         schedule: ``"gpipe"``, ``"1f1b"`` (at most ``stages`` micro-batches' activations alive) or ``"zb-h1"``
             (1F1B with the backward split into the input's gradient, sent back at once, and the weights',
             computed in ticks 1F1B leaves idle: ``dualframe.torch.split_backward``; at most ``stages``
-            micro-batches held on every stage).
+            micro-batches held on every stage); with ``virtual_stages`` > 1, ``"interleaved-1f1b"`` (stage j
+            on rank ``j % ranks``; ``chunks`` a multiple of the ranks) or ``"zb-v"`` (two stages per rank in a
+            V: rank r holds stages r and ``2 ranks - 1 - r``, the loss on rank 0; the backward split as ZB-H1's).
         loss_fn: ``loss_fn(output, target)``, the mean over a micro-batch's rows (e.g. ``nn.MSELoss()``);
             ``output`` is what the model returns (a tuple or dict for several outputs). None (a graph):
             the model's own loss, ``output.loss`` of a Hugging Face model whose labels are among its inputs
@@ -82,6 +92,8 @@ class DistributedPipeline(StageView, nn.Module):
             only its stage's input from forward to backward, where the stage's forward runs again (the
             same random state, buffers such as BatchNorm's statistics updated once); under ``"zb-h1"``
             the recomputed graph lives from B to W. Results equal those without it.
+        virtual_stages: stages each rank holds: ``balance`` (or ``split_points``, ``stages``) then describes all
+            ``ranks x virtual_stages`` stages, and the schedule places them (``pipe.held_stages``).
 
     Raises:
         BalanceError, ChunksError, ScheduleError, StrategyError: bad arguments, on every rank, before
@@ -100,28 +112,35 @@ class DistributedPipeline(StageView, nn.Module):
                  devices: Optional[Sequence[str]] = None, data_parallel: Optional[int] = None,
                  timeout: float = 45.0, *, split_points: Optional[Sequence[str]] = None, stages: Optional[int] = None,
                  sample: Any = None, leaves: Leaves = (), transport: Optional[str] = None,
-                 checkpoint: str = "never") -> None:
+                 checkpoint: str = "never", virtual_stages: int = 1) -> None:
         super().__init__()
         transport = check_transport(transport)
         self.graph: Optional[GraphPart] = None
         if is_graph_split(module, split_points, stages):
             n = stage_count(split_points, balance, stages)
             layout = layout_pipeline(n, [1] * n, chunks, schedule, loss_fn, devices, data_parallel, timeout,
-                                     BACKEND.collectives.world_size(), checkpoint)
+                                     BACKEND.collectives.world_size(), checkpoint, virtual_count(virtual_stages))
             self.graph = GraphPart(module, split_points=split_points, balance=balance, stages=stages, sample=sample,
                                    leaves=leaves)
         else:
             layout = _layout(module, balance or [], chunks, schedule, loss_fn, devices, data_parallel, timeout,
-                             checkpoint)
+                             checkpoint, virtual_stages)
         self.chunks, self.schedule, self.grid, self.checkpoint = chunks, layout.schedule, layout.grid, layout.checkpoint
         self.loss_fn, self.timeout = loss_fn, timeout
-        modules = [self._stage_module(module, layout, j) for j in range(layout.grid.stages)]
-        tied = find_stage_tied(module, modules)  # weights several stages read: each holds a copy
+        modules = [self._stage_module(module, layout, j) for j in range(len(layout.ranges))]
+        # A rank's modules (with virtual stages, its stages' layers under the model's names, for its parameters
+        # and state_dict); tied weights are those several ranks read.
+        held = [rank_module(module, layout, r) if self.graph is None else
+                modules[r] if layout.virtual_stages == 1 else
+                nn.ModuleDict({str(j): modules[j] for j in layout.held(r)}) for r in range(self.grid.stages)]
+        tied = find_stage_tied(module, held)  # weights several stages read: each holds a copy
         # From here on, Horovod: every argument above is checked on every rank.
         split = self.graph.split if self.graph is not None else None
         self.role = open_stage(BACKEND, layout, split=split, transport=transport, tied=tied)
         self.device, self.direct = self.role.device, self.role.direct  # direct None: Horovod broadcasts
-        self.stage = modules[self.role.index].to(self.device)
+        self.stage = held[self.role.index].to(self.device)
+        #: The stages this rank holds, by index j (one, j = stage_index, unless virtual_stages > 1).
+        self.held_stages = {j: modules[j] for j in layout.held(self.role.index)}
         # A graph stage's (stage key, model key) pairs: a tied weight under each of the model's names, the
         # model's non-persistent buffers left out.
         self._keys = self.graph.model_keys(self.stage) if self.graph is not None else None
@@ -130,8 +149,10 @@ class DistributedPipeline(StageView, nn.Module):
                                self.role.sets, self.role.link.prefix)
         self.tied.broadcast()
         self.meter = ActivationMeter(self.stage.parameters())
-        # A zero-bubble schedule: backward as B (the input's gradient) then, later, W (the weights').
-        self.split_backward = SplitBackward(self.stage) if splits_backward(self.actions) else None
+        # A zero-bubble schedule: backward as B (the input's gradient) then, later, W (the weights'); one per stage.
+        splits = splits_backward(self.actions)
+        self.split_backward = SplitBackward(self.stage) if splits and len(self.held_stages) == 1 else None
+        self.split_backwards = {j: SplitBackward(m) for j, m in self.held_stages.items()} if splits else {}
         self.recompute = StageRecompute(self.stage, layout.recomputed, self.device) if layout.recomputed else None
 
     def _stage_module(self, module: nn.Module, layout: StageLayout, j: int) -> nn.Module:
@@ -208,6 +229,9 @@ class DistributedPipeline(StageView, nn.Module):
         work: Any
         if self.graph is not None:
             micro_inputs = self.graph.micro_inputs(values, sizes, self.device) if self.is_first else []
+        if len(self.held_stages) > 1:
+            return self._run_virtual(actions, micro_inputs, micro_targets, weights, train, loss_fn)
+        if self.graph is not None:
             work = TorchGraphStageWork(self.stage, self.graph.split, self.stage_index, self.graph.captured,
                                        self.device, loss_fn, micro_targets, weights, self.meter,
                                        self.split_backward, self.recompute)
@@ -217,6 +241,21 @@ class DistributedPipeline(StageView, nn.Module):
         with torch.set_grad_enabled(train), self.meter.counting():
             record = self.role.step(actions, micro_inputs, work, train)
         return work, record
+
+    def _run_virtual(self, actions: Sequence[Action], micro_inputs: Any, micro_targets: Any, weights: Sequence[float],
+                     train: bool, loss_fn: Any) -> Tuple[Any, StepRecord]:
+        """Walk this rank's stages (virtual stages): one work per stage; returns the last stage's work where held."""
+        last = len(self.role.layout.ranges) - 1
+        works: Dict[int, Any] = {}
+        for j, m in self.held_stages.items():
+            targets = micro_targets if j == last else []
+            works[j] = (TorchStageWork(m, j == 0, j == last, loss_fn, targets, list(weights), self.meter,
+                                       self.split_backwards.get(j)) if self.graph is None else
+                        TorchGraphStageWork(m, self.graph.split, j, self.graph.captured, self.device, loss_fn, targets,
+                                            list(weights), self.meter, self.split_backwards.get(j)))
+        with torch.set_grad_enabled(train), self.meter.counting():
+            record = self.role.step(actions, micro_inputs, works, train)
+        return works.get(last, works[min(works)]), record
 
     def train_step(self, inputs: Any = None, targets: Optional[torch.Tensor] = None, **keywords: Any) -> float:
         """Run one mini-batch forward and backward through the pipeline; gradients land in ``.grad``.
@@ -243,7 +282,7 @@ class DistributedPipeline(StageView, nn.Module):
         Takes what the model takes (positional and keyword inputs), or one tuple or dict as ``train_step``;
         a loss the model computes itself (labels among the inputs) is the micro-batches' weighted by rows.
         """
-        forwards = [Action("F", i) for i in range(self.chunks)]
+        forwards = self.role.forward_actions(self.chunks)
         inputs = args[0] if len(args) == 1 else (args if args else None)
         work, _ = self._run(forwards, inputs, None, train=False, keywords=kwargs)
         if not self.is_last:

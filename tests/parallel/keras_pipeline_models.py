@@ -96,6 +96,18 @@ def train_pipeline(pipe, optimizer, data, expected_losses, feed=stage_feed, atol
             f"rank {hvd.rank()} step {step}: loss {loss}, one process {expected_losses[step]}"
 
 
+def check_set_weights_and_inference(pipe, other, rows):
+    """``pipe`` takes ``other``'s full weight list, gathers it back bitwise and infers as ``other`` (on the last stage)."""
+    pipe.set_weights(other.get_weights())
+    assert_weights(pipe.gather_weights(), other.get_weights(), "set vs gathered", atol=0)
+    x = np.random.RandomState(3).randn(rows, 6).astype("float32")
+    out = pipe(x)
+    if pipe.is_last:
+        np.testing.assert_allclose(out.numpy(), other(x).numpy(), atol=1e-6, rtol=0)
+    else:
+        assert out is None
+
+
 def assert_weights(got, want, what="merged vs one process", atol=1e-5):
     """The same number of weights, each within ``atol`` (0: bitwise equal)."""
     assert len(got) == len(want), f"rank {hvd.rank()}: {what}: {len(got)} weights, want {len(want)}"

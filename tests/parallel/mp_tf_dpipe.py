@@ -12,7 +12,8 @@ import dualframe.tensorflow as hvd
 from dualframe.errors import BalanceError, ChunksError, ScheduleError, StrategyError
 from dualframe.tensorflow.distributed_pipeline import DistributedPipeline
 # tests/parallel is on sys.path (pytest rootdir import)
-from keras_pipeline_models import assert_weights, batches, mlp, one_process, train_pipeline
+from keras_pipeline_models import (assert_weights, batches, check_set_weights_and_inference, mlp, one_process,
+                                   train_pipeline)
 
 STEPS, BATCH, CHUNKS = 4, 10, 4  # micro-batches of 3, 3, 2, 2 rows
 hvd.init()
@@ -104,14 +105,7 @@ def test_checkpointing_replays_dropout_masks_and_updates_batch_norm_once(schedul
 def test_inference_and_set_weights_take_the_full_model():
     model, other = mlp(), mlp(seed=99)
     pipe = DistributedPipeline(model, balance=[3, 2], chunks=3, loss_fn="mse")
-    pipe.set_weights(other.get_weights())
-    assert_weights(pipe.gather_weights(), other.get_weights(), "set vs gathered", atol=0)
-    x = np.random.RandomState(3).randn(7, 6).astype("float32")
-    out = pipe(x)
-    if pipe.is_last:
-        np.testing.assert_allclose(out.numpy(), other(x).numpy(), atol=1e-6, rtol=0)
-    else:
-        assert out is None
+    check_set_weights_and_inference(pipe, other, rows=7)
 
 
 def test_bad_batches_are_refused_on_every_rank():

@@ -271,8 +271,9 @@ def toy():
 
 
 def test_the_registry_holds_gpipe_1f1b_zb_h1_and_says_which_one_process_runs():
-    assert schedule_names() == ("gpipe", "1f1b", "zb-h1")
+    assert schedule_names() == ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zb-v")
     assert schedule_names(one_process=True) == ("gpipe",)
+    assert schedule_names(virtual=True) == ("interleaved-1f1b", "zb-v")
     assert registered("1F1B").build is one_f_one_b and registered("gpipe").build is gpipe
 
 
@@ -284,7 +285,7 @@ def test_a_registered_schedule_is_accepted_everywhere_from_that_one_call(toy):
         ["B0", "B1"],
         ["B1", _],
     ])
-    with pytest.raises(ScheduleError, match=r"unknown schedule 'zigzag'; choose one of gpipe, 1f1b, zb-h1, fifo"):
+    with pytest.raises(ScheduleError, match=r"unknown schedule 'zigzag'; choose one of gpipe, 1f1b, zb-h1, interleaved-1f1b, zb-v, fifo"):
         dualframe.Pipeline([1, 1], schedule="zigzag")
 
 

@@ -1,0 +1,71 @@
+"""Keras DistributedPipeline with virtual stages on 2 processes (2 x 2 stages), interleaved 1F1B and ZB-V, against one process.
+# timeout: 400
+"""
+import keras
+import pytest
+
+import dualframe.tensorflow as hvd
+from dualframe.errors import BalanceError, ChunksError, ScheduleError, StrategyError
+from dualframe.reliability.checkpoint import CheckpointError
+from dualframe.tensorflow.distributed_pipeline import DistributedPipeline
+# tests/parallel is on sys.path (pytest rootdir import)
+from keras_pipeline_models import assert_weights, batches, check_set_weights_and_inference, one_process, train_pipeline
+
+STEPS, BATCH = 3, 12  # chunks=8: micro-batches of 2, 2, 2, 2, 1, 1, 1, 1 rows
+BALANCE = [2, 2, 2, 1]  # four stages of the seven layers: two per rank
+HELD = {"interleaved-1f1b": [[0, 2], [1, 3]], "zb-v": [[0, 3], [1, 2]]}
+hvd.init()
+
+
+def deep_mlp(seed=5):
+    """Dense -> tanh -> Dense -> relu -> Dense -> tanh -> Dense (7 layers): a Dense in each of the four stages."""
+    init = keras.initializers.GlorotUniform
+    layers = [keras.Input((6,))]
+    for k, activation in enumerate(["tanh", "relu", "tanh"]):
+        layers += [keras.layers.Dense(16, kernel_initializer=init(seed + k),
+                                      bias_initializer=keras.initializers.RandomNormal(seed=seed + k)),
+                   keras.layers.Activation(activation)]
+    return keras.Sequential(layers + [keras.layers.Dense(3, kernel_initializer=init(seed + 9))])
+
+
+def test_started_on_two_processes():
+    assert hvd.size() == 2
+
+
+def test_bad_combinations_are_refused_on_every_rank_before_communication():
+    model = deep_mlp()
+    with pytest.raises(ScheduleError, match=r"schedule 'zb-h1' runs one stage per rank, so it cannot run virtual_stages=2"):
+        DistributedPipeline(model, BALANCE, chunks=4, schedule="zb-h1", loss_fn="mse", virtual_stages=2)
+    with pytest.raises(ChunksError, match=r"interleaved-1f1b needs chunks divisible by the pipeline's ranks.*"
+                                          r"\(chunks: 5, ranks: 2\)"):
+        DistributedPipeline(model, BALANCE, chunks=5, schedule="interleaved-1f1b", loss_fn="mse", virtual_stages=2)
+    with pytest.raises(BalanceError, match=r"balance must describe ranks x virtual_stages stages.*\(balance: 3 stages"):
+        DistributedPipeline(model, [3, 2, 2], chunks=4, schedule="zb-v", loss_fn="mse", virtual_stages=2)
+    with pytest.raises(StrategyError, match=r"virtual_stages=2 cuts a keras.Sequential or a list of layers by balance"):
+        functional = keras.Model(model.inputs, model.outputs)
+        DistributedPipeline(functional, split_points=[functional.layers[3].name], chunks=4, schedule="zb-v",
+                            loss_fn="mse", virtual_stages=2)
+
+
+@pytest.mark.parametrize("chunks", [4, 8])
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zb-v"])
+def test_training_equals_one_process(schedule, chunks):
+    data = batches(STEPS, BATCH)
+    expected_losses, expected_weights = one_process(deep_mlp(), data, keras.optimizers.SGD(0.1, momentum=0.9))
+    pipe = DistributedPipeline(deep_mlp(), balance=BALANCE, chunks=chunks, schedule=schedule, loss_fn="mse",
+                               virtual_stages=2)
+    assert pipe.held_stages == HELD[schedule][hvd.rank()]
+    assert len(pipe.trainable_variables) == 4  # each stage one Dense, each rank two stages
+    train_pipeline(pipe, keras.optimizers.SGD(0.1, momentum=0.9), data, expected_losses)
+    assert_weights(pipe.gather_weights(), expected_weights)
+    assert [tag for tag, _, _ in pipe.records.records[-1].actions] == [str(a) for a in pipe.actions]
+
+
+def test_inference_set_weights_and_the_refusals_of_fit_and_checkpoints(tmp_path):
+    model, other = deep_mlp(), deep_mlp(seed=99)
+    pipe = DistributedPipeline(model, balance=BALANCE, chunks=4, schedule="zb-v", loss_fn="mse", virtual_stages=2)
+    check_set_weights_and_inference(pipe, other, rows=8)
+    with pytest.raises(StrategyError, match=r"compile and fit run one stage per rank yet"):
+        pipe.compile(keras.optimizers.SGD(0.1), "mse")
+    with pytest.raises(CheckpointError, match=r"Keras stage checkpoints hold one stage per rank yet"):
+        hvd.save_stage_checkpoint(str(tmp_path), pipe, step=0)
