@@ -229,7 +229,7 @@ class KerasFit:
                 the replicas' shares of at least ``chunks`` rows, a ``validation_split`` that cannot be
                 honoured; on every rank before any step.
         """
-        compiled = self._needs_compile("fit")
+        self._needs_compile("fit")  # a pipeline never compiled is refused here
 
         def build() -> List[PipelineData]:
             train, val = (x, y), validation_data
