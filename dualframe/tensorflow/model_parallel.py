@@ -17,6 +17,7 @@ from dualframe.observe.timeline import Recording
 from dualframe.pipeline.graph import GraphSplit, graph_units
 from dualframe.tensorflow.graph import KerasGraph, capture, layers_called, layers_called_first, place_variables
 from dualframe.tensorflow.graph_split import describe_split, split_model
+from dualframe.tensorflow.stage_recompute import swapped
 
 _NAME = re.compile(r"^/?(?:.*device:)?(cpu|gpu|tpu)(?::(\d+))?$", re.IGNORECASE)
 HINT = ("; more CPU devices for testing: dualframe.tensorflow.logical_cpus(n) before TensorFlow runs any op")
@@ -305,12 +306,8 @@ def _recomputed(fn: Callable[..., Tuple[tf.Tensor, ...]], state: Sequence[Any]) 
             args = list(xs)
             for k, x in zip(where, floats):
                 args[k] = x
-            now = [tf.identity(v) for v in state] if others else []
-            for variable, value in zip(state if others else [], before):
-                variable.assign(value)
-            ys = fn(*args)
-            for variable, value in zip(state if others else [], now):
-                variable.assign(value)
+            with swapped(state if others else [], before):  # the recomputation (not the forward) replays
+                ys = fn(*args)
             if not others:
                 others.append([None if y.dtype.is_floating else y for y in ys])
             return tuple(y for y in ys if y.dtype.is_floating)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, FrozenSet, Iterator, List, Sequence
+from typing import Any, ContextManager, Dict, FrozenSet, Iterator, List, Sequence
 
 import tensorflow as tf
 
@@ -37,14 +37,23 @@ class StageRecompute:
         """Note the state micro-batch i's first forward starts from."""
         self._states[i] = self._values()
 
-    @contextlib.contextmanager
-    def replaying(self, i: int) -> Iterator[None]:
+    def replaying(self, i: int) -> ContextManager[None]:
         """Inside: the variables as micro-batch i's first forward found them; after: as before the block."""
-        now = self._values()
-        for variable, value in zip(self.variables, self._states.pop(i)):
+        return swapped(self.variables, self._states.pop(i))
+
+
+@contextlib.contextmanager
+def swapped(variables: Sequence[Any], values: Sequence[tf.Tensor]) -> Iterator[None]:
+    """Inside: ``variables`` hold ``values``; after: what they held before the block (a replayed forward's state).
+
+    Example:
+        >>> with swapped(dropout_seeds, first_forward_seeds): outputs = stage(x)   # doctest: +SKIP
+    """
+    now = [tf.identity(v.value) for v in variables]
+    for variable, value in zip(variables, values):
+        variable.assign(value)
+    try:
+        yield
+    finally:
+        for variable, value in zip(variables, now):
             variable.assign(value)
-        try:
-            yield
-        finally:
-            for variable, value in zip(self.variables, now):
-                variable.assign(value)
