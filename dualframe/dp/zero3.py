@@ -23,16 +23,16 @@ What the core decides here, and the adapters only execute:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from dualframe.dp.shard import ShardLayout
+from dualframe.dp.shard import Bucket, ShardLayout
 from dualframe.errors import StrategyError
 
 #: The ``shard=`` value of ZeRO-3 (``dualframe.dp.shard.SHARD_MODES`` lists it).
 ZERO3 = "parameters"
 #: The adapters that run ``shard="parameters"`` (the plan offers ZeRO-3 for these frameworks only).
-ZERO3_FRAMEWORKS = ("torch",)
+ZERO3_FRAMEWORKS = ("torch", "keras")
 
 
 def block_paths(modules: Sequence[Tuple[str, bool]]) -> List[str]:
@@ -165,6 +165,31 @@ class ParameterShardPlan:
     def largest_block(self) -> int:
         """Elements of the largest gathered block: what a rank holds in full at once, beside its slices."""
         return max((block.gathered_elements for block in self.blocks), default=0)
+
+    def joined(self) -> Tuple[ShardLayout, List[Tuple[int, ...]]]:
+        """Every block's buckets in one ``ShardLayout`` (tensors numbered as in ``names``), and each block's buckets.
+
+        For an adapter that keeps one list of slices (Keras): bucket ``k`` of the joined layout is a
+        block's bucket unchanged but for its tensor numbers; the second value lists, per block, the
+        indices of its buckets in the joined layout.
+
+        Example:
+            >>> plan = ParameterShardPlan.build(["a.w", "b.w", "b.b"], [4, 6, 2], ["", "a", "b"], ranks=2)
+            >>> layout, owned = plan.joined()
+            >>> [b.tensors for b in layout.buckets], owned, layout.owned_elements(1)
+            ([(0,), (1, 2)], [(0,), (1,)], 6)
+        """
+        sizes = [0] * len(self.names)
+        buckets: List[Bucket] = []
+        owned: List[Tuple[int, ...]] = []
+        for block in self.blocks:
+            for t, size in zip(block.tensors, block.layout.sizes):
+                sizes[t] = size
+            first = len(buckets)
+            buckets.extend(replace(bucket, tensors=tuple(block.tensors[t] for t in bucket.tensors))
+                           for bucket in block.layout.buckets)
+            owned.append(tuple(range(first, len(buckets))))
+        return ShardLayout(sizes=tuple(sizes), ranks=self.ranks, buckets=tuple(buckets)), owned
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """ZeRO-3 layer by layer for Keras 3: each layer gathers its values just before its call, and again for its backward.
 
-Each top-level layer of the sharded model (``model.layers``) owns the buckets of its trainable
-variables (the layout groups variables by layer). Its ``call`` is replaced by one that, inside a
+Each top-level layer of the sharded model (``model.layers``) is a block of the core's ZeRO-3 plan
+(``dualframe.dp.zero3``, the arithmetic torch's modules use): it owns one bucket per dtype of its
+trainable variables. Its ``call`` is replaced by one that, inside a
 ``tf.custom_gradient``, allgathers the layer's slices, runs the original call in a
 ``keras.StatelessScope`` mapping each variable to its gathered value, and lets the values go. Its
 gradient gathers them again, recomputes the layer's call under a tape (the layer's inputs are kept,
@@ -16,35 +17,53 @@ forward's updates alone are kept.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Sequence, Tuple
 
 import keras
+import numpy as np
 import tensorflow as tf
+from keras.src.backend.common.variables import AutocastScope, get_autocast_scope
 
+from dualframe.dp.shard import ShardLayout
+from dualframe.dp.zero3 import ParameterShardPlan, block_paths, check_unshared
 from dualframe.errors import StrategyError
 from dualframe.tensorflow.collectives import hvd
 from dualframe.tensorflow.gradients import SHARD_SCOPE, collective_scope, named
 
 
-def layer_groups(model: keras.Model) -> List[str]:
-    """A bucket key per trainable variable: its top-level layer and dtype (variables of one layer share buckets).
+def layer_plan(model: keras.Model, ranks: int) -> Tuple[ShardLayout, Dict[int, Tuple[int, ...]]]:
+    """The core's ZeRO-3 plan for ``model``'s top-level layers, as one layout and each layer's buckets.
+
+    Each top-level layer (``model.layers``) is a block of ``dualframe.dp.zero3``: its trainable
+    variables form one bucket per dtype, cut among ``ranks``, as torch cuts a module's parameters.
+
+    Returns:
+        The joined ``ShardLayout`` (tensors numbered as ``model.trainable_variables``) and, per index of
+        a layer with trainable variables, the indices of its buckets.
 
     Raises:
-        StrategyError: a variable used by two top-level layers (it could be gathered by one only).
+        StrategyError: a variable used by two top-level layers (each frees its own after its call), or
+            one outside every layer.
     """
-    owner: Dict[int, int] = {}
-    for j, layer in enumerate(model.layers):
+    layers = model.layers
+    names = [f"{j}_{layer.name}".replace(".", "_") for j, layer in enumerate(layers)]  # one path level each
+    holders: Dict[int, List[str]] = {}
+    for name, layer in zip(names, layers):
         for variable in layer.trainable_variables:
-            if owner.setdefault(id(variable), j) != j:
-                raise StrategyError(
-                    f"shard='parameters' gathers each layer's values for that layer; {variable.path} is used by "
-                    f"layers {model.layers[owner[id(variable)]].name!r} and {layer.name!r}; use shard='gradients'")
-    missing = [v.path for v in model.trainable_variables if id(v) not in owner]
+            holders.setdefault(id(variable), []).append(f"{name}.{variable.name}")
+    check_unshared({held[0]: held for held in holders.values()})
+    missing = [v.path for v in model.trainable_variables if id(v) not in holders]
     if missing:
         raise StrategyError(f"shard='parameters' needs every trainable variable inside one of the model's layers "
                             f"(not: {', '.join(missing[:3])}); use shard='gradients'")
-    return [f"{owner[id(v)]}/{v.dtype}" for v in model.trainable_variables]
+    variables = model.trainable_variables
+    paths = block_paths([(name, False) for name in names])
+    plan = ParameterShardPlan.build([holders[id(v)][0] for v in variables], [int(np.prod(v.shape)) for v in variables],
+                                    paths, ranks, dtypes=[str(v.dtype) for v in variables])
+    layout, owned = plan.joined()
+    return layout, {paths.index(block.path) - 1: buckets for block, buckets in zip(plan.blocks, owned)}
 
 
 def install(optimizer: Any, model: keras.Model) -> None:
@@ -55,9 +74,8 @@ def install(optimizer: Any, model: keras.Model) -> None:
     for j, layer in enumerate(model.layers):
         if not layer.variables:  # (a Dropout has no weights, but its seed generator's state)
             continue
-        own = {index[id(v)] for v in layer.trainable_variables}
-        buckets = [b for b, bucket in enumerate(zero.layout.buckets) if own & set(bucket.tensors)]
-        unit = _Unit(optimizer, layer, layer.call, buckets, [index[id(v)] for v in layer.trainable_variables],
+        unit = _Unit(optimizer, layer, layer.call, list(zero.blocks.get(j, ())),
+                     [index[id(v)] for v in layer.trainable_variables],
                      [replicated[id(v)] for v in layer.non_trainable_variables], j)
         layer.call = functools.partial(_gathered_call, unit)
 
@@ -81,10 +99,15 @@ class _Unit:
         values = optimizer._zero.unflatten(flats, self.buckets)
         return [values[t] for t in self.tensors]
 
-    def run(self, values: Sequence[Any], stats: Sequence[Any], args: Any, kwargs: Dict[str, Any]) -> Any:
+    def run(self, values: Sequence[Any], stats: Sequence[Any], args: Any, kwargs: Dict[str, Any],
+            autocast: Any = None) -> Any:
+        """The original call on ``values`` and ``stats``; ``autocast``: the forward's autocast scope, for the backward."""
         layer = self.layer
         mapping = list(zip(layer.trainable_variables, values)) + list(zip(layer.non_trainable_variables, stats))
-        with keras.StatelessScope(state_mapping=mapping, initialize_variables=False) as scope:
+        # The backward's recomputation runs outside the layer's __call__, which entered the mixed policy's
+        # autocast scope (float32 values read as float16): it enters the forward's scope again.
+        cast = AutocastScope(autocast.dtype) if autocast is not None else contextlib.nullcontext()
+        with cast, keras.StatelessScope(state_mapping=mapping, initialize_variables=False) as scope:
             outputs = self.call(*args, **kwargs)
         return outputs, [scope.get_current_value(v) for v in layer.non_trainable_variables]
 
@@ -119,6 +142,7 @@ def _gathered_call(unit: _Unit, *args: Any, **kwargs: Any) -> Any:
         # layer's: it waits for the layer's inputs (and, backward, for the gradient reaching the layer).
         with tf.control_dependencies(inputs):
             values = unit.gather(own, "gather")
+        autocast = get_autocast_scope()
         outputs, updated = unit.run(values, stats, with_inputs(inputs), kwargs)
         structure.append(outputs)
         updates.extend(updated)
@@ -128,7 +152,7 @@ def _gathered_call(unit: _Unit, *args: Any, **kwargs: Any) -> Any:
                 values = unit.gather(own, "regather")
             with tf.GradientTape() as tape:
                 tape.watch(inputs + values)
-                again, _ = unit.run(values, stats, with_inputs(inputs), kwargs)  # its updates are dropped
+                again, _ = unit.run(values, stats, with_inputs(inputs), kwargs, autocast)  # updates dropped
             grads = tape.gradient(tf.nest.flatten(again), inputs + values, output_gradients=list(upstream))
             by_variable: List[Any] = [None] * len(unit.optimizer._zero.variables)
             for t, grad in zip(unit.tensors, grads[len(inputs):]):

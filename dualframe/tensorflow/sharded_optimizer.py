@@ -121,6 +121,8 @@ class ShardedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
         (when every rank steps or traces its step), so building stays local: an elastic worker
         that joins builds its optimizer while the others wait in ``sync``.
         """
+        if self.shard == "parameters" and self.built:
+            return  # shard_model built it; a LossScaleOptimizer around it builds it again, on the slices
         variables = list(var_list)
         if self.shard == "parameters" and self._zero.values is None:
             raise StrategyError(
@@ -129,9 +131,9 @@ class ShardedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
                 "dualframe.DataParallel(shard='parameters'))")
         ranks = self.reduction.process_set.size()
         with tf.init_scope():
-            layout = ShardLayout.build([int(np.prod(v.shape)) for v in variables], ranks,
-                                       dtypes=self._zero.groups or [str(v.dtype) for v in variables],
-                                       bucket_elements=self.bucket_elements)
+            layout = self._zero.planned or ShardLayout.build(
+                [int(np.prod(v.shape)) for v in variables], ranks, dtypes=[str(v.dtype) for v in variables],
+                bucket_elements=self.bucket_elements)
             self._zero.build(layout, variables, self.reduction.process_set.rank(), self._zero.values)
             if self.shard == "parameters":
                 self._zero.values = []  # the full values go: from now on the slices are the parameters
