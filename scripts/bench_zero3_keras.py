@@ -9,7 +9,9 @@ Dense(width x width) layers (5 x 2048^2: 21M parameters) with Adam:
 memory: one launch per mode (plain ``DistributedOptimizer``, ``shard="gradients"``, ``shard="parameters"``
         through ``distribute``). Each rank reports the bytes it keeps between steps (parameters it holds:
         the model's variables, or its slices under ZeRO-3; the optimizer's slots), its resident memory after
-        the steps (``/proc/self/statm``) and its peak (``ru_maxrss``); printed against plain's.
+        the steps (``/proc/self/statm``) and its peak (``ru_maxrss``); printed against plain's, beside
+        ``dualframe plan``'s figures for the same MLP (its parameters + Adam state, to the byte, and the
+        change of its whole per-rank total against plain, to set beside the change of the peak).
 time:   one launch holding the three models; rounds interleave them (order rotated each round), each times
         ``steps`` fit steps; the median of the per-round ratios to plain (the issue's goal for ZeRO-3: <= 1.3).
 """
@@ -70,6 +72,22 @@ def kept_bytes(model) -> dict:
     return {"parameters": parameters, "slots": slots}
 
 
+def planned(args: argparse.Namespace, ranks: int, mode: str) -> tuple:
+    """``dualframe plan``'s figures for this MLP under ``mode``: (parameters + Adam state kept, whole per-rank total)."""
+    from dualframe.plan import LayerProfile, ModelProfile, Training, group_memory
+    from dualframe.plan.memory import sharded_bytes
+
+    width, shard = args.width, None if mode == "plain" else mode
+    sizes = [width * width + width] * (args.layers - 1) + [width * 10 + 10]
+    layers = [LayerProfile(f"dense{j}", size, 0, args.batch * width, args.batch * width, args.batch * width)
+              for j, size in enumerate(sizes)]
+    profile = ModelProfile("keras", "mlp", (width,), layers, input_elements=width)
+    parameters, _, state = sharded_bytes(sum(sizes) * 4.0, 2, shard, ranks)
+    total = group_memory(profile, range(len(layers)), Training(args.batch, optimizer="adam"), replicas=ranks,
+                         shard=shard).total
+    return parameters + state, total
+
+
 def resident() -> int:
     with open("/proc/self/statm") as statm:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -125,13 +143,17 @@ def report(ranks: int, args: argparse.Namespace) -> None:
         memory = {m: launch(ranks, "memory", m, args) for m in MODES}
         plain = memory["plain"]
         print(f"np={ranks} {args.launcher}, {args.layers} x Dense({args.width}), Adam; per rank (max over ranks):")
+        plan_plain = planned(args, ranks, "plain")[1]
         for m in MODES:
             row = memory[m]
             kept, base = row["parameters"] + row["slots"], plain["parameters"] + plain["slots"]
+            plan_kept, plan_total = planned(args, ranks, m)
             print(f"  {m:10s} parameters + slots kept {kept / 2**20:7.1f} MiB ({kept / base:.3f} of plain; "
-                  f"1/np = {1 / ranks:.3f}), resident after the steps {row['resident'] / 2**20:7.1f} MiB "
+                  f"1/np = {1 / ranks:.3f}; plan {plan_kept / 2**20:.1f} MiB, measured/plan {kept / plan_kept:.3f}), "
+                  f"resident after the steps {row['resident'] / 2**20:7.1f} MiB "
                   f"({(row['resident'] - plain['resident']) / 2**20:+.1f} MiB against plain), peak "
-                  f"{row['peak'] / 2**20:7.1f} MiB ({(row['peak'] - plain['peak']) / 2**20:+.1f} MiB)", flush=True)
+                  f"{row['peak'] / 2**20:7.1f} MiB ({(row['peak'] - plain['peak']) / 2**20:+.1f} MiB; the plan's "
+                  f"total {(plan_total - plan_plain) / 2**20:+.1f} MiB against plain)", flush=True)
     times = launch(ranks, "time", "all", args)
     base = statistics.median(times["plain"])
     for m in MODES[1:]:

@@ -136,8 +136,12 @@ class ParameterShardPlan:
 
     @classmethod
     def build(cls, names: Sequence[str], sizes: Sequence[int], blocks: Sequence[str], ranks: int,
-              dtypes: Optional[Sequence[str]] = None) -> "ParameterShardPlan":
+              dtypes: Optional[Sequence[str]] = None,
+              bucket_elements: Optional[int] = None) -> "ParameterShardPlan":
         """Put each parameter (``names``, ``sizes`` in elements, ``dtypes``) in its block, cut each block among ``ranks``.
+
+        ``bucket_elements`` (None: one bucket per dtype and block) cuts a large block into several
+        buckets, as ``ShardLayout.build`` does; a block's buckets are still gathered together.
 
         Raises:
             StrategyError: mismatched lengths, or what ``ShardLayout.build`` refuses.
@@ -154,7 +158,8 @@ class ParameterShardPlan:
             if not tensors:
                 continue
             layout = ShardLayout.build([sizes[t] for t in tensors], ranks,
-                                       dtypes=[dtypes[t] for t in tensors] if dtypes is not None else None)
+                                       dtypes=[dtypes[t] for t in tensors] if dtypes is not None else None,
+                                       bucket_elements=bucket_elements)
             out.append(Block(path=path, tensors=tuple(tensors), layout=layout))
         return cls(names=tuple(names), ranks=ranks, blocks=tuple(out))
 

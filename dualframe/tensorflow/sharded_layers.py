@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import keras
 import numpy as np
@@ -33,11 +33,13 @@ from dualframe.tensorflow.collectives import hvd
 from dualframe.tensorflow.gradients import SHARD_SCOPE, collective_scope, named
 
 
-def layer_plan(model: keras.Model, ranks: int) -> Tuple[ShardLayout, Dict[int, Tuple[int, ...]]]:
+def layer_plan(model: keras.Model, ranks: int,
+               bucket_elements: Optional[int] = None) -> Tuple[ShardLayout, Dict[int, Tuple[int, ...]]]:
     """The core's ZeRO-3 plan for ``model``'s top-level layers, as one layout and each layer's buckets.
 
     Each top-level layer (``model.layers``) is a block of ``dualframe.dp.zero3``: its trainable
-    variables form one bucket per dtype, cut among ``ranks``, as torch cuts a module's parameters.
+    variables form one bucket per dtype (more past ``bucket_elements``), cut among ``ranks``, as torch
+    cuts a module's parameters.
 
     Returns:
         The joined ``ShardLayout`` (tensors numbered as ``model.trainable_variables``) and, per index of
@@ -61,7 +63,8 @@ def layer_plan(model: keras.Model, ranks: int) -> Tuple[ShardLayout, Dict[int, T
     variables = model.trainable_variables
     paths = block_paths([(name, False) for name in names])
     plan = ParameterShardPlan.build([holders[id(v)][0] for v in variables], [int(np.prod(v.shape)) for v in variables],
-                                    paths, ranks, dtypes=[str(v.dtype) for v in variables])
+                                    paths, ranks, dtypes=[str(v.dtype) for v in variables],
+                                    bucket_elements=bucket_elements)
     layout, owned = plan.joined()
     return layout, {paths.index(block.path) - 1: buckets for block, buckets in zip(plan.blocks, owned)}
 
