@@ -12,7 +12,7 @@ memory: one launch per mode (plain ``DistributedOptimizer``, ``shard="gradients"
         the steps (``/proc/self/statm``) and its peak (``ru_maxrss``); printed against plain's, beside
         ``dualframe plan``'s figures for the same MLP (its parameters + Adam state, to the byte, and the
         change of its whole per-rank total against plain, to set beside the change of the peak).
-time:   one launch holding the three models; rounds interleave them (order rotated each round), each times
+time:   one launch holding the three models and ZeRO-3 without prefetch; rounds interleave them (order rotated each round), each times
         ``steps`` fit steps; the median of the per-round ratios to plain (the issue's goal for ZeRO-3: <= 1.3).
 """
 from __future__ import annotations
@@ -35,6 +35,8 @@ bench_env.repo_on_path()
 from dualframe.launch.commands import horovodrun_command, mpirun_command, thread_env  # noqa: E402
 
 MODES = ("plain", "gradients", "parameters")
+#: Timed beside MODES: ZeRO-3 with each layer's gather waiting for its own inputs (no prefetch).
+TIMED = MODES + ("parameters-no-prefetch",)
 
 
 def _model_and_data(width: int, layers: int, batch: int, steps: int, mode: str) -> tuple:
@@ -48,7 +50,10 @@ def _model_and_data(width: int, layers: int, batch: int, steps: int, mode: str) 
                                                         for _ in range(layers - 1)] + [keras.layers.Dense(10)])
     model.compile(optimizer=keras.optimizers.Adam(1e-4),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    model = hvd.distribute(model, dualframe.DataParallel(shard="none" if mode == "plain" else mode))
+    shard = "none" if mode == "plain" else mode.replace("-no-prefetch", "")
+    model = hvd.distribute(model, dualframe.DataParallel(shard=shard))
+    if mode.endswith("-no-prefetch"):
+        model.optimizer._zero.ahead.prefetch = False  # before fit traces the step
     gc.collect()  # ZeRO-3's distribute returns a copy without values: the given model goes here
     rng = np.random.RandomState(hvd.rank())
     x, y = rng.randn(steps * batch, width).astype("float32"), rng.randint(0, 10, steps * batch)
@@ -108,10 +113,10 @@ def worker(part: str, mode: str, args: argparse.Namespace) -> None:
         values = hvd.allgather(tf.constant([row], dtype=tf.int64)).numpy().max(axis=0)
         result = dict(zip(("parameters", "slots", "resident", "peak"), (int(v) for v in values)))
     else:
-        models = {m: _model_and_data(args.width, args.layers, args.batch, args.steps, m) for m in MODES}
-        result = {m: [] for m in MODES}
+        models = {m: _model_and_data(args.width, args.layers, args.batch, args.steps, m) for m in TIMED}
+        result = {m: [] for m in TIMED}
         for k in range(args.rounds):
-            for m in MODES[k % len(MODES):] + MODES[:k % len(MODES)]:  # the first in a round pays for waking up
+            for m in TIMED[k % len(TIMED):] + TIMED[:k % len(TIMED)]:  # the first in a round pays for waking up
                 model, x, y = models[m]
                 hvd.barrier()
                 start = time.perf_counter()
@@ -156,11 +161,14 @@ def report(ranks: int, args: argparse.Namespace) -> None:
                   f"total {(plan_total - plan_plain) / 2**20:+.1f} MiB against plain)", flush=True)
     times = launch(ranks, "time", "all", args)
     base = statistics.median(times["plain"])
-    for m in MODES[1:]:
+    for m in TIMED[1:]:
         ratios = [t / p for t, p in zip(times[m], times["plain"])]
         print(f"  np={ranks} {args.launcher} step time shard={m!r}: {statistics.median(times[m]) * 1e3:.1f} ms vs "
               f"plain {base * 1e3:.1f} ms, ratio {statistics.median(ratios):.3f} (median of {args.rounds} "
               f"interleaved rounds: {' '.join(f'{r:.2f}' for r in ratios)})", flush=True)
+    ratios = [a / b for a, b in zip(times["parameters"], times["parameters-no-prefetch"])]
+    print(f"  np={ranks} ZeRO-3 with prefetch / without: {statistics.median(ratios):.3f} "
+          f"({' '.join(f'{r:.2f}' for r in ratios)})", flush=True)
 
 
 def main() -> None:

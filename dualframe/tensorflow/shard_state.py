@@ -85,6 +85,8 @@ class ShardedState:
         #: ZeRO-3: the core's plan (``dualframe.dp.zero3``) as one layout, and each top-level layer's buckets in it.
         self.planned: Optional[ShardLayout] = None
         self.blocks: Dict[int, Tuple[int, ...]] = {}
+        #: ZeRO-3: when each layer's gather may start (``sharded_layers.Ahead``: one layer ahead, traced).
+        self.ahead: Any = None
         #: Whether every rank was seen to hold the same parameters (at the first apply after a build or sync).
         self.checked = False
         #: ``guard(slice_grads, step)``: how a loss-scaling wrapper steps (``shard_precision``); None: ``step`` directly.

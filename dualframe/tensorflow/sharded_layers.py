@@ -7,9 +7,10 @@ trainable variables. Its ``call`` is replaced by one that, inside a
 ``keras.StatelessScope`` mapping each variable to its gathered value, and lets the values go. Its
 gradient gathers them again, recomputes the layer's call under a tape (the layer's inputs are kept,
 its inner activations and values are not), and reduce-scatters the gradient of the values into the
-gradient of this rank's slices. Each gather waits for the layer's inputs (forward) or for the gradient
-reaching the layer (backward), also when traced, so at most one layer's full values and full gradients
-exist at a time, at the cost of a second forward of each layer and two gathers per layer and step (no prefetch).
+gradient of this rank's slices. In a traced step each gather starts one layer ahead (:class:`Ahead`,
+in the core's ``GatherOrder``): forward, when the previous layer's inputs are ready; backward, when the
+gradient reaches the layer after it. So at most two layers' full values and one layer's full gradient
+exist at a time, at the cost of a second forward of each layer and two gathers per layer and step.
 
 Non-trainable variables (batch-norm statistics, dropout seeds) are read from their replicated copies;
 the recomputation reads the same values the forward read, so dropout draws the same mask, and the
@@ -27,7 +28,7 @@ import tensorflow as tf
 from keras.src.backend.common.variables import AutocastScope, get_autocast_scope
 
 from dualframe.dp.shard import ShardLayout
-from dualframe.dp.zero3 import ParameterShardPlan, block_paths, check_unshared
+from dualframe.dp.zero3 import GatherOrder, ParameterShardPlan, block_paths, check_unshared
 from dualframe.errors import StrategyError
 from dualframe.tensorflow.collectives import hvd
 from dualframe.tensorflow.gradients import SHARD_SCOPE, collective_scope, named
@@ -74,13 +75,49 @@ def install(optimizer: Any, model: keras.Model) -> None:
     zero = optimizer._zero
     index = {id(v): t for t, v in enumerate(zero.variables)}
     replicated = {id(v): holder for v, holder in zip(model.non_trainable_variables, zero.replicated)}
+    ahead = zero.ahead = Ahead()
     for j, layer in enumerate(model.layers):
         if not layer.variables:  # (a Dropout has no weights, but its seed generator's state)
             continue
         unit = _Unit(optimizer, layer, layer.call, list(zero.blocks.get(j, ())),
                      [index[id(v)] for v in layer.trainable_variables],
                      [replicated[id(v)] for v in layer.non_trainable_variables], j)
+        unit.ahead = ahead
         layer.call = functools.partial(_gathered_call, unit)
+
+
+class Ahead:
+    """When a layer's gather may start, traced: one layer ahead, in the core's ``GatherOrder``.
+
+    Forward, layer ``j``'s gather waits for the inputs of the layer that ran before it (so it runs
+    while that layer gathers and computes); backward, its regather waits for the gradient reaching
+    the layer after it. At most two layers' full values exist at once. Eager steps run in order
+    anyway; a tensor of another graph (an earlier trace) is not waited on: the layer's own is.
+    """
+
+    def __init__(self, prefetch: bool = True) -> None:
+        self.prefetch = prefetch
+        self.order = GatherOrder()
+        self.forward: Dict[Optional[int], List[Any]] = {}
+        self.backward: Dict[Optional[int], List[Any]] = {}
+
+    def inputs(self, j: int, mine: List[Any]) -> List[Any]:
+        """What layer ``j``'s forward gather waits for, ``mine`` being its inputs."""
+        self.order.seen(j)
+        self.forward[j] = mine
+        return self._earlier(self.forward.get(self.order.next_backward(j) if self.prefetch else j, []), mine)
+
+    def upstream(self, j: int, mine: List[Any]) -> List[Any]:
+        """What layer ``j``'s backward regather waits for, ``mine`` being the gradient reaching it."""
+        self.backward[j] = mine
+        return self._earlier(self.backward.get(self.order.next_forward(j) if self.prefetch else j, []), mine)
+
+    @staticmethod
+    def _earlier(previous: List[Any], mine: List[Any]) -> List[Any]:
+        graph = tf.compat.v1.get_default_graph()
+        if tf.executing_eagerly() or not previous or any(getattr(t, "graph", None) is not graph for t in previous):
+            return mine
+        return previous
 
 
 class _Unit:
@@ -90,6 +127,7 @@ class _Unit:
                  holders: List[Any], j: int) -> None:
         self.optimizer, self.layer, self.call, self.buckets = optimizer, layer, call, buckets
         self.tensors, self.holders, self.j = tensors, holders, j
+        self.ahead = Ahead()  # install shares one among the model's layers
 
     def gather(self, slices: Sequence[Any], role: str) -> List[Any]:
         """The layer's trainable values, in ``layer.trainable_variables`` order, allgathered from ``slices``."""
@@ -143,7 +181,7 @@ def _gathered_call(unit: _Unit, *args: Any, **kwargs: Any) -> Any:
         inputs, own = list(tensors[:len(where)]), list(tensors[len(where):])
         # Traced, a gather depends on the slices alone and could run at the step's start with every other
         # layer's: it waits for the layer's inputs (and, backward, for the gradient reaching the layer).
-        with tf.control_dependencies(inputs):
+        with tf.control_dependencies(unit.ahead.inputs(unit.j, inputs)):
             values = unit.gather(own, "gather")
         autocast = get_autocast_scope()
         outputs, updated = unit.run(values, stats, with_inputs(inputs), kwargs)
@@ -151,7 +189,7 @@ def _gathered_call(unit: _Unit, *args: Any, **kwargs: Any) -> Any:
         updates.extend(updated)
 
         def backward(*upstream: Any) -> List[Any]:
-            with tf.control_dependencies([g for g in upstream if g is not None]):
+            with tf.control_dependencies(unit.ahead.upstream(unit.j, [g for g in upstream if g is not None])):
                 values = unit.gather(own, "regather")
             with tf.GradientTape() as tape:
                 tape.watch(inputs + values)
