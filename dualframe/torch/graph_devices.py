@@ -11,10 +11,11 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch import nn
 
 
-def place_stage(stage: fx.GraphModule, device: torch.device) -> None:
-    """``stage``'s parameters, buffers and ops' device arguments on ``device``.
+def place_stage(stage: nn.Module, device: torch.device) -> None:
+    """``stage``'s parameters, buffers and its graphs' (its own and nested ones') device arguments on ``device``.
 
     Example:
         >>> place_stage(stage_module, torch.device("cuda:0"))   # doctest: +SKIP
