@@ -42,7 +42,7 @@ torch mpirun     2 torch_examples/sharded_optimizer.py --epochs 2
 torch mpirun     2 torch_examples/sharded_parameters.py --epochs 1
 tf    mpirun     2 tf_examples/data_parallel.py --epochs 2
 tf    mpirun     2 tf_examples/sharded_optimizer.py --epochs 2
-tf    mpirun     2 tf_examples/sharded_parameters.py --epochs 3 --samples 2048 --policy mixed_float16
+tf    mpirun     2 tf_examples/sharded_parameters.py --epochs 2
 torch single     1 torch_examples/model_split.py
 torch single     1 torch_examples/pipeline.py
 tf    single     1 tf_examples/model_split.py

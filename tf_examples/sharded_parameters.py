@@ -1,16 +1,12 @@
 """Sharded parameters (ZeRO-3) with Keras 3 ``fit``: each rank keeps 1/N of the weights and of Adam's state.
 
     mpirun -np 2 python tf_examples/sharded_parameters.py --epochs 2
-    mpirun -np 2 python tf_examples/sharded_parameters.py --epochs 2 --policy mixed_float16
     horovodrun -np 2 -H localhost:2 --gloo python tf_examples/sharded_parameters.py
 
 Training is the same as plain data parallelism (the final weights agree to float rounding); what
 changes is memory: between steps each rank keeps its slice of every layer's weights and their Adam
-state, and a layer's full weights exist only while that layer runs forward or backward. With
-``--policy mixed_float16`` the layers compute in float16 from the float32 slices (the master weights)
-and the loss is scaled, every rank skipping an overflowing step together; ``mixed_bfloat16`` needs no
-scaling (on CPU, float16 matmuls are several times slower than float32: the policies pay on GPUs).
-The only changes from a one-process Keras script are the lines marked ``# dualframe:``.
+state, and a layer's full weights exist only while that layer runs forward or backward. The only
+changes from a one-process Keras script are the lines marked ``# dualframe:``.
 """
 import argparse
 import os
@@ -32,7 +28,7 @@ def build_model(features: int, classes: int, width: int) -> keras.Model:
     hidden = keras.layers.Dense(width, activation="relu")(inputs)
     block = keras.layers.Dense(width, activation="relu")(hidden)
     hidden = keras.layers.LayerNormalization()(keras.layers.Add()([hidden, keras.layers.Dense(width)(block)]))
-    return keras.Model(inputs, keras.layers.Dense(classes, dtype="float32")(hidden))  # float32 logits for the loss
+    return keras.Model(inputs, keras.layers.Dense(classes)(hidden))
 
 
 def main() -> None:
@@ -42,9 +38,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--samples", type=int, default=8192)
-    parser.add_argument("--policy", default="float32", choices=["float32", "mixed_float16", "mixed_bfloat16"])
     args = parser.parse_args()
-    keras.mixed_precision.set_dtype_policy(args.policy)  # mixed_float16: compile adds a LossScaleOptimizer
 
     hvd.init()  # dualframe
     features, classes = 20, 4
@@ -73,9 +67,7 @@ def main() -> None:
     model.save_weights(path)  # dualframe: every rank calls (it gathers); rank 0 writes a plain Keras file
     kept = hvd.allgather(tf.constant([mine], dtype=tf.int64)).numpy()  # dualframe
     if hvd.rank() == 0:  # dualframe: rank 0 prints
-        scale = getattr(model.optimizer, "dynamic_scale", None)  # dualframe: one loss scale, the same on every rank
-        print(f"ranks: {hvd.size()}, shard='parameters', policy: {args.policy}"
-              f"{f', loss scale {float(scale):g}' if scale is not None else ''}, epochs: {args.epochs} in {seconds:.1f} s")
+        print(f"ranks: {hvd.size()}, shard='parameters', epochs: {args.epochs} in {seconds:.1f} s")
         print(f"train loss: {history.history['loss'][0]:.3f} -> {history.history['loss'][-1]:.3f}, "
               f"test accuracy: {accuracy:.3f} (chance: {1 / classes:.2f})")
         print(f"weights + Adam state per rank: {[f'{b / 2**20:.2f} MiB' for b in kept]} "

@@ -1,12 +1,8 @@
-"""Loss scaling for the Keras sharded optimizer (ZeRO-1/2/3): ``ShardedLossScaleOptimizer``, one skip decision for every rank.
+"""Loss scaling for the Keras sharded optimizer: ``ShardedLossScaleOptimizer``, one skip decision for every rank.
 
 ``hvd.DistributedOptimizer(keras.optimizers.LossScaleOptimizer(opt), shard=...)`` (or any optimizer
 with ``shard=`` under the ``mixed_float16`` policy) returns it. The fp32 master slices of float16 or
-bfloat16 variables are in ``shard_state.py``; the rules in ``dualframe.dp.precision``. With
-``shard="parameters"`` the slices are float32 under a ``mixed_*`` policy (Keras keeps the variables in
-float32): each layer casts its gathered values to the compute dtype as it reads them, and the scaled
-gradients of the slices reach :meth:`ShardedLossScaleOptimizer._guard` already reduce-scattered by the
-layers' backward passes.
+bfloat16 variables are in ``shard_state.py``; the rules in ``dualframe.dp.precision``.
 """
 from __future__ import annotations
 
@@ -61,23 +57,6 @@ class ShardedLossScaleOptimizer(KerasTwoNames, keras.optimizers.LossScaleOptimiz
             self.build(list(trainable_variables) if trainable_variables is not None else [])
         self.inner_optimizer.apply(grads, trainable_variables)
 
-    # --- ZeRO-3 (shard="parameters"): the inner optimizer's model entry points, reached through the wrapper -------
-    def shard_model(self, model: keras.Model, root_rank: int = 0) -> keras.Model:
-        """ZeRO-3: the inner optimizer's :meth:`ShardedOptimizer.shard_model`; compile the model with this wrapper."""
-        return self.inner_optimizer.shard_model(model, root_rank)
-
-    def parameter_slices(self) -> List[Any]:
-        """ZeRO-3: what a GradientTape loop differentiates ``scale_loss(loss)`` with respect to, and applies to."""
-        return self.inner_optimizer.parameter_slices()
-
-    def parameter_bytes(self) -> int:
-        """Bytes of this rank's slices of the parameters (the fp32 masters under a mixed policy)."""
-        return self.inner_optimizer.parameter_bytes()
-
-    def state_bytes(self) -> int:
-        """Bytes of this rank's optimizer slot variables (the loss scale and its counter are two scalars more)."""
-        return self.inner_optimizer.state_bytes()
-
     def _guard(self, slice_grads: List[Any], step: Callable[[List[Any]], None]) -> None:
         counts = [ops.sum(ops.cast(ops.logical_not(ops.isfinite(g)), "float32")) for g in slice_grads]
         local = ops.sum(ops.stack(counts)) if counts else ops.zeros((), "float32")
@@ -101,6 +80,9 @@ class ShardedLossScaleOptimizer(KerasTwoNames, keras.optimizers.LossScaleOptimiz
 def sharded_loss_scale(optimizer: keras.optimizers.Optimizer, name: Optional[str] = None,
                        **kwargs: Any) -> ShardedLossScaleOptimizer:
     """From DistributedOptimizer's arguments with ``shard=``: keep a LossScaleOptimizer's settings, or add Keras's defaults."""
+    if kwargs.get("shard") == "parameters":
+        raise StrategyError("loss scaling (a LossScaleOptimizer, or the mixed_float16 policy) is not supported yet "
+                            "with shard='parameters'; use shard='optimizer' or 'gradients', or mixed_bfloat16")
     initial_scale, growth = 2.0 ** 15, 2000
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         check_wrappable(optimizer)

@@ -121,8 +121,6 @@ class ShardedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
         (when every rank steps or traces its step), so building stays local: an elastic worker
         that joins builds its optimizer while the others wait in ``sync``.
         """
-        if self.shard == "parameters" and self.built:
-            return  # shard_model built it; a LossScaleOptimizer around it builds it again, on the slices
         variables = list(var_list)
         if self.shard == "parameters" and self._zero.values is None:
             raise StrategyError(

@@ -116,20 +116,16 @@ def gather(optimizer: Any) -> List[tf.Tensor]:
 def _train_step(optimizer: Any, data: Any) -> Dict[str, Any]:
     """Keras's train step, differentiating with respect to the slices (each layer's backward reduces its share)."""
     model = optimizer._zero.model
-    outer = model.optimizer  # a ShardedLossScaleOptimizer around ``optimizer`` scales the loss and skips together
-    if not (isinstance(outer, keras.optimizers.LossScaleOptimizer) and outer.inner_optimizer is optimizer):
-        outer = optimizer
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     with tf.GradientTape() as tape:
         y_pred = model(x, training=True)
         loss = model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
-        scaled = outer.scale_loss(loss)
     first = next(t for t in tf.nest.flatten(x) if t is not None)
     for metric in model.metrics:
         if metric.name == "loss":  # Keras's loss tracker, which fit reports
             metric.update_state(loss, sample_weight=tf.shape(first)[0])
     slices = optimizer.parameter_slices()
-    outer.apply(tape.gradient(scaled, slices), slices)
+    optimizer.apply(tape.gradient(loss, slices), slices)
     return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)  # type: ignore[no-any-return]
 
 
