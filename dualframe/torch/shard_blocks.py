@@ -15,7 +15,7 @@ import torch
 
 from dualframe.dp.zero3 import GatherOrder
 from dualframe.torch.collectives import hvd
-from dualframe.torch.shard_buckets import Slot
+from dualframe.torch.shard_buckets import Slot, arrived, travelling
 
 
 @dataclass(eq=False)
@@ -52,9 +52,10 @@ class BlockGather:
         >>> gather.free_all()                           # only the slices remain             # doctest: +SKIP
     """
 
-    def __init__(self, blocks: List[BlockRun], process_set: Any) -> None:
+    def __init__(self, blocks: List[BlockRun], process_set: Any, keep_gathered: int = 1) -> None:
         self.blocks = blocks
         self.process_set = process_set
+        self.keep_gathered = keep_gathered  # the last blocks of the forward stay gathered until their backward
         self.order = GatherOrder()
         self.handles = []
         for block in blocks:
@@ -67,7 +68,9 @@ class BlockGather:
         if block.gathered or block.pending:
             return
         for slot in block.slots:
-            block.pending.append((slot, hvd.allgather_async(slot.flat.detach(), name=f"dualframe.gather.{slot.name}",
+            # fp32 master slices travel cast down to the model's dtype (bfloat16 as int16 bits: Horovod lacks it).
+            block.pending.append((slot, hvd.allgather_async(travelling(slot.flat, slot.precision),
+                                                            name=f"dualframe.gather.{slot.name}",
                                                             process_set=self.process_set)))
 
     def wait(self, block: BlockRun) -> None:
@@ -78,7 +81,7 @@ class BlockGather:
                 full = hvd.synchronize(handle)
                 storage = slot.buffer.untyped_storage()
                 storage.resize_(slot.buffer.numel() * slot.buffer.element_size())
-                slot.buffer.copy_(full)
+                slot.buffer.copy_(arrived(full, slot.precision))
                 slot.check_views()
         block.pending = []
         block.gathered = True
@@ -117,11 +120,14 @@ class BlockGather:
 
     def _post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         block = self._of_module[id(module)]
+        backward = False
         if torch.is_grad_enabled():
             for tensor in tensors_in(output):
                 if tensor.requires_grad:
                     tensor.register_hook(self._before_backward(block))
-        self.free(block)
+                    backward = True
+        if not (backward and self.order.kept(block.index, self.keep_gathered)):
+            self.free(block)
 
     def _before_backward(self, block: BlockRun) -> Any:
         def hook(grad: torch.Tensor) -> Optional[torch.Tensor]:
