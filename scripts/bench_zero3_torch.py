@@ -211,7 +211,8 @@ def launch_deepspeed(np: int, args: argparse.Namespace) -> List[float]:
     for line in "".join(outputs).splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])["deepspeed"]  # type: ignore[no-any-return]
-    raise SystemExit(f"DeepSpeed printed no result (exit {[p.returncode for p in procs]}):\n{''.join(outputs)[-3000:]}")
+    print(f"DeepSpeed printed no result (exit {[p.returncode for p in procs]}):\n{''.join(outputs)[-3000:]}")
+    return []
 
 
 def planned(args: argparse.Namespace, np: int, mode: str) -> float:

@@ -1,7 +1,8 @@
-"""ZeRO-3 (shard="parameters") on 2 ranks: weights equal plain data parallelism, 1/N of the bytes, checkpoints, refusals.
+"""ZeRO-3 (shard="parameters") on 2 ranks: weights equal plain data parallelism, 1/N of the bytes, checkpoints, mixed precision, refusals.
 
 Every rank runs every test. Each compares with plain data parallelism on the same data (or with a
-one-process reference inside the rank); ``model_state_dict()`` is the unsharded weights.
+one-process reference inside the rank); ``model_state_dict()`` is the unsharded weights. The mixed
+precision tests reuse mp_torch_shard_amp's MLP, data and fp32-master reference (ZeRO-1/2's twins).
 """
 import pytest
 import torch
@@ -128,7 +129,8 @@ def test_keep_gathered_saves_the_backward_gathers_and_equals_plain(keep, monkeyp
     optimizer = hvd.DistributedOptimizer(OPTIMIZERS["sgd"](model), model.named_parameters(), shard="parameters",
                                          model=model, keep_gathered=keep)
     gathers, allgather_async = [], shard_blocks.hvd.allgather_async
-    monkeypatch.setattr(shard_blocks.hvd, "allgather_async", lambda *a, **k: gathers.append(1) or allgather_async(*a, **k))
+    monkeypatch.setattr(shard_blocks.hvd, "allgather_async",
+                        lambda *args, **kwargs: gathers.append(1) or allgather_async(*args, **kwargs))
     train(model, optimizer, batches)
     monkeypatch.undo()
     blocks = len(optimizer._slots)  # one slot (bucket) per block here: all float32, one param group
@@ -196,6 +198,25 @@ def test_checkpoint_saved_at_two_ranks_loads_plainly_and_resumes_on_one(tmp_path
     resumed.step()
     train(model, optimizer, batches[2:])
     assert_same_weights(resumed.model_state_dict(), plain("transformer", "adam", batches))
+    assert_same_weights(optimizer.model_state_dict(), plain("transformer", "adam", batches))
+
+
+def test_checkpoint_saved_on_one_rank_resumes_on_two():
+    batches = data("transformer", steps=3)
+    alone = transformer()  # each rank its own one-rank run on the whole batch: the same checkpoint on both
+    single = hvd.DistributedOptimizer(OPTIMIZERS["adam"](alone), alone.named_parameters(), shard="parameters",
+                                      model=alone, process_set=SINGLES[hvd.rank()])
+    for x, y in batches[:2]:
+        single.zero_grad()
+        ((alone(x) - y) ** 2).mean().backward()
+        single.step()
+    weights, state = single.model_state_dict(), single.state_dict()
+    model = transformer(3)
+    optimizer = hvd.DistributedOptimizer(OPTIMIZERS["adam"](model), model.named_parameters(), shard="parameters",
+                                         model=model)
+    optimizer.load_model_state_dict(weights)
+    optimizer.load_state_dict(state)
+    train(model, optimizer, batches[2:])
     assert_same_weights(optimizer.model_state_dict(), plain("transformer", "adam", batches))
 
 
