@@ -128,9 +128,8 @@ def test_keep_gathered_saves_the_backward_gathers_and_equals_plain(keep, monkeyp
     model = transformer()
     optimizer = hvd.DistributedOptimizer(OPTIMIZERS["sgd"](model), model.named_parameters(), shard="parameters",
                                          model=model, keep_gathered=keep)
-    gathers, allgather_async = [], shard_blocks.hvd.allgather_async
-    monkeypatch.setattr(shard_blocks.hvd, "allgather_async",
-                        lambda *args, **kwargs: gathers.append(1) or allgather_async(*args, **kwargs))
+    gathers, allgather_into = [], shard_blocks.allgather_into
+    monkeypatch.setattr(shard_blocks, "allgather_into", lambda *args: gathers.append(1) or allgather_into(*args))
     train(model, optimizer, batches)
     monkeypatch.undo()
     blocks = len(optimizer._slots)  # one slot (bucket) per block here: all float32, one param group
