@@ -235,6 +235,8 @@ class Tied(nn.Module):
                                         shard="gradients", model=m), r"model= is for shard='parameters'"),
     (lambda m: hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m.named_parameters(),
                                         shard="parameters", model=m, keep_gathered=-1), r"keep_gathered must be"),
+    (lambda m: hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m.named_parameters(),
+                                        shard="gradients", keep_gathered=2), r"keep_gathered= is for shard='param"),
     (lambda m: hvd.DistributedOptimizer(torch.optim.SGD(Tied().parameters(), lr=0.1), shard="parameters",
                                         model=Tied()), r"embed.weight is also head.weight"),
     (lambda m: hvd.DistributedOptimizer(torch.optim.SGD(residual_net().parameters(), lr=0.1), shard="parameters",
