@@ -5,7 +5,8 @@ framework loaded) starts it with one launcher call, bounded by a timeout, and ch
 A worker file may say ``# np: 4``, ``# timeout: 400`` and ``# launchers: horovodrun`` (only that one)
 in its first lines. The files of one feature listed together in ``SHARED_LAUNCHES`` run one after the
 other in one pytest run per launcher: each launch costs seconds (a TensorFlow process 5-10 s to start),
-and every file still runs under both launchers.
+and every file still runs under both launchers. ``DUALFRAME_TEST_FILES_APART=1`` launches each file
+alone (``-k vstages`` then picks one file's launches, not its group's).
 """
 from __future__ import annotations
 
@@ -55,6 +56,8 @@ def _launchers(path: pathlib.Path) -> tuple:
 
 def _launches() -> List[Tuple[pathlib.Path, ...]]:
     """Every worker file once: the shared launches (files that exist), then each other file alone."""
+    if os.environ.get("DUALFRAME_TEST_FILES_APART") == "1":
+        return [(w,) for w in WORKERS]
     present = {w.name: w for w in WORKERS}
     launches = [tuple(present[name] for name in group if name in present) for group in SHARED_LAUNCHES]
     launches = [files for files in launches if files]
