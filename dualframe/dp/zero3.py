@@ -184,6 +184,10 @@ class GatherOrder:
 
     order: List[int] = field(default_factory=list)
     _where: Dict[int, int] = field(default_factory=dict)
+    settled: bool = False  # a whole step ran: ``order`` holds every block
+
+    def __post_init__(self) -> None:
+        self._where = {block: k for k, block in enumerate(self.order)}
 
     def seen(self, block: int) -> None:
         """Note that ``block`` ran its forward (recorded the first time only)."""
@@ -195,6 +199,20 @@ class GatherOrder:
         """The block to gather while ``block`` runs forward: the one that ran after it."""
         k = self._where.get(block)
         return self.order[k + 1] if k is not None and k + 1 < len(self.order) else None
+
+    def kept(self, block: int, keep: int) -> bool:
+        """Whether ``block`` stays gathered from its forward to its backward: one of the last ``keep`` once settled.
+
+        The last blocks of the forward are the first of the backward: freeing one after its forward
+        only to gather it again at once costs an allgather per block and saves no memory at the peak.
+        Before the order is settled (the first step) every block is freed.
+
+        Example:
+            >>> order = GatherOrder(order=[0, 2, 1], settled=True)
+            >>> [order.kept(b, 1) for b in (0, 2, 1)], [order.kept(b, 2) for b in (0, 2, 1)], order.kept(1, 0)
+            ([False, False, True], [False, True, True], False)
+        """
+        return self.settled and keep > 0 and block in self.order[-keep:]
 
     def next_backward(self, block: int) -> Optional[int]:
         """The block to gather while ``block`` runs backward: the one that ran before it."""
