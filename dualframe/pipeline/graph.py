@@ -185,6 +185,24 @@ class GraphSplit:
         return tuple(v for v in self.graph.outputs if self.producer[v] == j)
 
 
+def chain_split(stages: int) -> GraphSplit:
+    """A chain of ``stages`` stages as a graph split: stage j reads ``"x<j>"`` and sends ``"x<j+1>"``, edges (j-1, j).
+
+    One node per stage (the adapter runs the stage's layers as one), so a layer pipeline walks the graph
+    walk: the model input is ``"x0"``, its output ``"x<n>"``.
+
+    Example:
+        >>> s = chain_split(3)
+        >>> s.reads, s.sends, s.split_points
+        ((('x0',), ('x1',), ('x2',)), (('x1',), ('x2',), ('x3',)), ('stage1', 'stage2'))
+    """
+    if stages < 1:
+        raise BalanceError(f"a chain needs at least one stage (stages: {stages})")
+    nodes = tuple(GraphNode(f"stage{j}", f"stage{j}", (f"x{j}",), (f"x{j + 1}",), leaf=True) for j in range(stages))
+    graph = Graph(("x0",), nodes, (f"x{stages}",))
+    return GraphSplit(graph, tuple(range(stages)), tuple(f"stage{j}" for j in range(1, stages)))
+
+
 def stage_count(split_points: Optional[Sequence[str]] = None, balance: Optional[Sequence[int]] = None,
                 stages: Optional[int] = None) -> int:
     """How many stages the cut arguments ask for, checked before any model is captured or measured.

@@ -1,10 +1,12 @@
 """DistributedPipeline: an nn.Sequential split over processes, one stage per rank, GPipe, 1F1B or ZB-H1.
 
 Rank j of a pipeline group keeps only stage j; micro-batches' activations flow forward and their
-gradients backward between neighbouring ranks (``dualframe.torch.pipeline_transport``), in the
-order the core's per-rank schedule (``dualframe.pipeline.schedule``) gives. With ``data_parallel``
-replicas of the whole pipeline, the ranks holding the same stage average its gradients through
-``DistributedOptimizer`` on that stage's process set (``distributed_optimizer``).
+gradients backward between the ranks whose stages exchange them (``dualframe.torch.pipeline_transport``),
+in the order the core's per-rank schedule (``dualframe.pipeline.schedule``) gives. A chain is a graph
+whose edges are (j - 1, j) (``distributed_graph.ChainPart``): chains and captured models take one walk
+(``dualframe.pipeline.graph_walk``) and one stage work (``graph_stage_work.TorchGraphStageWork``).
+With ``data_parallel`` replicas of the whole pipeline, the ranks holding the same stage average its
+gradients through ``DistributedOptimizer`` on that stage's process set (``distributed_optimizer``).
 """
 from __future__ import annotations
 
@@ -24,9 +26,9 @@ from dualframe.pipeline.layout import StageLayout, layout_pipeline
 from dualframe.pipeline.schedule import virtual_count
 from dualframe.pipeline.tied import TiedPlan
 from dualframe.torch.backend import BACKEND
+from dualframe.torch.activation_meter import ActivationMeter
+from dualframe.torch.distributed_graph import ChainPart, ChainStage, GraphPart
 from dualframe.torch.graph_devices import place_stage
-from dualframe.torch.pipeline_work import ActivationMeter, TorchStageWork
-from dualframe.torch.distributed_graph import GraphPart
 from dualframe.torch.graph import Leaves
 from dualframe.torch.graph_stage_work import TorchGraphStageWork
 from dualframe.torch.model_loss import model_loss
@@ -117,6 +119,7 @@ class DistributedPipeline(StageView, nn.Module):
         super().__init__()
         transport = check_transport(transport)
         self.graph: Optional[GraphPart] = None
+        self.chain: Optional[ChainPart] = None  # an nn.Sequential: its stages as a graph whose edges are (j - 1, j)
         if is_graph_split(module, split_points, stages):
             n = stage_count(split_points, balance, stages)
             layout = layout_pipeline(n, [1] * n, chunks, schedule, loss_fn, devices, data_parallel, timeout,
@@ -126,6 +129,7 @@ class DistributedPipeline(StageView, nn.Module):
         else:
             layout = _layout(module, balance or [], chunks, schedule, loss_fn, devices, data_parallel, timeout,
                              checkpoint, virtual_stages)
+            self.chain = ChainPart(len(layout.ranges))
         self.chunks, self.schedule, self.grid, self.checkpoint = chunks, layout.schedule, layout.grid, layout.checkpoint
         self.loss_fn, self.timeout = loss_fn, timeout
         modules = [self._stage_module(module, layout, j) for j in range(len(layout.ranges))]
@@ -136,7 +140,9 @@ class DistributedPipeline(StageView, nn.Module):
                 nn.ModuleDict({str(j): modules[j] for j in layout.held(r)}) for r in range(self.grid.stages)]
         tied = find_stage_tied(module, held)  # weights several stages read: each holds a copy
         # From here on, Horovod: every argument above is checked on every rank.
-        split = self.graph.split if self.graph is not None else None
+        split = self.graph.split if self.graph is not None else self.chain.split  # type: ignore[union-attr]
+        self.split, self._unflatten = split, self.graph.captured.unflatten if self.graph is not None else \
+            self.chain.unflatten  # type: ignore[union-attr]
         self.role = open_stage(BACKEND, layout, split=split, transport=transport, tied=tied)
         self.device, self.direct = self.role.device, self.role.direct  # direct None: Horovod broadcasts
         self.stage = held[self.role.index]
@@ -152,9 +158,13 @@ class DistributedPipeline(StageView, nn.Module):
         self.tied.broadcast()
         self.meter = ActivationMeter(self.stage.parameters())
         # A zero-bubble schedule: backward as B (the input's gradient) then, later, W (the weights'); one per stage.
+        # One module per held stage, taking the stage's reads and returning its sends (one stage: the rank's own).
+        single = len(self.held_stages) == 1
+        self._stage_calls = {j: m if self.graph is not None else ChainStage(m)
+                             for j, m in ({self.role.index: self.stage} if single else self.held_stages).items()}
         splits = splits_backward(self.actions)
-        self.split_backward = SplitBackward(self.stage) if splits and len(self.held_stages) == 1 else None
-        self.split_backwards = {j: SplitBackward(m) for j, m in self.held_stages.items()} if splits else {}
+        self.split_backwards = {j: SplitBackward(m) for j, m in self._stage_calls.items()} if splits else {}
+        self.split_backward = self.split_backwards.get(self.role.index) if single else None
         self.recompute = StageRecompute(self.stage, layout.recomputed, self.device) if layout.recomputed else None
 
     def _stage_module(self, module: nn.Module, layout: StageLayout, j: int) -> nn.Module:
@@ -228,36 +238,27 @@ class DistributedPipeline(StageView, nn.Module):
             targets.to(self.device) if self.is_last and train and targets is not None else None, sizes, train)
         weights = [s / sum(sizes) for s in sizes]
         loss_fn = (self.loss_fn or model_loss) if train else None
-        work: Any
         if self.graph is not None:
             micro_inputs = self.graph.micro_inputs(values, sizes, self.device) if self.is_first else []
-        if len(self.held_stages) > 1:
-            return self._run_virtual(actions, micro_inputs, micro_targets, weights, train, loss_fn)
-        if self.graph is not None:
-            work = TorchGraphStageWork(self.stage, self.graph.split, self.stage_index, self.graph.captured,
-                                       self.device, loss_fn, micro_targets, weights, self.meter,
-                                       self.split_backward, self.recompute)
         else:
-            work = TorchStageWork(self.stage, self.is_first, self.is_last, loss_fn,
-                                  micro_targets, weights, self.meter, self.split_backward, self.recompute)
+            micro_inputs = self.chain.micro_inputs(micro_inputs)  # type: ignore[union-attr]
+        works = self._works(loss_fn, micro_targets, weights)
+        # A graph stage (GraphPipelineStage) walks one work, a rank of virtual stages one per stage it holds.
+        work: Any = works if len(works) > 1 else works[self.role.index]
         with torch.set_grad_enabled(train), self.meter.counting():
             record = self.role.step(actions, micro_inputs, work, train)
-        return work, record
-
-    def _run_virtual(self, actions: Sequence[Action], micro_inputs: Any, micro_targets: Any, weights: Sequence[float],
-                     train: bool, loss_fn: Any) -> Tuple[Any, StepRecord]:
-        """Walk this rank's stages (virtual stages): one work per stage; returns the last stage's work where held."""
         last = len(self.role.layout.ranges) - 1
-        works: Dict[int, Any] = {}
-        for j, m in self.held_stages.items():
-            targets = micro_targets if j == last else []
-            works[j] = (TorchStageWork(m, j == 0, j == last, loss_fn, targets, list(weights), self.meter,
-                                       self.split_backwards.get(j)) if self.graph is None else
-                        TorchGraphStageWork(m, self.graph.split, j, self.graph.captured, self.device, loss_fn, targets,
-                                            list(weights), self.meter, self.split_backwards.get(j)))
-        with torch.set_grad_enabled(train), self.meter.counting():
-            record = self.role.step(actions, micro_inputs, works, train)
         return works.get(last, works[min(works)]), record
+
+    def _works(self, loss_fn: Any, micro_targets: Sequence[torch.Tensor],
+               weights: Sequence[float]) -> Dict[int, TorchGraphStageWork]:
+        """One stage work per stage this rank holds (the last stage's reads the targets)."""
+        last = len(self.role.layout.ranges) - 1
+        recompute = self.recompute if len(self._stage_calls) == 1 else None  # refused with virtual stages
+        return {j: TorchGraphStageWork(stage, self.split, j, self._unflatten, self.device, loss_fn,
+                                       list(micro_targets) if j == last else [], list(weights), self.meter,
+                                       self.split_backwards.get(j), recompute)
+                for j, stage in self._stage_calls.items()}
 
     def train_step(self, inputs: Any = None, targets: Optional[torch.Tensor] = None, **keywords: Any) -> float:
         """Run one mini-batch forward and backward through the pipeline; gradients land in ``.grad``.
@@ -291,4 +292,4 @@ class DistributedPipeline(StageView, nn.Module):
             return None
         if self.graph is not None:
             return self.graph.joined_outputs(work.outputs, work.weights)
-        return BACKEND.batches.concat(work.outputs)
+        return self.chain.joined_outputs(work.outputs)  # type: ignore[union-attr]

@@ -19,7 +19,7 @@ from dualframe.pipeline import message
 from dualframe.torch.graph import Captured
 from dualframe.torch.graph_run import tensor_leaves
 from dualframe.torch.pipeline_transport import DTYPES, dtype_code
-from dualframe.torch.pipeline_work import ActivationMeter
+from dualframe.torch.activation_meter import ActivationMeter
 from dualframe.torch.split_backward import SplitBackward
 from dualframe.torch.stage_recompute import StageRecompute
 
@@ -120,17 +120,19 @@ def unpack(raw: torch.Tensor) -> List[Any]:
 class TorchGraphStageWork:
     """Forward and backward of stage j of a graph split on micro-batch i, keeping what backward needs.
 
-    The last stage gathers the model's outputs (its own and those sent to it), rebuilds the model's
-    return value and turns it into the loss weighted by the micro-batch's share of rows. A micro-batch
-    in ``recompute`` (activation checkpointing) keeps only the values its stage read until its backward,
-    which runs the stage again first.
+    ``stage`` takes the values ``split.reads[j]`` and returns the tuple ``split.sends[j]`` (a chain's
+    stage: ``chain_part.ChainStage``). The last stage gathers the model's outputs (its own and those sent
+    to it), rebuilds the model's return value (``unflatten``: ``Captured.unflatten``, a chain's
+    ``ChainPart.unflatten``) and turns it into the loss weighted by the micro-batch's share of rows. A
+    micro-batch in ``recompute`` (activation checkpointing) keeps only the values its stage read until
+    its backward, which runs the stage again first.
     """
 
-    def __init__(self, stage: nn.Module, split: GraphSplit, j: int, captured: Captured, device: torch.device,
-                 loss_fn: Optional[Callable[[Any, Any], torch.Tensor]], targets: List[torch.Tensor],
-                 weights: List[float], meter: ActivationMeter, split_backward: Optional[SplitBackward] = None,
-                 recompute: Optional[StageRecompute] = None) -> None:
-        self.stage, self.split, self.j, self.captured, self.device = stage, split, j, captured, device
+    def __init__(self, stage: nn.Module, split: GraphSplit, j: int, unflatten: Callable[[Dict[str, Any]], Any],
+                 device: torch.device, loss_fn: Optional[Callable[[Any, Any], torch.Tensor]],
+                 targets: List[torch.Tensor], weights: List[float], meter: ActivationMeter,
+                 split_backward: Optional[SplitBackward] = None, recompute: Optional[StageRecompute] = None) -> None:
+        self.stage, self.split, self.j, self.unflatten, self.device = stage, split, j, unflatten, device
         self.split_backward, self.recompute = split_backward, recompute
         self.loss_fn, self.targets, self.weights, self.meter = loss_fn, targets, weights, meter
         self.last = j == split.stages - 1
@@ -191,7 +193,7 @@ class TorchGraphStageWork:
         assert self.loss_fn is not None
         outputs = {v: values[v] for v in self.split.graph.outputs}
         target = self.targets[i] if self.targets else None  # None: the model's own loss reads its labels
-        return values, self.loss_fn(self.captured.unflatten(outputs), target) * self.weights[i]
+        return values, self.loss_fn(self.unflatten(outputs), target) * self.weights[i]
 
     def _sent(self, values: Mapping[str, Any]) -> Dict[int, List[Any]]:
         return {c: [values[v] for v in names] for c, names in self.outgoing.items()}

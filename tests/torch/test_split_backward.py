@@ -1,5 +1,6 @@
 """The backward split in two (B: input gradient, W: weight gradient) against one plain backward, in one process:
-SplitBackward on its own, and whole ZB-H1 steps of TorchStageWork stages run in the clock table's order."""
+SplitBackward on its own, and whole ZB-H1 steps of a chain's stage works (TorchGraphStageWork over ChainPart's
+split) run in the clock table's order."""
 import copy
 
 import pytest
@@ -8,7 +9,9 @@ from torch import nn
 
 from dualframe.pipeline.clock import clock_table
 from dualframe.pipeline.schedule import rank_schedule
-from dualframe.torch.pipeline_work import ActivationMeter, TorchStageWork
+from dualframe.torch.activation_meter import ActivationMeter
+from dualframe.torch.distributed_graph import ChainPart, ChainStage
+from dualframe.torch.graph_stage_work import TorchGraphStageWork
 from dualframe.torch.split_backward import SplitBackward
 
 
@@ -66,9 +69,10 @@ def run_pipeline(schedule, stages, chunks, x, y):
     lists = rank_schedule(schedule, stages, chunks)
     xs, ys = list(x.chunk(chunks)), list(y.chunk(chunks))
     weights = [len(t) / len(x) for t in xs]
-    works = [TorchStageWork(part, j == 0, j == stages - 1, nn.MSELoss(), ys, weights,
-                            ActivationMeter(part.parameters()),
-                            SplitBackward(part) if schedule == "zb-h1" else None) for j, part in enumerate(parts)]
+    chain = ChainPart(stages)
+    works = [TorchGraphStageWork(ChainStage(part), chain.split, j, chain.unflatten, torch.device("cpu"), nn.MSELoss(),
+                                 ys if j == stages - 1 else [], weights, ActivationMeter(part.parameters()),
+                                 SplitBackward(part) if schedule == "zb-h1" else None) for j, part in enumerate(parts)]
     messages = {}
     for row in clock_table(lists):
         for j, action in enumerate(row):
@@ -76,10 +80,11 @@ def run_pipeline(schedule, stages, chunks, x, y):
                 continue
             i = action.micro
             if action.kind == "F":
-                out = works[j].forward(i, xs[i] if j == 0 else messages[("F", i, j)])
-                messages[("F", i, j + 1)] = out
+                received = {-1: {chain.input: xs[i]}} if j == 0 else {j - 1: messages[("F", i, j)]}
+                messages[("F", i, j + 1)] = works[j].forward(i, received).get(j + 1)
             elif action.kind == "B":
-                messages[("B", i, j - 1)] = works[j].backward(i, messages.get(("B", i, j)))
+                grads = {j + 1: messages[("B", i, j)]} if j < stages - 1 else {}
+                messages[("B", i, j - 1)] = works[j].backward(i, grads).get(j - 1)
             else:
                 works[j].weight(i)
     return model, works[-1].loss_sum

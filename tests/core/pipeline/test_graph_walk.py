@@ -4,7 +4,8 @@ import threading
 
 import pytest
 
-from dualframe.pipeline.graph import Graph, GraphNode, cut_graph
+from dualframe.errors import BalanceError
+from dualframe.pipeline.graph import Graph, GraphNode, chain_split, cut_graph
 from dualframe.pipeline.graph_walk import edge_pairs, edge_process_sets, edge_values, graph_walk, stage_edges
 from dualframe.pipeline.schedule import rank_schedule
 
@@ -15,6 +16,17 @@ def skip_graph():
              GraphNode("aux", "", ("h1",), ("aux",)), GraphNode("b2", "b2", ("h1",), ("h2",)),
              GraphNode("join", "join", ("h2", "h0"), ("out",)))
     return cut_graph(Graph(("x", "mask"), nodes, ("out", "aux")), split_points=["b1", "b2"])
+
+
+def test_a_chain_is_a_graph_whose_edges_join_neighbours():
+    split = chain_split(4)
+    assert edge_pairs(split) == [(0, 1), (1, 2), (2, 3)]
+    assert [edge_values(split, j - 1, j) for j in range(1, 4)] == [("x1",), ("x2",), ("x3",)]
+    assert [(e.sources, e.targets) for e in (stage_edges(split, 0), stage_edges(split, 3))] == [((), (1,)), ((2,), ())]
+    assert split.graph.inputs == ("x0",) and split.graph.outputs == ("x4",) and split.sends[3] == ("x4",)
+    assert edge_pairs(chain_split(1)) == []
+    with pytest.raises(BalanceError, match=r"a chain needs at least one stage \(stages: 0\)"):
+        chain_split(0)
 
 
 def test_edges_carry_each_value_only_to_its_readers():
