@@ -24,6 +24,7 @@ from dualframe.pipeline.layout import StageLayout, layout_pipeline
 from dualframe.pipeline.schedule import virtual_count
 from dualframe.pipeline.tied import TiedPlan
 from dualframe.torch.backend import BACKEND
+from dualframe.torch.graph_devices import place_stage
 from dualframe.torch.pipeline_work import ActivationMeter, TorchStageWork
 from dualframe.torch.distributed_graph import GraphPart
 from dualframe.torch.graph import Leaves
@@ -138,7 +139,8 @@ class DistributedPipeline(StageView, nn.Module):
         split = self.graph.split if self.graph is not None else None
         self.role = open_stage(BACKEND, layout, split=split, transport=transport, tied=tied)
         self.device, self.direct = self.role.device, self.role.direct  # direct None: Horovod broadcasts
-        self.stage = held[self.role.index].to(self.device)
+        self.stage = held[self.role.index]
+        place_stage(self.stage, self.device)  # a graph's recorded devices too (graph_devices)
         #: The stages this rank holds, by index j (one, j = stage_index, unless virtual_stages > 1).
         self.held_stages = {j: modules[j] for j in layout.held(self.role.index)}
         # A graph stage's (stage key, model key) pairs: a tied weight under each of the model's names, the

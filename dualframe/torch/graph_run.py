@@ -15,11 +15,11 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
-from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from dualframe.errors import ChunksError
 from dualframe.pipeline.graph import GraphSplit
 from dualframe.pipeline.split import Split
+from dualframe.torch.device_rng import checkpointed
 from dualframe.torch.pipe_run import StepRun, device_scope
 
 Grads = List[Optional[torch.Tensor]]  # one per tensor leaf of a value
@@ -123,7 +123,7 @@ class GraphStepRun(StepRun):
             values = [self._value(i, name) for name in self.split.reads[j]]
             reads = [take(v) if isinstance(v, torch.Tensor) else pytree.tree_map(take, v) for v in values]
             if self.grad and self.plan.checkpointed(i):
-                sends = torch_checkpoint(self.stages[j], *reads, use_reentrant=False)
+                sends = checkpointed(self.stages[j], device, *reads)
             else:
                 sends = self.stages[j](*reads)
         self.cell_reads[(i, j)], self.cell_sends[(i, j)] = reads, tuple(sends)

@@ -22,6 +22,7 @@ from dualframe.torch.graph_run import GraphStepRun, tensor_leaves
 from dualframe.torch.model_loss import loss_value
 from dualframe.torch import tied_devices
 from dualframe.torch.tied import find_stage_tied, tensor_names
+from dualframe.torch.graph_devices import place_stage
 from dualframe.torch.tied_devices import DeviceCopies
 
 
@@ -102,7 +103,7 @@ class GraphStages:
         tied = find_stage_tied(captured.module, modules)
         self.copies.place(modules)
         for stage, device in zip(modules, self.devices):
-            stage.to(device)
+            place_stage(stage, device)
         return modules, tied
 
     def view(self, training: bool) -> ModeStages:

@@ -14,12 +14,12 @@ from typing import Any, Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from dualframe.pipeline.executor import RecordFn, run_ticks
 from dualframe.pipeline.action import Cell
 from dualframe.pipeline.schedule import one_process_ticks
 from dualframe.pipeline.split import Split
+from dualframe.torch.device_rng import checkpointed
 
 
 def device_scope(device: torch.device) -> contextlib.AbstractContextManager:
@@ -66,7 +66,7 @@ class StepRun:
             if self.grad and source.requires_grad:
                 x.requires_grad_()
             if self.grad and self.plan.checkpointed(i):
-                out = torch_checkpoint(self.stages[j], x, use_reentrant=False)
+                out = checkpointed(self.stages[j], device, x)
             else:
                 out = self.stages[j](x)
         self.inputs[(i, j)], self.outputs[(i, j)] = x, out

@@ -492,3 +492,24 @@ def test_mode_recorded_by_the_capture_follows_train_and_eval(model_cls, kwargs):
         assert not torch.allclose(split(x), evaluated)  # dropout is on again
     else:
         assert_same(split, reference, [x], 2)
+
+
+class _Positions(nn.Module):
+    """Position ids made on the input's device, as GPT-2 makes them: capture records that device."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Embedding(8, 3)
+
+    def forward(self, x):
+        return x + self.table(torch.arange(x.shape[1], device=x.device)).sum(-1)
+
+
+def test_a_stage_placed_on_another_device_makes_its_recorded_constants_there():
+    from dualframe.torch.graph_devices import place_stage
+
+    gm = torch.export.export(_Positions(), (torch.zeros(2, 5),)).module()
+    assert any(n.kwargs.get("device") == torch.device("cpu") for n in gm.graph.nodes)
+    place_stage(gm, torch.device("meta"))  # another device than the capture's, present without a GPU
+    assert {n.kwargs["device"] for n in gm.graph.nodes if "device" in n.kwargs} == {torch.device("meta")}
+    assert gm(torch.zeros(2, 5, device="meta")).device.type == "meta"

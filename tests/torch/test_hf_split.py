@@ -159,8 +159,8 @@ def test_reformer_whose_layers_run_in_a_custom_function_is_refused():
         hidden_dropout_prob=0.0, local_attention_probs_dropout_prob=0.0, is_decoder=True, use_cache=False,
         tie_word_embeddings=False)
     model = transformers.ReformerModelWithLMHead(config).double()
-    with pytest.raises(TraceError, match=r"ReformerModelWithLMHead cannot be split: traced by torch.export, 30 of its "
-                                         r"31 .*reformer.embeddings.word_embeddings \(Embedding\).*ReversibleFunction"):
+    with pytest.raises(TraceError, match=r"ReformerModelWithLMHead cannot be split: traced by torch.export, \d+ of its "
+                                         r"\d+ .*reformer.embeddings.word_embeddings \(Embedding\).*ReversibleFunction"):
         hvd.ModelParallel(model, split_points=["reformer.encoder.layers.1"], devices=["cpu", "cpu"],
                           sample={"input_ids": torch.randint(0, 96, (2, 8))})
 

@@ -238,3 +238,24 @@ def test_a_failing_stage_names_its_cell_and_no_thread_hangs():
     assert ">F2<" in str(info.value)
     time.sleep(0.05)
     assert threading.active_count() <= before
+
+
+def test_a_recomputation_replays_its_own_devices_generator_and_no_other():
+    from dualframe.torch.device_rng import replay_on
+
+    forward, recompute = replay_on(torch.device("cpu"))()
+    with forward:
+        first = torch.rand(3)
+    torch.rand(3)
+    state = torch.get_rng_state()
+    with recompute:
+        assert torch.equal(torch.rand(3), first)  # the forward's draws again
+    assert torch.equal(torch.get_rng_state(), state)  # and the generator goes on from where it stood
+    forward, recompute = replay_on(torch.device("meta"))()  # a stage on another device (a GPU's stand-in)
+    with forward:
+        pass
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    with recompute:  # a CPU stage drawing in its own thread meanwhile sees its generator untouched
+        assert torch.equal(torch.rand(3), expected)

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 import dualframe.torch as hvd
+from dualframe.pipeline.split import default_devices
 from dualframe.errors import BalanceError, ChunksError, DeviceError, StrategyError
 
 
@@ -63,9 +64,12 @@ def test_no_grad_forward_and_autograd_grad():
         torch.testing.assert_close(g, r, atol=1e-6, rtol=0)
 
 
-def test_devices_omitted_fall_back_to_cpu_without_gpus():
+def test_devices_omitted_are_the_visible_gpus_else_the_cpu():
     split = hvd.ModelParallel(mlp(), [2, 3])
-    assert [str(d) for d in split.devices] == ["cpu", "cpu"]
+    expected = default_devices(2, [f"cuda:{k}" for k in range(torch.cuda.device_count())], "cpu")
+    assert [str(d) for d in split.devices] == expected
+    if not torch.cuda.is_available():
+        assert expected == ["cpu", "cpu"]
 
 
 @pytest.mark.parametrize("balance, devices, error, message", [
