@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import pathlib
+import re
 import statistics
 import subprocess
 import sys
@@ -132,11 +133,11 @@ def launch(which: str, args: argparse.Namespace):
                                   env=dict(base, RANK=str(r), LOCAL_RANK=str(r), LOCAL_SIZE="2"))
                  for r in range(2)]
     outputs = [p.communicate(timeout=args.timeout)[0] for p in procs]
-    lines = "".join(outputs).splitlines()
-    others = max([float(line.split()[2]) for line in lines if line.startswith("OTHERS ")], default=float("nan"))
-    for line in lines:
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])["seconds_per_step"], others
+    text = "".join(outputs)  # the ranks' lines may interleave mid-line under mpirun: match, do not split
+    others = max((float(v) for v in re.findall(r"OTHERS \d+ (\d+\.\d+)", text)), default=float("nan"))
+    found = re.search(r"RESULT (\{[^}]*\})", text)
+    if found:
+        return json.loads(found.group(1))["seconds_per_step"], others
     raise SystemExit(f"{which} printed no result (exit {[p.returncode for p in procs]}):\n" + "".join(outputs)[-3000:])
 
 
