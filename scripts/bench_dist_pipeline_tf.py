@@ -30,7 +30,7 @@ median of the per-round ratios):
      the computing seconds per stage (ZB-H1's B re-runs each layer from its kept input, so it may compute
      more: ``dualframe.tensorflow.split_backward``), and the micro-batches each holds at once.
   Part 1 also times GPipe with each micro-batch's weight gradient in its own backward (``W per
-  micro-batch``, as before GPipe batched its W passes: ``pipeline_work.deferred_weights``), and prints
+  micro-batch``, as before GPipe batched its W passes: ``dualframe.pipeline.schedule.batched_weights``), and prints
   chunks=8 / that in the same rounds; and chunks=1 the same way (``chunks=1 one backward``: each stage
   one tape backward, its input's gradient sent after its weights' as in torch's chunks=1, the
   baseline when issue 16 was filed), with chunks=8 and 1F1B over it. The ``chunks=1`` baseline above

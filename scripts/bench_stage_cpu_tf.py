@@ -54,7 +54,8 @@ def stage_arm(model_name, jit, x, y, first, chunks, split_blocks=False):
     import tensorflow as tf
 
     from dualframe.pipeline.action import Action
-    from dualframe.tensorflow.pipeline_work import StageFunctions, TFStageWork, deferred_weights, fusable
+    from dualframe.pipeline.schedule import deferred_weights
+    from dualframe.tensorflow.pipeline_work import StageFunctions, TFStageWork, fusable
     from dualframe.tensorflow.split_backward import splittable
     from dualframe.tensorflow.xla_choice import use_xla
     layers, shape, batch = make_layers(model_name)

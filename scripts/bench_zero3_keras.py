@@ -9,8 +9,10 @@ Dense(width x width) layers (5 x 2048^2: 21M parameters) with Adam:
 memory: one launch per mode (plain ``DistributedOptimizer``, ``shard="gradients"``, ``shard="parameters"``
         through ``distribute``). Each rank reports the bytes it keeps between steps (parameters it holds:
         the model's variables, or its slices under ZeRO-3; the optimizer's slots), its resident memory after
-        the steps (``/proc/self/statm``) and its peak (``ru_maxrss``); printed against plain's.
-time:   one launch holding the three models; rounds interleave them (order rotated each round), each times
+        the steps (``/proc/self/statm``) and its peak (``ru_maxrss``); printed against plain's, beside
+        ``dualframe plan``'s figures for the same MLP (its parameters + Adam state, to the byte, and the
+        change of its whole per-rank total against plain, to set beside the change of the peak).
+time:   one launch holding the three models and ZeRO-3 without prefetch; rounds interleave them (order rotated each round), each times
         ``steps`` fit steps; the median of the per-round ratios to plain (the issue's goal for ZeRO-3: <= 1.3).
 """
 from __future__ import annotations
@@ -33,6 +35,8 @@ bench_env.repo_on_path()
 from dualframe.launch.commands import horovodrun_command, mpirun_command, thread_env  # noqa: E402
 
 MODES = ("plain", "gradients", "parameters")
+#: Timed beside MODES: ZeRO-3 with each layer's gather waiting for its own inputs (no prefetch).
+TIMED = MODES + ("parameters-no-prefetch",)
 
 
 def _model_and_data(width: int, layers: int, batch: int, steps: int, mode: str) -> tuple:
@@ -46,7 +50,10 @@ def _model_and_data(width: int, layers: int, batch: int, steps: int, mode: str) 
                                                         for _ in range(layers - 1)] + [keras.layers.Dense(10)])
     model.compile(optimizer=keras.optimizers.Adam(1e-4),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    model = hvd.distribute(model, dualframe.DataParallel(shard="none" if mode == "plain" else mode))
+    shard = "none" if mode == "plain" else mode.replace("-no-prefetch", "")
+    model = hvd.distribute(model, dualframe.DataParallel(shard=shard))
+    if mode.endswith("-no-prefetch"):
+        model.optimizer._zero.ahead.prefetch = False  # before fit traces the step
     gc.collect()  # ZeRO-3's distribute returns a copy without values: the given model goes here
     rng = np.random.RandomState(hvd.rank())
     x, y = rng.randn(steps * batch, width).astype("float32"), rng.randint(0, 10, steps * batch)
@@ -70,6 +77,22 @@ def kept_bytes(model) -> dict:
     return {"parameters": parameters, "slots": slots}
 
 
+def planned(args: argparse.Namespace, ranks: int, mode: str) -> tuple:
+    """``dualframe plan``'s figures for this MLP under ``mode``: (parameters + Adam state kept, whole per-rank total)."""
+    from dualframe.plan import LayerProfile, ModelProfile, Training, group_memory
+    from dualframe.plan.memory import sharded_bytes
+
+    width, shard = args.width, None if mode == "plain" else mode
+    sizes = [width * width + width] * (args.layers - 1) + [width * 10 + 10]
+    layers = [LayerProfile(f"dense{j}", size, 0, args.batch * width, args.batch * width, args.batch * width)
+              for j, size in enumerate(sizes)]
+    profile = ModelProfile("keras", "mlp", (width,), layers, input_elements=width)
+    parameters, _, state = sharded_bytes(sum(sizes) * 4.0, 2, shard, ranks)
+    total = group_memory(profile, range(len(layers)), Training(args.batch, optimizer="adam"), replicas=ranks,
+                         shard=shard).total
+    return parameters + state, total
+
+
 def resident() -> int:
     with open("/proc/self/statm") as statm:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -90,10 +113,10 @@ def worker(part: str, mode: str, args: argparse.Namespace) -> None:
         values = hvd.allgather(tf.constant([row], dtype=tf.int64)).numpy().max(axis=0)
         result = dict(zip(("parameters", "slots", "resident", "peak"), (int(v) for v in values)))
     else:
-        models = {m: _model_and_data(args.width, args.layers, args.batch, args.steps, m) for m in MODES}
-        result = {m: [] for m in MODES}
+        models = {m: _model_and_data(args.width, args.layers, args.batch, args.steps, m) for m in TIMED}
+        result = {m: [] for m in TIMED}
         for k in range(args.rounds):
-            for m in MODES[k % len(MODES):] + MODES[:k % len(MODES)]:  # the first in a round pays for waking up
+            for m in TIMED[k % len(TIMED):] + TIMED[:k % len(TIMED)]:  # the first in a round pays for waking up
                 model, x, y = models[m]
                 hvd.barrier()
                 start = time.perf_counter()
@@ -125,20 +148,27 @@ def report(ranks: int, args: argparse.Namespace) -> None:
         memory = {m: launch(ranks, "memory", m, args) for m in MODES}
         plain = memory["plain"]
         print(f"np={ranks} {args.launcher}, {args.layers} x Dense({args.width}), Adam; per rank (max over ranks):")
+        plan_plain = planned(args, ranks, "plain")[1]
         for m in MODES:
             row = memory[m]
             kept, base = row["parameters"] + row["slots"], plain["parameters"] + plain["slots"]
+            plan_kept, plan_total = planned(args, ranks, m)
             print(f"  {m:10s} parameters + slots kept {kept / 2**20:7.1f} MiB ({kept / base:.3f} of plain; "
-                  f"1/np = {1 / ranks:.3f}), resident after the steps {row['resident'] / 2**20:7.1f} MiB "
+                  f"1/np = {1 / ranks:.3f}; plan {plan_kept / 2**20:.1f} MiB, measured/plan {kept / plan_kept:.3f}), "
+                  f"resident after the steps {row['resident'] / 2**20:7.1f} MiB "
                   f"({(row['resident'] - plain['resident']) / 2**20:+.1f} MiB against plain), peak "
-                  f"{row['peak'] / 2**20:7.1f} MiB ({(row['peak'] - plain['peak']) / 2**20:+.1f} MiB)", flush=True)
+                  f"{row['peak'] / 2**20:7.1f} MiB ({(row['peak'] - plain['peak']) / 2**20:+.1f} MiB; the plan's "
+                  f"total {(plan_total - plan_plain) / 2**20:+.1f} MiB against plain)", flush=True)
     times = launch(ranks, "time", "all", args)
     base = statistics.median(times["plain"])
-    for m in MODES[1:]:
+    for m in TIMED[1:]:
         ratios = [t / p for t, p in zip(times[m], times["plain"])]
         print(f"  np={ranks} {args.launcher} step time shard={m!r}: {statistics.median(times[m]) * 1e3:.1f} ms vs "
               f"plain {base * 1e3:.1f} ms, ratio {statistics.median(ratios):.3f} (median of {args.rounds} "
               f"interleaved rounds: {' '.join(f'{r:.2f}' for r in ratios)})", flush=True)
+    ratios = [a / b for a, b in zip(times["parameters"], times["parameters-no-prefetch"])]
+    print(f"  np={ranks} ZeRO-3 with prefetch / without: {statistics.median(ratios):.3f} "
+          f"({' '.join(f'{r:.2f}' for r in ratios)})", flush=True)
 
 
 def main() -> None:

@@ -14,7 +14,13 @@ thread per process) and prints, for each np,
    rounds, which take turns; ``MALLOC_MMAP_THRESHOLD_=131072`` so freed blocks return to the system;
 3. step time of ZeRO-2, ZeRO-3 and (``--fsdp``, default on) torch FSDP2 (``fully_shard`` per layer
    over a gloo process group) / plain DP, interleaved in one process (A B C D A B C D, median of
-   per-round ratios).
+   per-round ratios); this launch leaves glibc's allocator as users have it (no mmap threshold);
+4. (``--deepspeed-python``, default /work/ds-venv/bin/python; skipped when that python is missing)
+   DeepSpeed ZeRO-3 on the same model, launched after each timing launch as np processes of its own
+   venv (gloo, torch.optim.Adam), its step seconds against the timing launch's ZeRO-3 and plain DP.
+
+ZeRO-3 runs with ``keep_gathered=--keep-gathered`` (default 1: the forward's last block stays gathered
+until its backward).
 
 Model: an MLP of ``--depth`` Linear(width, width) layers (default 12 x 2048: 50.3 M parameters), Adam;
 each Linear is a ZeRO-3 block (and an FSDP2 unit).
@@ -64,7 +70,8 @@ def build(args: argparse.Namespace, mode: str) -> Tuple[Callable[[], None], Call
         optimizer = hvd.DistributedOptimizer(adam, model.named_parameters())
     else:
         optimizer = hvd.DistributedOptimizer(adam, model.named_parameters(), shard=mode,
-                                             **({"model": model} if mode == "parameters" else {}))
+                                             **({"model": model, "keep_gathered": args.keep_gathered}
+                                                if mode == "parameters" else {}))
     x = torch.randn(args.batch_size, args.width)
     held: Dict[str, int] = {}
 
@@ -142,12 +149,70 @@ def worker(args: argparse.Namespace) -> None:
         print("RESULT " + json.dumps(result), flush=True)
 
 
+def deepspeed_worker(args: argparse.Namespace) -> None:
+    """DeepSpeed ZeRO-3 on the same MLP and batch (run by DeepSpeed's own python, torch.distributed's variables set)."""
+    import time
+
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(args.width, args.width) for _ in range(args.depth)])
+    config = {"train_micro_batch_size_per_gpu": args.batch_size, "steps_per_print": 10**9,
+              "zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True}
+    engine, _, _, _ = deepspeed.initialize(model=model, config=config,
+                                           optimizer=torch.optim.Adam(model.parameters(), lr=1e-4))
+    x = torch.randn(args.batch_size, args.width)
+
+    def step() -> None:
+        engine.backward(engine(x).pow(2).mean())
+        engine.step()
+    step()  # warm-up, as the other configurations
+    rounds = []
+    for _ in range(args.rounds):
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            step()
+        dist.barrier()
+        rounds.append((time.perf_counter() - start) / args.steps)
+    if dist.get_rank() == 0:
+        print("RESULT " + json.dumps({"deepspeed": rounds}), flush=True)
+
+
 # ---------------------------------------------------------------------------------------- driver
+def program(args: argparse.Namespace, python: str, *extra: str) -> List[str]:
+    """This script's worker command line with the driver's model and timing arguments."""
+    return [python, str(pathlib.Path(__file__).resolve()), "--rounds", str(args.rounds), "--steps",
+            str(args.steps), "--batch-size", str(args.batch_size), "--width", str(args.width), "--depth",
+            str(args.depth), "--keep-gathered", str(args.keep_gathered), "--fsdp" if args.fsdp else "--no-fsdp",
+            *extra]
+
+
 def launch(np: int, args: argparse.Namespace, *extra: str) -> Dict[str, Any]:
-    program = [sys.executable, str(pathlib.Path(__file__).resolve()), "--rounds", str(args.rounds), "--steps",
-               str(args.steps), "--batch-size", str(args.batch_size), "--width", str(args.width), "--depth",
-               str(args.depth), "--fsdp" if args.fsdp else "--no-fsdp", *extra]
-    return bench_env.mpirun_result(np, program)
+    # The timing launch keeps glibc's default allocator: MALLOC_MMAP_THRESHOLD_ (for the RSS figures) would
+    # make each gathered block's buffer fresh zeroed pages, a cost a user's run does not pay.
+    return bench_env.mpirun_result(np, program(args, sys.executable, *extra), mmap_threshold="memory" in extra)
+
+
+def launch_deepspeed(np: int, args: argparse.Namespace) -> List[float]:
+    """DeepSpeed ZeRO-3's seconds per step, per round: np processes of its venv's python (no launcher of ours)."""
+    import subprocess
+    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29733", WORLD_SIZE=str(np))
+    env.pop("PYTHONPATH", None)
+    command = program(args, args.deepspeed_python, "--worker", "deepspeed")
+    procs = [subprocess.Popen(command, env=dict(env, RANK=str(r), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(np)),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(np)]
+    outputs = [p.communicate(timeout=1800)[0] for p in procs]
+    for line in "".join(outputs).splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])["deepspeed"]  # type: ignore[no-any-return]
+    print(f"DeepSpeed printed no result (exit {[p.returncode for p in procs]}):\n{''.join(outputs)[-3000:]}")
+    return []
 
 
 def planned(args: argparse.Namespace, np: int, mode: str) -> float:
@@ -189,12 +254,17 @@ def report(np: int, memory: Dict[str, List[Dict[str, Any]]], timing: Dict[str, A
     if "fsdp2" in times:
         ratios = [s / f for s, f in zip(times["parameters"], times["fsdp2"])]
         print(f"step time ZeRO-3 / FSDP2: median {statistics.median(ratios):.3f}")
-    print("step seconds (median): " + ", ".join(f"{m} {statistics.median(t):.3f}" for m, t in times.items()))
+    if timing.get("deepspeed"):
+        ours, theirs = statistics.median(times["parameters"]), statistics.median(timing["deepspeed"])
+        print(f"step time ZeRO-3 / DeepSpeed ZeRO-3: {ours / theirs:.3f}; DeepSpeed ZeRO-3 / plain DP: "
+              f"{theirs / statistics.median(times['none']):.3f} (DeepSpeed launched after, medians of the launches)")
+    print("step seconds (median): " + ", ".join(f"{m} {statistics.median(t):.3f}" for m, t in times.items())
+          + (f", deepspeed {statistics.median(timing['deepspeed']):.3f}" if timing.get("deepspeed") else ""))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--worker", choices=("memory", "time"), help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=("memory", "time", "deepspeed"), help=argparse.SUPPRESS)
     parser.add_argument("--mode", choices=MODES, default="none", help=argparse.SUPPRESS)
     parser.add_argument("--np", default="2", help="process counts, comma-separated")
     parser.add_argument("--rounds", type=int, default=5, help="timing rounds (each configuration takes turns)")
@@ -205,10 +275,20 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=12)
     parser.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=True,
                         help="also torch FSDP2 (fully_shard per layer, gloo)")
+    parser.add_argument("--keep-gathered", type=int, default=1,
+                        help="ZeRO-3's keep_gathered: the forward's last blocks kept until their backward")
+    parser.add_argument("--deepspeed-python", default="/work/ds-venv/bin/python",
+                        help="the python of a venv with DeepSpeed (skipped when missing)")
     args = parser.parse_args()
+    if args.worker == "deepspeed":
+        deepspeed_worker(args)
+        return
     if args.worker:
         worker(args)
         return
+    deepspeed = os.path.exists(args.deepspeed_python)
+    if not deepspeed:
+        print(f"DeepSpeed skipped: {args.deepspeed_python} is missing (--deepspeed-python)")
     print(f"model: MLP {args.depth} x Linear({args.width}, {args.width}) "
           f"({args.depth * (args.width ** 2 + args.width) / 1e6:.1f} M parameters), Adam, batch {args.batch_size} "
           f"per rank; load average at start {os.getloadavg()[0]:.1f}")
@@ -218,7 +298,10 @@ def main() -> None:
         for _ in range(args.memory_rounds):
             for mode in modes:
                 memory[mode].append(launch(np, args, "--worker", "memory", "--mode", mode))
-        report(np, memory, launch(np, args, "--worker", "time"), args)
+        timing = launch(np, args, "--worker", "time")
+        if deepspeed:
+            timing["deepspeed"] = launch_deepspeed(np, args)
+        report(np, memory, timing, args)
     print(f"\nload average at end {os.getloadavg()[0]:.1f}")
 
 

@@ -23,16 +23,16 @@ What the core decides here, and the adapters only execute:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from dualframe.dp.shard import ShardLayout
+from dualframe.dp.shard import Bucket, ShardLayout
 from dualframe.errors import StrategyError
 
 #: The ``shard=`` value of ZeRO-3 (``dualframe.dp.shard.SHARD_MODES`` lists it).
 ZERO3 = "parameters"
 #: The adapters that run ``shard="parameters"`` (the plan offers ZeRO-3 for these frameworks only).
-ZERO3_FRAMEWORKS = ("torch",)
+ZERO3_FRAMEWORKS = ("torch", "keras")
 
 
 def block_paths(modules: Sequence[Tuple[str, bool]]) -> List[str]:
@@ -136,8 +136,12 @@ class ParameterShardPlan:
 
     @classmethod
     def build(cls, names: Sequence[str], sizes: Sequence[int], blocks: Sequence[str], ranks: int,
-              dtypes: Optional[Sequence[str]] = None) -> "ParameterShardPlan":
+              dtypes: Optional[Sequence[str]] = None,
+              bucket_elements: Optional[int] = None) -> "ParameterShardPlan":
         """Put each parameter (``names``, ``sizes`` in elements, ``dtypes``) in its block, cut each block among ``ranks``.
+
+        ``bucket_elements`` (None: one bucket per dtype and block) cuts a large block into several
+        buckets, as ``ShardLayout.build`` does; a block's buckets are still gathered together.
 
         Raises:
             StrategyError: mismatched lengths, or what ``ShardLayout.build`` refuses.
@@ -154,7 +158,8 @@ class ParameterShardPlan:
             if not tensors:
                 continue
             layout = ShardLayout.build([sizes[t] for t in tensors], ranks,
-                                       dtypes=[dtypes[t] for t in tensors] if dtypes is not None else None)
+                                       dtypes=[dtypes[t] for t in tensors] if dtypes is not None else None,
+                                       bucket_elements=bucket_elements)
             out.append(Block(path=path, tensors=tuple(tensors), layout=layout))
         return cls(names=tuple(names), ranks=ranks, blocks=tuple(out))
 
@@ -165,6 +170,31 @@ class ParameterShardPlan:
     def largest_block(self) -> int:
         """Elements of the largest gathered block: what a rank holds in full at once, beside its slices."""
         return max((block.gathered_elements for block in self.blocks), default=0)
+
+    def joined(self) -> Tuple[ShardLayout, List[Tuple[int, ...]]]:
+        """Every block's buckets in one ``ShardLayout`` (tensors numbered as in ``names``), and each block's buckets.
+
+        For an adapter that keeps one list of slices (Keras): bucket ``k`` of the joined layout is a
+        block's bucket unchanged but for its tensor numbers; the second value lists, per block, the
+        indices of its buckets in the joined layout.
+
+        Example:
+            >>> plan = ParameterShardPlan.build(["a.w", "b.w", "b.b"], [4, 6, 2], ["", "a", "b"], ranks=2)
+            >>> layout, owned = plan.joined()
+            >>> [b.tensors for b in layout.buckets], owned, layout.owned_elements(1)
+            ([(0,), (1, 2)], [(0,), (1,)], 6)
+        """
+        sizes = [0] * len(self.names)
+        buckets: List[Bucket] = []
+        owned: List[Tuple[int, ...]] = []
+        for block in self.blocks:
+            for t, size in zip(block.tensors, block.layout.sizes):
+                sizes[t] = size
+            first = len(buckets)
+            buckets.extend(replace(bucket, tensors=tuple(block.tensors[t] for t in bucket.tensors))
+                           for bucket in block.layout.buckets)
+            owned.append(tuple(range(first, len(buckets))))
+        return ShardLayout(sizes=tuple(sizes), ranks=self.ranks, buckets=tuple(buckets)), owned
 
 
 @dataclass
@@ -184,6 +214,10 @@ class GatherOrder:
 
     order: List[int] = field(default_factory=list)
     _where: Dict[int, int] = field(default_factory=dict)
+    settled: bool = False  # a whole step ran: ``order`` holds every block
+
+    def __post_init__(self) -> None:
+        self._where = {block: k for k, block in enumerate(self.order)}
 
     def seen(self, block: int) -> None:
         """Note that ``block`` ran its forward (recorded the first time only)."""
@@ -195,6 +229,20 @@ class GatherOrder:
         """The block to gather while ``block`` runs forward: the one that ran after it."""
         k = self._where.get(block)
         return self.order[k + 1] if k is not None and k + 1 < len(self.order) else None
+
+    def kept(self, block: int, keep: int) -> bool:
+        """Whether ``block`` stays gathered from its forward to its backward: one of the last ``keep`` once settled.
+
+        The last blocks of the forward are the first of the backward: freeing one after its forward
+        only to gather it again at once costs an allgather per block and saves no memory at the peak.
+        Before the order is settled (the first step) every block is freed.
+
+        Example:
+            >>> order = GatherOrder(order=[0, 2, 1], settled=True)
+            >>> [order.kept(b, 1) for b in (0, 2, 1)], [order.kept(b, 2) for b in (0, 2, 1)], order.kept(1, 0)
+            ([False, False, True], [False, True, True], False)
+        """
+        return self.settled and keep > 0 and block in self.order[-keep:]
 
     def next_backward(self, block: int) -> Optional[int]:
         """The block to gather while ``block`` runs backward: the one that ran before it."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from dualframe.errors import ScheduleError
 from dualframe.pipeline.action import BACKWARD, FORWARD, WEIGHT, Action, ActionLists, Ticks
@@ -249,6 +249,56 @@ def stage_placement(schedule: str, stages: int, virtual_stages: int = 1) -> List
     if entry.virtual is None:
         return list(range(n))
     return [entry.virtual.place(j, n) for j in range(n * v)]
+
+
+def deferred_weights(plan: Sequence[Action]) -> List[Action]:
+    """One rank's ``plan`` (a schedule without W actions) with a ``W i`` per ``B i`` at its end, in the B's order.
+
+    A transform, not a schedule of its own: an adapter whose stage can batch its weight gradients runs
+    it on GPipe's lists, so the B passes compute only what the previous stage waits for and the W
+    actions, all after the last B, run as one pass over the step's rows (``batched_weights`` proves
+    the transformed lists finish). W actions send nothing, so each rank may take it or not alone.
+
+    Example:
+        >>> [str(a) for a in deferred_weights([Action.parse(t) for t in "F0 F1 B1 B0".split()])]
+        ['F0', 'F1', 'B1', 'B0', 'W1', 'W0']
+
+    Raises:
+        ScheduleError: ``plan`` already has W actions.
+    """
+    if any(action.kind == WEIGHT for action in plan):
+        raise ScheduleError(f"deferred_weights adds W actions to a schedule without them "
+                            f"(plan: {' '.join(map(str, plan))})")
+    return list(plan) + [Action(WEIGHT, action.micro) for action in plan if action.kind == BACKWARD]
+
+
+def forwards_first(lists: Sequence[Sequence[Action]]) -> bool:
+    """Whether every rank runs all its forwards before any backward (GPipe): its tapes all live at once anyway.
+
+    Where they do, ``batched_weights`` costs no memory a step does not already hold; elsewhere (1F1B)
+    it would keep every micro-batch's layer inputs until the end.
+
+    Example:
+        >>> forwards_first(gpipe(2, 3)), forwards_first(one_f_one_b(2, 3))
+        (True, False)
+    """
+    return all(not any(a.kind == FORWARD for a in actions[k + 1:])
+               for actions in lists for k, a in enumerate(actions) if a.kind != FORWARD)
+
+
+def batched_weights(lists: ActionLists) -> ActionLists:
+    """Every rank's ``deferred_weights`` (GPipe with batched weight gradients), laid on ``clock_table`` first.
+
+    Example:
+        >>> [" ".join(map(str, a)) for a in batched_weights(gpipe(2, 2))]
+        ['F0 F1 B1 B0 W1 W0', 'F0 F1 B1 B0 W1 W0']
+
+    Raises:
+        ScheduleError: lists with W actions already, or lists that cannot finish (the grid printed).
+    """
+    transformed = [deferred_weights(actions) for actions in lists]
+    clock_table(transformed)
+    return transformed
 
 
 register("gpipe", gpipe, one_process=True)

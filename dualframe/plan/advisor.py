@@ -5,7 +5,7 @@ once the optimizer state (then also the gradients) is sharded over the
 replicas -> data parallelism with a sharded optimizer (ZeRO-1, then ZeRO-2: the same bytes moved,
 no recomputation); it fits once activations shrink -> data parallelism with activation
 checkpointing (or gradient accumulation); it fits once the parameters are sharded too -> ZeRO-3
-(1.5x the bytes moved, each layer gathered twice, torch only); it does not fit -> the fewest pipeline stages that fit (GPipe, ``chunks >= 4 x
+(1.5x the bytes moved, each layer gathered twice; torch and Keras); it does not fit -> the fewest pipeline stages that fit (GPipe, ``chunks >= 4 x
 stages`` so the bubble ``(n-1)/(m+n-1)`` stays small), and with devices to spare, replicas of that
 pipeline (hybrid). Pipelines come in two rows: ``"pipeline"`` keeps every micro-batch's activations,
 ``"pipeline + checkpointing"`` (``checkpoint="except_last"``) only each stage's inputs and one

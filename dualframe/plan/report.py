@@ -67,6 +67,8 @@ def adapter_line(option: Option, framework: str, hardware: Hardware) -> str:
         passes = f", backward_passes_per_step={option.backward_passes_per_step}" if option.backward_passes_per_step > 1 else ""
         named = ", named_parameters=model.named_parameters()" if framework == "torch" else ""
         shard = f", shard={option.shard!r}" if option.shard else ""
+        if option.shard == "parameters" and framework != "torch":  # Keras: a new model, holding no values
+            return f"optimizer = hvd.DistributedOptimizer(optimizer{passes}{shard}); model = optimizer.shard_model(model)"
         shard += ", model=model" if option.shard == "parameters" else ""
         return f"optimizer = hvd.DistributedOptimizer(optimizer{named}{passes}{shard})"
     if option.kind == "model split":

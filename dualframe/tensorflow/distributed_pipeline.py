@@ -20,12 +20,12 @@ from dualframe.pipeline.schedule import Action
 from dualframe.pipeline.stage import StageView, open_stage
 from dualframe.pipeline.walk import StepRecord
 from dualframe.pipeline.layout import layout_pipeline
-from dualframe.pipeline.schedule import virtual_count
+from dualframe.pipeline.schedule import batched_weights, forwards_first, virtual_count
 from dualframe.pipeline.link import check_transport
 from dualframe.tensorflow.backend import BACKEND
 from dualframe.tensorflow.collectives import hvd
 from dualframe.tensorflow.optimizer import DistributedOptimizer
-from dualframe.tensorflow.pipeline_work import StageFunctions, TFStageWork, deferred_weights, fusable
+from dualframe.tensorflow.pipeline_work import StageFunctions, TFStageWork, fusable
 from dualframe.tensorflow.stage_recompute import StageRecompute
 from dualframe.pipeline.graph import GraphSplit, stage_count
 from dualframe.tensorflow.graph import KerasGraph, capture
@@ -213,8 +213,10 @@ class DistributedPipeline(KerasFit, StageView):
         self.gradients: List[Optional[tf.Tensor]] = []
         self.peak_live = 0
         #: GPipe: a stage whose split passes run computes its micro-batches' weight gradients in one pass
-        #: after its last backward (``pipeline_work.deferred_weights``); False: each in its backward.
+        #: after its last backward (``schedule.batched_weights``); False: each in its backward.
         self.batch_weights = True
+        self._batched_actions = (batched_weights(layout.actions)[j] if forwards_first(layout.actions)
+                                 and not splits_backward(layout.actions[j]) else None)
 
     @property
     def all_layers(self) -> List[Any]:
@@ -284,7 +286,8 @@ class DistributedPipeline(KerasFit, StageView):
             return self._run_virtual(actions, micro_inputs, micro_targets, [s / sum(sizes) for s in sizes], train)
         batch_weights = self._batches_weights(actions, train)
         if batch_weights:  # W actions send nothing: each stage decides alone
-            actions = deferred_weights(actions)
+            assert self._batched_actions is not None
+            actions = self._batched_actions
         work = TFStageWork(self.layers, self.is_first, self.is_last, self.loss_fn if train else None,
                            micro_targets, [s / sum(sizes) for s in sizes], self.device, self._functions, fusable(actions),
                            split=splits_backward(actions), batch_weights=batch_weights, recompute=self._recompute)
@@ -302,16 +305,16 @@ class DistributedPipeline(KerasFit, StageView):
         return joined, self.role.step(actions, micro_inputs, works, train)
 
     def _batches_weights(self, actions: Sequence[Action], train: bool) -> bool:
-        """Whether this step runs GPipe's W passes as one after its last B (``pipeline_work.deferred_weights``).
+        """Whether this step runs GPipe's W passes as one after its last B (``schedule.batched_weights``).
 
         Only on a stage whose split passes run (built, no layer with state) and re-run cheaply (no layer
-        owning weights through sublayers, ``split_backward.reruns_cheaply``), and only under GPipe: 1F1B
-        would have to keep every micro-batch's layer inputs until the end, GPipe's memory; and not with
-        checkpointing, whose point is to keep no more than their inputs.
+        owning weights through sublayers, ``split_backward.reruns_cheaply``), and only where every forward
+        runs before any backward (GPipe, ``schedule.forwards_first``): 1F1B would have to keep every
+        micro-batch's layer inputs until the end, GPipe's memory; and not with checkpointing, whose point
+        is to keep no more than their inputs.
         """
-        return (train and self.schedule == "gpipe" and self.batch_weights and self._functions is not None
-                and self._recompute is None
-                and not splits_backward(actions) and self._functions.batches_weights())
+        return (train and self._batched_actions is not None and self.batch_weights and self._functions is not None
+                and self._recompute is None and self._functions.batches_weights())
 
     def _run_graph(self, actions: Sequence[Action], inputs: Any, targets: Any,
                    train: bool) -> Tuple[TFGraphStageWork, StepRecord]:

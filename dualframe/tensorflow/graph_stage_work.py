@@ -1,11 +1,8 @@
 """One process stage of a graph split in TensorFlow: one packed byte message per edge (the core's GraphStageWork).
 
-The twin of ``dualframe.torch.graph_stage_work``, with the same message layout: a forward message
-from stage p to stage c holds every value c reads from p (``edge_values``); the backward message
-holds their gradients in the same layout (zeros where a value has none, e.g. a padding mask or token
-ids). A message is a flat ``uint8`` tensor: an int64 header (count, then per tensor its dtype code,
-ndim and dims) followed by each tensor's bytes, padded to 8, so every dtype travels exactly
-(int64 ids, bool masks) and a value's shape may change between steps.
+Each message holds what one edge carries, in ``dualframe.pipeline.message``'s layout (an int64 header,
+then each tensor's bytes; Keras sends tensors only, so no structure tail); this module converts
+TensorFlow tensors to and from those bytes.
 """
 from __future__ import annotations
 
@@ -19,7 +16,7 @@ import tensorflow as tf
 from dualframe.errors import StrategyError
 from dualframe.pipeline.graph import GraphSplit
 from dualframe.pipeline.graph_walk import edge_values, stage_edges
-from dualframe.pipeline.link import MAX_DIMS
+from dualframe.pipeline import message
 from dualframe.tensorflow.graph import KerasGraph
 from dualframe.tensorflow.distributed_graph import GraphStage
 from dualframe.tensorflow.graph_split_backward import GraphSplitPasses
@@ -27,13 +24,12 @@ from dualframe.tensorflow.pipeline_transport import DTYPES, tf_dtype_code
 from dualframe.tensorflow.pipeline_work import Gradients, _Compiled, _dense, _summed
 from dualframe.tensorflow.stage_recompute import StageRecompute
 
-_FIELDS = 2 + MAX_DIMS  # per tensor: dtype code, ndim, dims
 _LOG = logging.getLogger(__name__)
 _WARNED: List[bool] = []  # the no-split warning, once per process
 
 
 def pack(tensors: Sequence[Any], names: Sequence[str]) -> tf.Tensor:
-    """The tensors as one flat uint8 message (see the module docstring).
+    """The tensors as one flat uint8 message (``dualframe.pipeline.message``'s layout).
 
     Example:
         >>> ids = tf.constant([2 ** 40 + 1], tf.int64)
@@ -43,34 +39,24 @@ def pack(tensors: Sequence[Any], names: Sequence[str]) -> tf.Tensor:
     Raises:
         StrategyError: a value that is not a tensor, or one of more than ``MAX_DIMS`` dimensions: cut elsewhere.
     """
-    header = [len(tensors)]
-    parts = []
     for name, t in zip(names, tensors):
         if not tf.is_tensor(t):
             raise StrategyError(f"value {name!r} crosses between process stages but is a {type(t).__name__}, not a "
                                 "tensor; choose a cut where only tensors cross")
-        if t.shape.rank > MAX_DIMS:
-            raise StrategyError(f"value {name!r} has {t.shape.rank} dimensions; a message carries at most {MAX_DIMS}")
-        header += [tf_dtype_code(t.dtype), t.shape.rank, *t.shape, *([0] * (MAX_DIMS - t.shape.rank))]
+    head = message.header([(name, tf_dtype_code(t.dtype), tuple(t.shape)) for name, t in zip(names, tensors)])
+    parts = [np.frombuffer(head, np.uint8)]
+    for t in tensors:
         data = np.ascontiguousarray(t.numpy()).reshape(-1).view(np.uint8)
-        parts += [data, np.zeros((-data.size) % 8, np.uint8)]
-    head = np.asarray(header, np.int64).view(np.uint8)
-    return tf.constant(np.concatenate([head, *parts]))
+        parts += [data, np.zeros(message.padding(data.size), np.uint8)]
+    return tf.constant(np.concatenate(parts))
 
 
-def unpack(message: Any) -> List[tf.Tensor]:
+def unpack(raw: Any) -> List[tf.Tensor]:
     """The tensors of a ``pack`` message (fresh tensors, same dtypes and shapes)."""
-    raw = np.asarray(message.numpy() if tf.is_tensor(message) else message, np.uint8)
-    count = int(raw[:8].view(np.int64)[0])
-    header = raw[:8 * (1 + _FIELDS * count)].view(np.int64).tolist()
-    offset, out = 8 * (1 + _FIELDS * count), []
-    for k in range(count):
-        code, ndim, *dims = header[1 + _FIELDS * k:1 + _FIELDS * (k + 1)]
-        dtype, shape = np.dtype(DTYPES[code].as_numpy_dtype), tuple(dims[:ndim])
-        size = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
-        out.append(tf.convert_to_tensor(raw[offset:offset + size].copy().view(dtype).reshape(shape)))
-        offset += size + (-size) % 8
-    return out
+    data = np.asarray(raw.numpy() if tf.is_tensor(raw) else raw, np.uint8)
+    layout = message.read_layout(lambda n: data[:8 * n].view(np.int64).tolist())
+    return [tf.convert_to_tensor(data[p.offset:p.offset + p.size].copy().view(DTYPES[p.code].as_numpy_dtype)
+                                 .reshape(p.shape)) for p in layout.parts]
 
 
 class GraphStageFunction:

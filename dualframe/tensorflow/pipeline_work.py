@@ -6,7 +6,7 @@ from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Tu
 
 import tensorflow as tf
 
-from dualframe.pipeline.action import BACKWARD, WEIGHT, Action
+from dualframe.pipeline.schedule import deferred_weights  # noqa: F401 (the W order batch_weights runs)
 from dualframe.tensorflow.split_backward import SplitFunctions, reruns_cheaply, splittable
 from dualframe.tensorflow.stage_recompute import StageRecompute
 
@@ -81,7 +81,7 @@ class StageFunctions:
       F, B, F+B of the last stage, and W (``dualframe.tensorflow.split_backward``), for zero-bubble
       schedules on a ``splittable`` stage; ``last_forward_inputs`` (the last stage's F alone) and
       ``batched_weight_pass`` (the W of every micro-batch of a step in one pass over their rows,
-      compiled without XLA) for GPipe's ``deferred_weights``.
+      compiled without XLA) for GPipe's ``schedule.deferred_weights``.
 
     Each is compiled with XLA (``jit_compile``, see ``_Compiled``) and traced once per (relaxed) input
     shape and per first-or-not; they are used only once every layer is built (variables can be
@@ -163,23 +163,6 @@ def fusable(plan: Sequence[Any]) -> List[int]:
     return [int(a[1:]) for a, b in zip(tags, tags[1:]) if a[0] == "F" and b == "B" + a[1:]]
 
 
-def deferred_weights(plan: Sequence[Action]) -> List[Action]:
-    """``plan`` (a schedule without W actions) with a ``W i`` for each ``B i`` at its end, in the order of the B's.
-
-    Run by a ``TFStageWork`` with ``batch_weights``: the B passes compute the inputs' gradients only
-    (what the previous stage waits for), and the W actions, all after the last B, run as one
-    ``batched_weight_pass`` over the step's rows. Used for GPipe, whose last stage computes its W
-    while the stages before it still run their B's; on the first stage it follows the last B, and
-    runs faster than the micro-batches' W's one by one (TensorFlow's CPU matmul is faster per row at
-    the mini-batch's rows than at a micro-batch's, docs/benchmarks.md).
-
-    Example:
-        >>> [str(a) for a in deferred_weights([Action.parse(t) for t in "F0 F1 B1 B0".split()])]
-        ['F0', 'F1', 'B1', 'B0', 'W1', 'W0']
-    """
-    return list(plan) + [Action(WEIGHT, action.micro) for action in plan if action.kind == BACKWARD]
-
-
 class TFStageWork:
     """Forward and backward of one stage's layers on micro-batch i.
 
@@ -200,7 +183,7 @@ class TFStageWork:
     every layer's input, B keeps the gradient at each weighted layer's output, W adds the weights'
     gradient to the sums. Where the stage cannot split (not built yet: the first step; or a layer
     with state), B runs the full backward and W only adds its weights' part: correct, no gain.
-    With ``batch_weights`` too (GPipe with ``deferred_weights``), the W actions wait until every
+    With ``batch_weights`` too (GPipe with ``schedule.deferred_weights``), the W actions wait until every
     micro-batch's has come and run as one ``batched_weight_pass``; the last stage's F keeps its
     layers' inputs and the loss's gradient at its output (``last_forward_inputs``) for its B, the
     fused last micro-batch runs F and B in one call (``last_input_pass``).

@@ -7,7 +7,7 @@ variables, then each model variable's slots in order), which is what checkpoints
 """
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import keras
 import numpy as np
@@ -82,8 +82,11 @@ class ShardedState:
         #: (replicated, as in plain data parallelism: batch-norm statistics, counters).
         self.model: Any = None
         self.replicated: List[Any] = []
-        #: ZeRO-3: a bucket key per variable (its layer and dtype), so that no bucket spans two layers.
-        self.groups: Optional[List[str]] = None
+        #: ZeRO-3: the core's plan (``dualframe.dp.zero3``) as one layout, and each top-level layer's buckets in it.
+        self.planned: Optional[ShardLayout] = None
+        self.blocks: Dict[int, Tuple[int, ...]] = {}
+        #: ZeRO-3: when each layer's gather may start (``sharded_layers.Ahead``: one layer ahead, traced).
+        self.ahead: Any = None
         #: Whether every rank was seen to hold the same parameters (at the first apply after a build or sync).
         self.checked = False
         #: ``guard(slice_grads, step)``: how a loss-scaling wrapper steps (``shard_precision``); None: ``step`` directly.

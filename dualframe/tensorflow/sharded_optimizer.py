@@ -129,9 +129,9 @@ class ShardedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
                 "dualframe.DataParallel(shard='parameters'))")
         ranks = self.reduction.process_set.size()
         with tf.init_scope():
-            layout = ShardLayout.build([int(np.prod(v.shape)) for v in variables], ranks,
-                                       dtypes=self._zero.groups or [str(v.dtype) for v in variables],
-                                       bucket_elements=self.bucket_elements)
+            layout = self._zero.planned or ShardLayout.build(
+                [int(np.prod(v.shape)) for v in variables], ranks, dtypes=[str(v.dtype) for v in variables],
+                bucket_elements=self.bucket_elements)
             self._zero.build(layout, variables, self.reduction.process_set.rank(), self._zero.values)
             if self.shard == "parameters":
                 self._zero.values = []  # the full values go: from now on the slices are the parameters

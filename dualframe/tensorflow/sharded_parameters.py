@@ -61,7 +61,7 @@ def shard_model(optimizer: Any, model: keras.Model, root_rank: int = 0) -> keras
             f"({len(clone.trainable_variables)} against {len(shapes)}): Keras's config does not keep a layer "
             f"shared between nested models; use shard='gradients' for it")
     zero = optimizer._zero
-    zero.groups = sharded_layers.layer_groups(clone)
+    zero.planned, zero.blocks = sharded_layers.layer_plan(clone, process_set.size(), optimizer.bucket_elements)
     optimizer._check_same_everywhere(clone.trainable_variables, process_set.size())  # the one collective before
     zero.checked = True
     zero.values = [_broadcast(v, root_rank, process_set) for v in model.trainable_variables]

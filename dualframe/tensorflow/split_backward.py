@@ -21,7 +21,7 @@ gradient alone costs as much as all of them), so a persistent tape gives no spli
 On the last stage ``F i`` and ``B i`` are one call (``last_input_pass``: forward, loss, the input's
 gradient and the kept output gradients, no weight product), since zero-bubble schedules run them back
 to back there. GPipe runs its W passes together after its last B (``batched_weight_pass``, see
-``pipeline_work.deferred_weights``). Re-running a layer is exact only for a layer without state: a
+``dualframe.pipeline.schedule.batched_weights``). Re-running a layer is exact only for a layer without state: a
 stage with a layer that has non-trainable variables (``BatchNormalization``'s moving statistics,
 ``Dropout``'s seed) is not ``splittable`` and runs B as a full backward (W then only adds that
 gradient: no gain, logged once).

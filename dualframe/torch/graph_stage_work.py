@@ -1,16 +1,11 @@
 """One process stage of a graph split in torch: one packed byte message per edge (the core's GraphStageWork).
 
-A forward message from stage p to stage c holds every value c reads from p (``edge_values``); the
-backward message holds their gradients in the same layout (zeros where a value has none, e.g. a
-padding mask; the same sizes and flags), so the receiver of a forward message knows the size of the
-gradient to expect. A message is a flat ``uint8`` tensor: an int64 header (tensor count, the length
-of the tail, then per tensor its dtype code, ndim and dims), each tensor's bytes padded to 8, and,
-where a value is not one tensor, a JSON tail giving the values' structure: a traced size
-(torch.export's ``sym_size_int``), a shape, a flag or None crosses as data, with tensors by index.
+Each message holds what one edge carries, in ``dualframe.pipeline.message``'s layout (an int64 header,
+each tensor's bytes, a JSON tail for values that are not one tensor: a traced size (torch.export's
+``sym_size_int``), a shape, a flag or None); this module converts torch tensors to and from those bytes.
 """
 from __future__ import annotations
 
-import json
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -20,7 +15,7 @@ from torch.utils import _pytree as pytree
 from dualframe.errors import StrategyError
 from dualframe.pipeline.graph import GraphSplit
 from dualframe.pipeline.graph_walk import edge_values, stage_edges
-from dualframe.pipeline.link import MAX_DIMS
+from dualframe.pipeline import message
 from dualframe.torch.graph import Captured
 from dualframe.torch.graph_run import tensor_leaves
 from dualframe.torch.pipeline_transport import DTYPES, dtype_code
@@ -28,9 +23,33 @@ from dualframe.torch.pipeline_work import ActivationMeter
 from dualframe.torch.split_backward import SplitBackward
 from dualframe.torch.stage_recompute import StageRecompute
 
-_FIELDS = 2 + MAX_DIMS  # per tensor: dtype code, ndim, dims
-_PLAIN = (bool, int, float, str, type(None))
 _SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)  # a traced size: a number at run time
+
+
+class _TorchLeaves:
+    """torch's non-tensor leaves of a message: dtypes, devices and ``torch.Size`` (``dualframe.pipeline.message``)."""
+
+    def is_tensor(self, value: Any) -> bool:
+        return isinstance(value, torch.Tensor)
+
+    def encode(self, value: Any) -> Optional[Dict[str, Any]]:
+        if isinstance(value, torch.dtype):
+            return {"dtype": str(value).replace("torch.", "")}
+        if isinstance(value, torch.device):
+            return {"device": str(value)}
+        if isinstance(value, torch.Size):
+            return {"size": [int(d) for d in value]}
+        return None
+
+    def decode(self, kind: str, body: Any) -> Any:
+        return getattr(torch, body) if kind == "dtype" else torch.device(body) if kind == "device" else torch.Size(body)
+
+
+_LEAVES = _TorchLeaves()
+
+
+def _leaf(value: Any) -> bool:
+    return isinstance(value, (torch.Tensor, torch.dtype, torch.device) + _SYMBOLIC)
 
 
 def unsendable(value: Any) -> Optional[str]:
@@ -39,13 +58,7 @@ def unsendable(value: Any) -> Optional[str]:
     A message carries tensors, numbers, bools, None, strings, dtypes, devices, and tuples, lists and
     dicts (string keys) of them: a traced size (torch.export's ``sym_size_int``), a shape or a flag.
     """
-    if isinstance(value, (torch.Tensor, torch.dtype, torch.device) + _PLAIN + _SYMBOLIC):
-        return None
-    if isinstance(value, (list, tuple)):
-        return next((bad for bad in map(unsendable, value) if bad is not None), None)
-    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
-        return next((bad for bad in map(unsendable, value.values()) if bad is not None), None)
-    return type(value).__name__
+    return message.unsendable(value, _leaf)
 
 
 def check_crossing(captured: Captured, split: GraphSplit) -> None:
@@ -70,39 +83,6 @@ def check_crossing(captured: Captured, split: GraphSplit) -> None:
                     f"or after its last use (split_points={list(split.split_points)})")
 
 
-def _encode(value: Any, tensors: List[torch.Tensor]) -> Any:
-    """``value`` as JSON data, its tensors appended to ``tensors`` and referred to by index."""
-    if isinstance(value, torch.Tensor):
-        tensors.append(value)
-        return {"t": len(tensors) - 1}
-    if isinstance(value, _PLAIN):
-        return value
-    if isinstance(value, torch.dtype):
-        return {"dtype": str(value).replace("torch.", "")}
-    if isinstance(value, torch.device):
-        return {"device": str(value)}
-    if isinstance(value, dict):
-        return {"dict": [[k, _encode(v, tensors)] for k, v in value.items()]}
-    kind = "size" if isinstance(value, torch.Size) else "tuple" if isinstance(value, tuple) else "list"
-    return {kind: [_encode(v, tensors) for v in value]}
-
-
-def _decode(data: Any, tensors: Sequence[torch.Tensor]) -> Any:
-    if not isinstance(data, dict):
-        return data
-    (kind, body), = data.items()
-    if kind == "t":
-        return tensors[body]
-    if kind == "dtype":
-        return getattr(torch, body)
-    if kind == "device":
-        return torch.device(body)
-    if kind == "dict":
-        return {k: _decode(v, tensors) for k, v in body}
-    items = [_decode(v, tensors) for v in body]
-    return torch.Size(items) if kind == "size" else tuple(items) if kind == "tuple" else items
-
-
 def _with_tensors(values: Sequence[Any], tensors: Sequence[torch.Tensor]) -> List[Any]:
     """``values`` with their tensor leaves replaced, in order, by ``tensors`` (a gradient message's layout)."""
     it = iter(tensors)
@@ -111,52 +91,30 @@ def _with_tensors(values: Sequence[Any], tensors: Sequence[torch.Tensor]) -> Lis
 
 
 def pack(values: Sequence[Any], names: Sequence[str], device: torch.device) -> torch.Tensor:
-    """The values as one flat uint8 message (see the module docstring).
+    """The values as one flat uint8 message (``dualframe.pipeline.message``'s layout).
 
     Raises:
         StrategyError: a value holding something a message cannot carry (see ``unsendable``), naming it.
     """
-    if all(isinstance(v, torch.Tensor) for v in values):
-        tensors, tail = list(values), b""
-    else:
-        for name, value in zip(names, values):
-            bad = unsendable(value)
-            if bad is not None:
-                raise StrategyError(f"value {name!r} crosses between process stages and holds a {bad}, which a "
-                                    "message cannot carry (tensors, numbers, bools, None, strings and tuples, lists "
-                                    "and dicts of them can); choose a cut where it does not cross")
-        tensors = []
-        tail = json.dumps([_encode(v, tensors) for v in values]).encode()
-    header = [len(tensors), len(tail)]
-    parts = []
-    for name, t in zip(names, tensors):
-        if t.dim() > MAX_DIMS:
-            raise StrategyError(f"value {name!r} has {t.dim()} dimensions; a message carries at most {MAX_DIMS}")
-        header += [dtype_code(t.dtype), t.dim(), *t.shape, *([0] * (MAX_DIMS - t.dim()))]
+    if not all(isinstance(v, torch.Tensor) for v in values):
+        message.check_sendable(values, names, _leaf)
+    tensors, tail = message.structure(values, _LEAVES)
+    head = message.header([(name, dtype_code(t.dtype), tuple(t.shape)) for name, t in zip(names, tensors)], len(tail))
+    parts = [torch.frombuffer(bytearray(head), dtype=torch.uint8).to(device)]
+    for t in tensors:
         data = t.detach().contiguous().reshape(-1).view(torch.uint8).to(device)
-        parts += [data, torch.zeros((-data.numel()) % 8, dtype=torch.uint8, device=device)]
+        parts += [data, torch.zeros(message.padding(data.numel()), dtype=torch.uint8, device=device)]
     if tail:
         parts.append(torch.frombuffer(bytearray(tail), dtype=torch.uint8).to(device))
-    head = torch.tensor(header, dtype=torch.int64).view(torch.uint8).to(device)
-    return torch.cat([head, *parts])
+    return torch.cat(parts)
 
 
-def unpack(message: torch.Tensor) -> List[Any]:
+def unpack(raw: torch.Tensor) -> List[Any]:
     """The values of a ``pack`` message (fresh tensors on the message's device)."""
-    count, tail = message[:16].clone().view(torch.int64).tolist()
-    header = message[:8 * (2 + _FIELDS * count)].clone().view(torch.int64).tolist()
-    offset, out = 8 * (2 + _FIELDS * count), []
-    for k in range(count):
-        code, ndim, *dims = header[2 + _FIELDS * k:2 + _FIELDS * (k + 1)]
-        dtype, shape = DTYPES[code], tuple(dims[:ndim])
-        size = torch.empty((), dtype=dtype).element_size()
-        for d in shape:
-            size *= d
-        out.append(message[offset:offset + size].clone().view(dtype).reshape(shape))
-        offset += size + (-size) % 8
-    if not tail:
-        return out
-    return [_decode(v, out) for v in json.loads(bytes(message[offset:offset + tail].cpu().tolist()))]
+    layout = message.read_layout(lambda n: raw[:8 * n].clone().view(torch.int64).tolist())
+    tensors = [raw[p.offset:p.offset + p.size].clone().view(DTYPES[p.code]).reshape(p.shape) for p in layout.parts]
+    tail = bytes(raw[layout.tail_offset:layout.tail_offset + layout.tail_size].cpu().tolist())
+    return message.rebuild(tail, tensors, _LEAVES)
 
 
 class TorchGraphStageWork:

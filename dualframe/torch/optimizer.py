@@ -63,9 +63,10 @@ class DistributedOptimizer(WrappedOptimizer):
         if cls is DistributedOptimizer and isinstance(shard, str) and shard.lower() == "parameters":
             from dualframe.torch.shard_parameters import ParameterShardedOptimizer
             return super().__new__(ParameterShardedOptimizer)
-        if "model" in kwargs:
-            raise StrategyError(f"model= is for shard='parameters' (ZeRO-3), which gathers each block's parameters "
-                                f"in the model's forward (shard: {shard!r}); drop model=")
+        for zero3_only in ("model", "keep_gathered"):
+            if zero3_only in kwargs:
+                raise StrategyError(f"{zero3_only}= is for shard='parameters' (ZeRO-3), which gathers each block's "
+                                    f"parameters in the model's forward (shard: {shard!r}); drop {zero3_only}=")
         if cls is DistributedOptimizer and not (shard is None or str(shard).lower() == "none"):  # shard: that class
             from dualframe.torch.sharded_optimizer import ShardedOptimizer
             return super().__new__(ShardedOptimizer)

@@ -15,7 +15,7 @@ import torch
 
 from dualframe.dp.zero3 import GatherOrder
 from dualframe.torch.collectives import hvd
-from dualframe.torch.shard_buckets import Slot
+from dualframe.torch.shard_buckets import Slot, travelling
 
 
 @dataclass(eq=False)
@@ -44,6 +44,16 @@ def tensors_in(value: Any) -> Iterator[torch.Tensor]:
             yield from tensors_in(item)
 
 
+def allgather_into(tensor: torch.Tensor, output: torch.Tensor, name: str, process_set: Any) -> Any:
+    """Start allgathering ``tensor`` into ``output`` (already of the gathered size: Horovod writes it in place).
+
+    Horovod 0.28's ``allgather_async`` gives its private ``_allgather_async`` a new empty output; given
+    the block's buffer instead, the gathered slices land in the parameters' storage with no copy and
+    no temporary of the block's size (Horovod resizes the output to the size it already has).
+    """
+    return hvd.mpi_ops._allgather_async(tensor, output, name, process_set)
+
+
 class BlockGather:
     """Gathers, frees and prefetches the blocks of one sharded model (module hooks and output-gradient hooks).
 
@@ -52,9 +62,10 @@ class BlockGather:
         >>> gather.free_all()                           # only the slices remain             # doctest: +SKIP
     """
 
-    def __init__(self, blocks: List[BlockRun], process_set: Any) -> None:
+    def __init__(self, blocks: List[BlockRun], process_set: Any, keep_gathered: int = 1) -> None:
         self.blocks = blocks
         self.process_set = process_set
+        self.keep_gathered = keep_gathered  # the last blocks of the forward stay gathered until their backward
         self.order = GatherOrder()
         self.handles = []
         for block in blocks:
@@ -67,19 +78,19 @@ class BlockGather:
         if block.gathered or block.pending:
             return
         for slot in block.slots:
-            block.pending.append((slot, hvd.allgather_async(slot.flat.detach(), name=f"dualframe.gather.{slot.name}",
-                                                            process_set=self.process_set)))
+            slot.buffer.untyped_storage().resize_(slot.buffer.numel() * slot.buffer.element_size())
+            # fp32 master slices travel cast down to the model's dtype (bfloat16 as int16 bits: Horovod lacks it).
+            sent = travelling(slot.flat, slot.precision)
+            output = slot.buffer if sent.dtype == slot.buffer.dtype else slot.buffer.view(sent.dtype)
+            block.pending.append((slot, allgather_into(sent, output, f"dualframe.gather.{slot.name}",
+                                                       self.process_set)))
 
     def wait(self, block: BlockRun) -> None:
-        """Make ``block``'s full parameters present (start the allgather if needed, then write it in)."""
+        """Make ``block``'s full parameters present (start the allgather if needed, and wait for it)."""
         self.start(block)
-        with torch.no_grad():
-            for slot, handle in block.pending:
-                full = hvd.synchronize(handle)
-                storage = slot.buffer.untyped_storage()
-                storage.resize_(slot.buffer.numel() * slot.buffer.element_size())
-                slot.buffer.copy_(full)
-                slot.check_views()
+        for slot, handle in block.pending:
+            hvd.synchronize(handle)
+            slot.check_views()
         block.pending = []
         block.gathered = True
 
@@ -117,11 +128,14 @@ class BlockGather:
 
     def _post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         block = self._of_module[id(module)]
+        backward = False
         if torch.is_grad_enabled():
             for tensor in tensors_in(output):
                 if tensor.requires_grad:
                     tensor.register_hook(self._before_backward(block))
-        self.free(block)
+                    backward = True
+        if not (backward and self.order.kept(block.index, self.keep_gathered)):
+            self.free(block)
 
     def _before_backward(self, block: BlockRun) -> Any:
         def hook(grad: torch.Tensor) -> Optional[torch.Tensor]:

@@ -15,12 +15,13 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
+from dualframe.dp.precision import SlicePrecision
 from dualframe.dp.shard import check_shard
 from dualframe.dp.zero3 import ZERO3, ParameterShardPlan, block_paths, check_unshared
 from dualframe.errors import StrategyError
 from dualframe.torch.collectives import hvd
 from dualframe.torch.shard_blocks import BlockGather, BlockRun
-from dualframe.torch.shard_buckets import Slot, adopt, make_inner
+from dualframe.torch.shard_buckets import Slot, adopt, make_inner, master_slice, precision_of
 from dualframe.torch.sharded_optimizer import ShardedOptimizer
 
 #: Modules that only hold other modules: a block is found below them, never at them.
@@ -51,6 +52,14 @@ def check_model(model: object, optimizer: torch.optim.Optimizer) -> Dict[int, st
     return names
 
 
+def own_slice(view: torch.Tensor, precision: SlicePrecision) -> torch.nn.Parameter:
+    """The slice a rank keeps of a block's buffer: an fp32 master for float16/bfloat16 weights, else a copy.
+
+    A copy, not a view: the buffer's storage is freed between uses, the slice is not.
+    """
+    return master_slice(view, precision) if precision.has_master else torch.nn.Parameter(view.detach().clone())
+
+
 class ParameterShardedOptimizer(ShardedOptimizer):
     """``DistributedOptimizer(..., shard="parameters", model=model)``: parameters, gradients and optimizer state 1/N per rank.
 
@@ -59,6 +68,9 @@ class ParameterShardedOptimizer(ShardedOptimizer):
     format). Between steps the model's parameters hold no memory: use ``model_state_dict()`` (a
     collective) and ``load_model_state_dict()`` for checkpoints, not ``model.state_dict()``.
     ``backward_passes_per_step`` reduces every pass into the slices (the sum is the same).
+    ``keep_gathered=k`` (default 1): from the second step on, the last ``k`` blocks of the forward stay
+    gathered until their backward instead of being freed and gathered again (each costs its full
+    size in memory meanwhile; 0: every block freed after its forward).
 
     Example:
         >>> opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters()), model.named_parameters(),
@@ -75,9 +87,14 @@ class ParameterShardedOptimizer(ShardedOptimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer,
                  named_parameters: Optional[Iterable[Tuple[str, torch.Tensor]]] = None, *args: Any,
-                 shard: Optional[str] = ZERO3, model: Optional[torch.nn.Module] = None, **kwargs: Any) -> None:
+                 shard: Optional[str] = ZERO3, model: Optional[torch.nn.Module] = None, keep_gathered: int = 1,
+                 **kwargs: Any) -> None:
         if check_shard(shard) != ZERO3:
             raise StrategyError(f"ParameterShardedOptimizer is shard='parameters' (shard: {shard!r})")
+        if isinstance(keep_gathered, bool) or not isinstance(keep_gathered, int) or keep_gathered < 0:
+            raise StrategyError(f"keep_gathered must be an int >= 0: how many of the forward's last blocks stay "
+                                f"gathered until their backward (keep_gathered: {keep_gathered!r})")
+        self.keep_gathered = keep_gathered
         if os.environ.get("HOROVOD_ELASTIC") == "1":
             raise StrategyError("shard='parameters' cannot re-cut parameters at an elastic reset (the full weights "
                                 "live on no rank); use shard='gradients' with elastic Horovod")
@@ -120,9 +137,9 @@ class ParameterShardedOptimizer(ShardedOptimizer):
             for k, bucket in enumerate(block.layout.buckets):
                 members = [local[t] for t in bucket.tensors]
                 buffer = adopt(members, bucket)
-                start = self.rank * bucket.shard
-                flat = torch.nn.Parameter(buffer[start:start + bucket.shard].clone())  # kept when the buffer is freed
-                slot = Slot(f"zero3.{b}.{k}", bucket, local, buffer, flat, start, members=members)
+                start, precision = self.rank * bucket.shard, precision_of(buffer.dtype)
+                flat = own_slice(buffer[start:start + bucket.shard], precision)
+                slot = Slot(f"zero3.{b}.{k}", bucket, local, buffer, flat, start, members=members, precision=precision)
                 slots.append(slot)
                 self._slots.append(slot)
                 for p in members:
@@ -137,7 +154,7 @@ class ParameterShardedOptimizer(ShardedOptimizer):
                 self._group_of.append((g, len(inner_groups)))
                 inner_groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": flats[g]})
         self._inner = make_inner(type(self._optimizer), inner_groups, self._optimizer.defaults)
-        self._gather = BlockGather(blocks, self.process_set)
+        self._gather = BlockGather(blocks, self.process_set, self.keep_gathered)
 
     # -- gradients: reduced every pass, the block freed once all its buckets are sent -----------------
     def _on_gradient(self, p: torch.Tensor) -> None:
@@ -173,6 +190,7 @@ class ParameterShardedOptimizer(ShardedOptimizer):
             block.sent = 0
         assert self._gather is not None
         self._gather.free_all()
+        self._gather.order.settled = True  # a whole forward and backward ran: every block is in the order
         self._versions = {}
         self._synchronized = True
 
@@ -206,6 +224,8 @@ class ParameterShardedOptimizer(ShardedOptimizer):
         missing = [k for k in list(named) + [n for n, _ in self._model.named_buffers()] if k not in state_dict]
         if missing:
             raise StrategyError(f"state_dict lacks {len(missing)} of the model's entries ({', '.join(missing[:3])})")
+        assert self._gather is not None
+        self._gather.free_all()  # a block still gathered would hold the old values
         with torch.no_grad():
             for slot in self._slots:
                 flat = torch.zeros(slot.bucket.padded, dtype=slot.flat.dtype, device=slot.flat.device)

@@ -19,7 +19,8 @@ import dualframe.torch as hvd
 from dualframe.launch.topology import detect
 from dualframe.pipeline.layout import pipeline_process_sets
 from dualframe.torch.distributed_pipeline import DistributedPipeline
-from tests.parallel.torch_cases import pipeline_batches, pipeline_model, pipeline_reference  # PYTHONPATH: the repo root
+from tests.parallel.torch_cases import (check_pipeline_training, pipeline_batches, pipeline_model,  # PYTHONPATH: repo
+                                        pipeline_reference)
 
 TOPOLOGY = detect()  # read at collection, before init: every rank decides the same skips
 NODES = int(os.environ.get("DUALFRAME_TEST_NODES", "2"))
@@ -103,18 +104,7 @@ def test_pipeline_stages_on_different_nodes_equal_one_process(transport, schedul
     pipe = DistributedPipeline(copy.deepcopy(model), balance=[3, 2], chunks=4, schedule=schedule, loss_fn=nn.MSELoss(),
                                timeout=PEER_TIMEOUT)
     assert (pipe.direct is not None) is (transport == "mpi")
-    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
-    for step, (x, y) in enumerate(data):
-        optimizer.zero_grad()
-        loss = pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None)
-        assert loss == pytest.approx(losses[step], abs=TOL), f"step {step}"
-        optimizer.step()
-    merged = {}
-    for part in horovod.allgather_object(pipe.state_dict()):
-        merged.update(part)
-    assert sorted(merged) == sorted(state)
-    for key, value in state.items():
-        torch.testing.assert_close(merged[key], value, atol=TOL, rtol=0)
+    check_pipeline_training(pipe, data, (losses, state), atol=TOL)
 
 
 @pytest.mark.skipif(TOPOLOGY.size != 4, reason="the 2 x 2 hybrid runs on 4 ranks, 2 per node")

@@ -10,20 +10,14 @@ from torch import nn
 import dualframe.torch as hvd
 from dualframe.errors import BalanceError, ChunksError, ScheduleError, StrategyError
 from dualframe.torch.distributed_pipeline import DistributedPipeline
-from torch_cases import pipeline_batches, pipeline_model, pipeline_reference  # tests/parallel is on sys.path
+from torch_cases import (check_pipeline_training, merged_state_dict, pipeline_batches, pipeline_model,  # on sys.path
+                         pipeline_reference)
 
 STEPS, BATCH, CHUNKS = 4, 10, 4  # micro-batches of 3, 3, 2, 2 rows
 
 
 def batches():
     return pipeline_batches(BATCH, STEPS)  # the same seeds as the cluster's pipeline test
-
-
-def merged_state_dict(pipe):
-    merged = {}
-    for part in horovod.allgather_object(pipe.state_dict()):
-        merged.update(part)
-    return merged
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -48,22 +42,12 @@ def test_bad_input_is_refused_on_every_rank_before_communication():
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
 def test_training_equals_one_process(schedule):
     model, data = pipeline_model(), batches()
-    expected_losses, expected_state = pipeline_reference(model, data)
     pipe = DistributedPipeline(copy.deepcopy(model), balance=[3, 2], chunks=CHUNKS, schedule=schedule,
                                loss_fn=nn.MSELoss())
     assert [name for name, _ in pipe.named_parameters()] == (["0.weight", "0.bias", "2.weight", "2.bias"]
                                                             if hvd.rank() == 0 else ["4.weight", "4.bias"])
-    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
-    for step, (x, y) in enumerate(data):
-        optimizer.zero_grad()
-        # Inputs are read on the first stage, targets on the last: the others pass None.
-        loss = pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None)
-        assert loss == pytest.approx(expected_losses[step], abs=1e-5), f"step {step}"
-        optimizer.step()
-    merged = merged_state_dict(pipe)
-    assert sorted(merged) == sorted(expected_state)
-    for key, value in expected_state.items():
-        torch.testing.assert_close(merged[key], value, atol=1e-5, rtol=0)
+    # Inputs are read on the first stage, targets on the last: the others pass None.
+    check_pipeline_training(pipe, data, pipeline_reference(model, data))
     assert pipe.records.records[-1].wall > 0
 
 

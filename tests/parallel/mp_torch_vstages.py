@@ -10,7 +10,8 @@ from torch import nn
 import dualframe.torch as hvd
 from dualframe.errors import BalanceError, ChunksError, ScheduleError, StrategyError
 from dualframe.torch.distributed_pipeline import DistributedPipeline
-from torch_cases import pipeline_batches, pipeline_reference  # tests/parallel is on sys.path
+from mp_torch_dpipe import started  # noqa: F401 (fixture: Horovod on 2 ranks; the files share a launch)
+from torch_cases import check_pipeline_training, pipeline_batches, pipeline_reference  # tests/parallel is on sys.path
 
 STEPS, BATCH = 3, 12  # chunks=8: micro-batches of 2, 2, 2, 2, 1, 1, 1, 1 rows
 BALANCE = [2, 2, 2, 1]  # four stages of the seven layers: two per rank
@@ -21,19 +22,6 @@ def deep_model():
     torch.manual_seed(5)
     return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), nn.Tanh(),
                          nn.Linear(16, 3))
-
-
-def merged_state_dict(pipe):
-    merged = {}
-    for part in horovod.allgather_object(pipe.state_dict()):
-        merged.update(part)
-    return merged
-
-
-@pytest.fixture(scope="module", autouse=True)
-def started():
-    hvd.init()
-    assert hvd.size() == 2
 
 
 def test_bad_combinations_are_refused_on_every_rank_before_communication():
@@ -56,22 +44,12 @@ def test_bad_combinations_are_refused_on_every_rank_before_communication():
 @pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zb-v"])
 def test_training_equals_one_process(schedule, chunks):
     model, data = deep_model(), pipeline_batches(BATCH, STEPS)
-    expected_losses, expected_state = pipeline_reference(model, data)
     pipe = DistributedPipeline(copy.deepcopy(model), balance=BALANCE, chunks=chunks, schedule=schedule,
                                loss_fn=nn.MSELoss(), virtual_stages=2)
     assert sorted(pipe.held_stages) == HELD[schedule][hvd.rank()]
     assert (pipe.is_first, pipe.is_last) == ((True, schedule == "zb-v") if hvd.rank() == 0 else
                                              (False, schedule != "zb-v"))
-    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
-    for step, (x, y) in enumerate(data):
-        optimizer.zero_grad()
-        loss = pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None)
-        assert loss == pytest.approx(expected_losses[step], abs=1e-5), f"step {step}"
-        optimizer.step()
-    merged = merged_state_dict(pipe)
-    assert sorted(merged) == sorted(expected_state)
-    for key, value in expected_state.items():
-        torch.testing.assert_close(merged[key], value, atol=1e-5, rtol=0)
+    check_pipeline_training(pipe, data, pipeline_reference(model, data))
     assert [a for a, _, _ in pipe.records.records[-1].actions] == [str(a) for a in pipe.actions]
     assert pipe.meter.live_bytes == 0
 
@@ -135,7 +113,6 @@ def _perturb(module):
         nn.init.normal_(module.weight)
 
 
-
 class SkipNet(nn.Module):
     """Four blocks, the first's output read again by the third: a value skipping stage 1 (edge 0 -> 2)."""
 
@@ -158,16 +135,7 @@ def test_a_graph_split_with_a_skip_edge_equals_one_process(schedule):
     pipe = DistributedPipeline(copy.deepcopy(model), chunks=4, schedule=schedule, loss_fn=nn.MSELoss(),
                                split_points=["b", "c", "d"], virtual_stages=2)
     assert sorted(pipe.held_stages) == HELD[schedule][hvd.rank()]
-    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
-    for step, (x, y) in enumerate(data):
-        optimizer.zero_grad()
-        loss = pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None)
-        assert loss == pytest.approx(expected_losses[step], abs=1e-5), f"step {step}"
-        optimizer.step()
-    merged = merged_state_dict(pipe)
-    assert sorted(merged) == sorted(expected_state)
-    for key, value in expected_state.items():
-        torch.testing.assert_close(merged[key], value, atol=1e-5, rtol=0, msg=key)
+    check_pipeline_training(pipe, data, (expected_losses, expected_state))
     trained = copy.deepcopy(model)
     trained.load_state_dict(expected_state)
     with torch.no_grad():

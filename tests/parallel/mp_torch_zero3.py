@@ -1,7 +1,8 @@
-"""ZeRO-3 (shard="parameters") on 2 ranks: weights equal plain data parallelism, 1/N of the bytes, checkpoints, refusals.
+"""ZeRO-3 (shard="parameters") on 2 ranks: weights equal plain data parallelism, 1/N of the bytes, checkpoints, mixed precision, refusals.
 
 Every rank runs every test. Each compares with plain data parallelism on the same data (or with a
-one-process reference inside the rank); ``model_state_dict()`` is the unsharded weights.
+one-process reference inside the rank); ``model_state_dict()`` is the unsharded weights. The mixed
+precision tests reuse mp_torch_shard_amp's MLP, data and fp32-master reference (ZeRO-1/2's twins).
 """
 import pytest
 import torch
@@ -9,6 +10,9 @@ import torch.nn as nn
 
 import dualframe
 import dualframe.torch as hvd
+import dualframe.torch.shard_blocks as shard_blocks
+from mp_torch_shard_amp import adam, sgd
+from mp_torch_shard_amp import batches as mlp_batches, loss as amp_loss, make as mlp, reference as master_reference
 
 TOL = 1e-5
 SINGLES = [hvd.ProcessSet([0]), hvd.ProcessSet([1])]
@@ -118,6 +122,23 @@ def test_backward_passes_per_step_equals_plain():
     assert_same_weights(optimizer.model_state_dict(), plain("transformer", "adam", batches, passes=2))
 
 
+@pytest.mark.parametrize("keep", [0, 2, 99])
+def test_keep_gathered_saves_the_backward_gathers_and_equals_plain(keep, monkeypatch):
+    batches = data("transformer")
+    model = transformer()
+    optimizer = hvd.DistributedOptimizer(OPTIMIZERS["sgd"](model), model.named_parameters(), shard="parameters",
+                                         model=model, keep_gathered=keep)
+    gathers, allgather_into = [], shard_blocks.allgather_into
+    monkeypatch.setattr(shard_blocks, "allgather_into", lambda *args: gathers.append(1) or allgather_into(*args))
+    train(model, optimizer, batches)
+    monkeypatch.undo()
+    blocks = len(optimizer._slots)  # one slot (bucket) per block here: all float32, one param group
+    assert blocks == len(optimizer._blocks) == 6
+    # The first step gathers every block twice (the order is being learnt); then the last `keep` once.
+    assert len(gathers) == 2 * blocks * len(batches) - min(keep, blocks) * (len(batches) - 1)
+    assert_same_weights(optimizer.model_state_dict(), plain("transformer", "sgd", batches))
+
+
 def state_bytes(optimizer):
     return sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
                if isinstance(v, torch.Tensor) and v.dim() > 0)
@@ -179,6 +200,25 @@ def test_checkpoint_saved_at_two_ranks_loads_plainly_and_resumes_on_one(tmp_path
     assert_same_weights(optimizer.model_state_dict(), plain("transformer", "adam", batches))
 
 
+def test_checkpoint_saved_on_one_rank_resumes_on_two():
+    batches = data("transformer", steps=3)
+    alone = transformer()  # each rank its own one-rank run on the whole batch: the same checkpoint on both
+    single = hvd.DistributedOptimizer(OPTIMIZERS["adam"](alone), alone.named_parameters(), shard="parameters",
+                                      model=alone, process_set=SINGLES[hvd.rank()])
+    for x, y in batches[:2]:
+        single.zero_grad()
+        ((alone(x) - y) ** 2).mean().backward()
+        single.step()
+    weights, state = single.model_state_dict(), single.state_dict()
+    model = transformer(3)
+    optimizer = hvd.DistributedOptimizer(OPTIMIZERS["adam"](model), model.named_parameters(), shard="parameters",
+                                         model=model)
+    optimizer.load_model_state_dict(weights)
+    optimizer.load_state_dict(state)
+    train(model, optimizer, batches[2:])
+    assert_same_weights(optimizer.model_state_dict(), plain("transformer", "adam", batches))
+
+
 class Tied(nn.Module):
     def __init__(self):
         super().__init__()
@@ -193,6 +233,10 @@ class Tied(nn.Module):
                                         model=m), r"element-wise optimizer"),
     (lambda m: hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m.named_parameters(),
                                         shard="gradients", model=m), r"model= is for shard='parameters'"),
+    (lambda m: hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m.named_parameters(),
+                                        shard="parameters", model=m, keep_gathered=-1), r"keep_gathered must be"),
+    (lambda m: hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m.named_parameters(),
+                                        shard="gradients", keep_gathered=2), r"keep_gathered= is for shard='param"),
     (lambda m: hvd.DistributedOptimizer(torch.optim.SGD(Tied().parameters(), lr=0.1), shard="parameters",
                                         model=Tied()), r"embed.weight is also head.weight"),
     (lambda m: hvd.DistributedOptimizer(torch.optim.SGD(residual_net().parameters(), lr=0.1), shard="parameters",
@@ -202,3 +246,87 @@ def test_refused_before_any_communication(build, message):
     # One rank refusing alone would leave the other in a collective: every case raises on every rank.
     with pytest.raises(dualframe.StrategyError, match=message):
         build(transformer())
+
+
+# -- mixed precision: autocast on fp32 weights, float16/bfloat16 weights through fp32 master slices --------
+def zero3_mixed(dtype, autocast, make_optimizer, scale):
+    """ZeRO-3 on the MLP of mp_torch_shard_amp with hvd.ShardedGradScaler (disabled at scale 1)."""
+    model = mlp(dtype)
+    optimizer = hvd.DistributedOptimizer(make_optimizer(model.parameters()), model.named_parameters(),
+                                         shard="parameters", model=model)
+    scaler = hvd.ShardedGradScaler("cpu", init_scale=scale, enabled=scale != 1.0)
+    scaled_steps(model, optimizer, scaler, mlp_batches(), autocast)
+    return optimizer, scaler.get_scale()
+
+
+def scaled_steps(model, optimizer, scaler, batches, autocast=None):
+    for x, y in batches:
+        optimizer.zero_grad()
+        scaler.scale(amp_loss(model, hvd.shard_batch(x), hvd.shard_batch(y), autocast)).backward()
+        scaler.step(optimizer)
+        scaler.update()
+
+
+def autocast_reference(autocast, make_optimizer, scale):
+    """One process, plain torch: autocast and torch.amp.GradScaler, the loss the mean of the two ranks' halves."""
+    model = mlp()
+    optimizer = make_optimizer(model.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=scale, enabled=scale != 1.0)
+    for x, y in mlp_batches():
+        optimizer.zero_grad()
+        halves = [amp_loss(model, x[4 * r:4 * r + 4], y[4 * r:4 * r + 4], autocast) for r in range(2)]
+        scaler.scale((halves[0] + halves[1]) / 2).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    return model, scaler.get_scale()
+
+
+@pytest.mark.parametrize("autocast, make_optimizer, scale", [(torch.bfloat16, adam, 1.0), (torch.float16, sgd, 1024.0),
+                                                             (torch.float16, adam, 1024.0)])
+def test_autocast_equals_one_process_torch_autocast_and_grad_scaler(autocast, make_optimizer, scale):
+    optimizer, got_scale = zero3_mixed(torch.float32, autocast, make_optimizer, scale)
+    expected, expected_scale = autocast_reference(autocast, make_optimizer, scale)
+    assert got_scale == expected_scale == scale
+    assert_same_weights(optimizer.model_state_dict(), expected)
+
+
+@pytest.mark.parametrize("dtype, make_optimizer, scale, tol", [(torch.bfloat16, adam, 1.0, TOL),
+                                                                (torch.float16, sgd, 256.0, 1e-3)])
+def test_low_precision_weights_step_through_fp32_master_slices(dtype, make_optimizer, scale, tol):
+    optimizer, _ = zero3_mixed(dtype, None, make_optimizer, scale)
+    expected, _ = master_reference(dtype, make_optimizer, scale)
+    full = optimizer.model_state_dict()
+    assert all(v.dtype == dtype for v in full.values())
+    assert all(s.flat.dtype == torch.float32 and s.flat.numel() == s.bucket.shard for s in optimizer._slots)
+    for key, value in expected.state_dict().items():
+        assert torch.allclose(full[key].float(), value.float(), atol=tol), (key, (full[key] - value).abs().max())
+
+
+def test_inf_in_one_ranks_slice_skips_the_step_on_every_rank():
+    model = mlp(torch.float16)
+    optimizer = hvd.DistributedOptimizer(adam(model.parameters()), model.named_parameters(), shard="parameters",
+                                         model=model)
+    scaler = hvd.ShardedGradScaler("cpu", init_scale=256.0, growth_interval=2)
+    (x, y), before = mlp_batches()[0], optimizer.model_state_dict()
+    scaler.scale(amp_loss(model, hvd.shard_batch(x), hvd.shard_batch(y))).backward()
+    slices = optimizer.reduced_slices()
+    if hvd.rank() == 1:
+        slices[-1][0] = float("inf")  # in rank 1's slice only: rank 0's reduced gradients are all finite
+    scaler.step(optimizer)
+    scaler.update()
+    assert hvd.allgather(torch.tensor([scaler.get_scale()]), name="zero3.amp.scale").tolist() == [128.0, 128.0]
+    assert_same_weights(optimizer.model_state_dict(), _Loaded(before))
+    assert all(len(s) == 0 for s in optimizer.state.values())  # no Adam step taken
+    scaled_steps(model, optimizer, scaler, mlp_batches(2)[:2])  # growth_interval good steps: the scale grows back
+    assert scaler.get_scale() == 256.0
+    assert not torch.equal(optimizer.model_state_dict()["0.weight"], before["0.weight"])
+
+
+class _Loaded:
+    """A state dict seen as a model (for assert_same_weights)."""
+
+    def __init__(self, state):
+        self.state = state
+
+    def state_dict(self):
+        return self.state

@@ -3,7 +3,10 @@
 Each worker file is a pytest module that every rank runs in full; this outer test (one process, no
 framework loaded) starts it with one launcher call, bounded by a timeout, and checks the exit status.
 A worker file may say ``# np: 4``, ``# timeout: 400`` and ``# launchers: horovodrun`` (only that one)
-in its first lines.
+in its first lines. The files of one feature listed together in ``SHARED_LAUNCHES`` run one after the
+other in one pytest run per launcher: each launch costs seconds (a TensorFlow process 5-10 s to start),
+and every file still runs under both launchers. ``DUALFRAME_TEST_FILES_APART=1`` launches each file
+alone (``-k vstages`` then picks one file's launches, not its group's).
 """
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import os
 import pathlib
 import re
 import sys
+from typing import List, Tuple
 
 import pytest
 
@@ -21,6 +25,23 @@ HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 WORKERS = sorted(HERE.glob("mp_*.py"))
 LAUNCHERS = ("horovodrun", "mpirun")
+
+#: Worker files that share a launch, in the order they run. Horovod starts once per process: the
+#: first file's ``hvd.init()`` (at import in Keras files, so at collection) registers the process
+#: sets and the later files' calls do nothing, so a later file may only start Horovod plainly or with
+#: rank lists already registered. A file that registers ``hvd.ProcessSet`` objects of its own or
+#: checks the calls refused before init comes first; two such files, and a file that sets a global
+#: Keras dtype policy at import (mp_tf_keras_hub.py), launch apart.
+SHARED_LAUNCHES = (
+    ("mp_torch_dp.py", "mp_torch_collectives.py", "mp_torch_split.py", "mp_torch_failure.py"),
+    ("mp_torch_zero3.py", "mp_torch_shard.py", "mp_torch_shard_amp.py"),
+    ("mp_torch_dpipe_forged.py", "mp_torch_dpipe.py", "mp_torch_vstages.py", "mp_torch_tied.py",
+     "mp_torch_hf.py"),
+    ("mp_torch_dpipe_hybrid.py", "mp_torch_graph_pipeline_hybrid.py"),
+    ("mp_tf_shard.py", "mp_tf_shard_amp.py", "mp_tf_dp.py", "mp_tf_horovod_api.py", "mp_tf_collectives.py"),
+    ("mp_tf_dpipe.py", "mp_tf_vstages.py", "mp_tf_dpipe_graph.py", "mp_tf_tied.py"),
+    ("mp_tf_dpipe_fit.py", "mp_tf_dpipe_hybrid.py", "mp_tf_graph_pipeline_hybrid.py"),
+)
 
 
 def _header(path: pathlib.Path, key: str, default: int) -> int:
@@ -33,7 +54,23 @@ def _launchers(path: pathlib.Path) -> tuple:
     return tuple(match.group(1).replace(",", " ").split()) if match else LAUNCHERS
 
 
-CASES = [(w, launcher) for w in WORKERS for launcher in _launchers(w)]
+def _launches() -> List[Tuple[pathlib.Path, ...]]:
+    """Every worker file once: the shared launches (files that exist), then each other file alone."""
+    if os.environ.get("DUALFRAME_TEST_FILES_APART") == "1":
+        return [(w,) for w in WORKERS]
+    present = {w.name: w for w in WORKERS}
+    launches = [tuple(present[name] for name in group if name in present) for group in SHARED_LAUNCHES]
+    launches = [files for files in launches if files]
+    shared = {w for files in launches for w in files}
+    for files in launches:
+        headers = {(_header(w, "np", 2), _launchers(w)) for w in files}
+        if len(headers) > 1:
+            raise ValueError(f"files sharing a launch must say the same np and launchers "
+                             f"({', '.join(w.name for w in files)}: {sorted(headers)})")
+    return launches + [(w,) for w in WORKERS if w not in shared]
+
+
+CASES = [(files, launcher) for files in _launches() for launcher in _launchers(files[0])]
 
 
 def _command(launcher: str, np: int, program: list) -> list:
@@ -45,18 +82,24 @@ def _command(launcher: str, np: int, program: list) -> list:
                                   "TF_CPP_MIN_LOG_LEVEL", *thread_env(1)))
 
 
-@pytest.mark.parametrize("worker, launcher", CASES, ids=[f"{w.stem}-{launcher}" for w, launcher in CASES])
-def test_worker_file(worker: pathlib.Path, launcher: str) -> None:
+def _name(files: tuple) -> str:
+    return "+".join([files[0].stem] + [w.stem.split("_", 2)[2] for w in files[1:]])
+
+
+@pytest.mark.parametrize("files, launcher", CASES, ids=[f"{_name(files)}-{launcher}" for files, launcher in CASES])
+def test_worker_file(files: tuple, launcher: str) -> None:
     if find_executable(launcher, {"PATH": f"{pathlib.Path(sys.executable).parent}:{os.environ['PATH']}"}) is None:
         pytest.fail(f"{launcher} is not installed: run `bash scripts/bootstrap.sh`")
-    np = _header(worker, "np", 2)
-    timeout = _header(worker, "timeout", 300)
+    np = _header(files[0], "np", 2)
+    timeouts = [_header(w, "timeout", 300) for w in files]  # each file's bound, per test and in all
     program = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
-               f"--timeout={timeout}", "--rootdir", str(ROOT), str(worker)]
+               f"--timeout={max(timeouts)}", "--rootdir", str(ROOT), *map(str, files)]
     env = dict(os.environ, PYTHONUNBUFFERED="1", DUALFRAME_TEST_LAUNCHER=launcher, TF_CPP_MIN_LOG_LEVEL="2",
                PATH=f"{pathlib.Path(sys.executable).parent}:{os.environ['PATH']}",
                PYTHONPATH=str(ROOT), **thread_env(np, cores=np))
-    code, output = run_bounded(_command(launcher, np, program), env, ROOT, timeout + 60,
-                               f"{launcher} -np {np} {worker.name}")
-    assert code == 0, f"{launcher} -np {np} {worker.name} exited {code}:\n{output[-8000:]}"
-    assert re.search(r"\d+ passed", output), f"no test passed in {worker.name}:\n{output[-4000:]}"
+    what = f"{launcher} -np {np} {' '.join(w.name for w in files)}"
+    code, output = run_bounded(_command(launcher, np, program), env, ROOT, sum(timeouts) + 60, what)
+    assert code == 0, f"{what} exited {code}:\n{output[-8000:]}"
+    passed = re.findall(r"(\d+) passed", output)  # each rank's count (pytest may colour it under mpirun)
+    assert passed, f"no test passed in {what}:\n{output[-4000:]}"
+    print(f"{what}: {' '.join(passed)} passed")  # pytest -rP shows each launch's counts

@@ -6,6 +6,8 @@ elsewhere as ``tests.parallel.torch_cases`` (every launch sets PYTHONPATH to the
 """
 import copy
 
+import horovod.torch as horovod
+import pytest
 import torch
 from torch import nn
 
@@ -65,6 +67,31 @@ def pipeline_reference(model, data):
     return losses, model.state_dict()
 
 
+def merged_state_dict(pipe):
+    """A DistributedPipeline's whole state_dict on every rank: each rank's part, gathered and joined."""
+    merged = {}
+    for part in horovod.allgather_object(pipe.state_dict()):
+        merged.update(part)
+    return merged
+
+
+def check_pipeline_training(pipe, data, expected, atol=1e-5):
+    """Train ``pipe`` as ``pipeline_reference`` trains (SGD, lr 0.1, momentum 0.9) on ``data``, inputs given to the
+    first stage and targets to the last only: each step's loss and the merged weights must equal ``expected``
+    (``pipeline_reference``'s losses and state_dict)."""
+    expected_losses, expected_state = expected
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+    for step, (x, y) in enumerate(data):
+        optimizer.zero_grad()
+        loss = pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None)
+        assert loss == pytest.approx(expected_losses[step], abs=atol), f"step {step}"
+        optimizer.step()
+    merged = merged_state_dict(pipe)
+    assert sorted(merged) == sorted(expected_state)
+    for key, value in expected_state.items():
+        torch.testing.assert_close(merged[key], value, atol=atol, rtol=0, msg=key)
+
+
 # -- tied weights (mp_torch_tied.py, tests/torch/test_tied_torch.py) -------------------------------------
 TIED_VOCAB = 40
 
@@ -109,8 +136,6 @@ def shared_ends(sequential=False):
 
 def tied_gpt2(layers=2):
     """A tiny GPT-2 (transformers) in float64 with its head tied to the token embedding, dropout off."""
-    import pytest
-
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(vocab_size=TIED_VOCAB, n_positions=16, n_embd=8, n_layer=layers, n_head=2,
                                      use_cache=False, bos_token_id=0, eos_token_id=0,

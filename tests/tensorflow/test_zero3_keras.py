@@ -41,9 +41,10 @@ def test_fit_with_dropout_and_batch_norm_equals_plain(bucket_elements):
     np.testing.assert_allclose(sharded.predict(x, verbose=0), plain.predict(x, verbose=0), atol=1e-6)
     np.testing.assert_allclose(sharded.evaluate(x, y, verbose=0), plain.evaluate(x, y, verbose=0), atol=1e-6)
     # No bucket spans two layers (each layer gathers its own); bucket_elements=20 cuts the larger ones.
-    owners = [{opt._zero.groups[t].split("/")[0] for t in bucket.tensors} for bucket in opt._zero.layout.buckets]
-    assert all(len(o) == 1 for o in owners)
-    assert len(owners) == (4 if bucket_elements is None else 6)
+    # The core's plan (dualframe.dp.zero3): each layer with weights a block, its buckets its own.
+    owned = sorted(b for buckets in opt._zero.blocks.values() for b in buckets)
+    assert owned == list(range(len(opt._zero.layout.buckets))) == list(range(4 if bucket_elements is None else 6))
+    assert len(opt._zero.blocks) == 4
 
 
 def test_set_weights_and_the_refusals():

@@ -58,6 +58,18 @@ def test_gather_order_prefetches_neighbours():
     assert order.next_forward(9) is None and order.next_backward(9) is None
 
 
+def test_last_blocks_kept_gathered_once_the_order_is_settled():
+    order = GatherOrder()
+    for b in (3, 1, 4, 5):
+        order.seen(b)
+    assert not any(order.kept(b, 4) for b in order.order)  # the first step: the order may still grow
+    order.settled = True
+    assert [b for b in order.order if order.kept(b, 1)] == [5]
+    assert [b for b in order.order if order.kept(b, 2)] == [4, 5]
+    assert [b for b in order.order if order.kept(b, 9)] == [3, 1, 4, 5]
+    assert not any(order.kept(b, 0) for b in order.order)
+
+
 def test_refusals():
     assert check_shard("Parameters") == "parameters"
     with pytest.raises(StrategyError, match=r"embed.weight is also head.weight\); untie it"):

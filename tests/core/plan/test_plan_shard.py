@@ -1,4 +1,6 @@
 """The plan's sharded data-parallel rows: ZeRO-1/2 arithmetic by hand, and where the advisor places them."""
+import dataclasses
+
 import pytest
 
 from dualframe.dp.shard import BUCKET_ELEMENTS
@@ -96,6 +98,16 @@ def test_sharded_parameters_when_sharded_gradients_and_checkpointing_do_not_fit(
     assert recommended["strategy"] == "dualframe.DataParallel(shard='parameters')"
 
 
+def test_keras_gets_the_sharded_parameters_row_too():
+    keras_chain = dataclasses.replace(chain(), framework="keras")
+    plan = advise(keras_chain, Training(32), Hardware(memory_per_device=100 * MB / 0.9, devices_per_node=8))
+    assert plan.recommended.kind == "data parallel + sharded parameters", plan.reason
+    recommended = to_json(plan)["recommended"]
+    assert recommended["adapter"] == ("optimizer = hvd.DistributedOptimizer(optimizer, shard='parameters'); "
+                                      "model = optimizer.shard_model(model)")
+    assert recommended["strategy"] == "dualframe.DataParallel(shard='parameters')"
+
+
 def test_sharded_parameters_by_hand():
     profile, training = two_layers(), Training(batch_size=4, optimizer="adam")
     plain = group_memory(profile, range(2), training, replicas=4)
@@ -113,8 +125,9 @@ def test_a_pipeline_when_even_sharded_parameters_do_not_fit():
     assert plan.recommended.kind in ("pipeline", "hybrid")
 
 
-@pytest.mark.parametrize("framework, shared", [("keras", ()), ("torch", (Shared(1000, (0, 7)),))])
-def test_no_sharded_parameters_row_for_keras_yet_or_tied_weights(framework, shared):
+@pytest.mark.parametrize("framework", ["torch", "keras"])
+def test_no_sharded_parameters_row_for_tied_weights(framework):
+    shared = (Shared(1000, (0, 7)),)  # each block frees its own weights: a tied pair is refused in both adapters
     profile = ModelProfile(framework, "chain", (1000,), chain().layers, input_elements=1000, shared=shared)
     kinds = [o.kind for o in options(profile, Training(32), Hardware(10**12, devices_per_node=4))]
     assert "data parallel + sharded gradients" in kinds and "data parallel + sharded parameters" not in kinds
