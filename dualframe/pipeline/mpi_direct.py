@@ -24,20 +24,42 @@ Outgoing = Callable[[Any], Any]
 Incoming = Callable[[Any], Tuple[Any, Callable[[], Any]]]
 
 
+#: The longest pause between two tests of a wait (s): a message that lands during a pause waits at most this long.
+MAX_PAUSE_S = 0.001
+#: A pause is at most this share of the time waited so far, so a wait adds at most that share to its length.
+PAUSE_SHARE = 0.05
+
+
+def pause_after(waited: float) -> float:
+    """Seconds to sleep before the next test of a wait that has lasted ``waited`` s (the back-off of ``poll``).
+
+    A short wait (the next micro-batch already on the wire) tests again at once; a long one (a stage
+    idle in the bubble) sleeps longer, up to ``MAX_PAUSE_S``, so it wakes about a thousand times a
+    second instead of thousands: each wakeup takes a core from whatever computes there.
+
+    Example:
+        >>> pause_after(0.0), pause_after(0.004), pause_after(10.0)
+        (0.0, 0.0002, 0.001)
+    """
+    return min(MAX_PAUSE_S, waited * PAUSE_SHARE)
+
+
 def poll(finished: Callable[[], Any], timeout: float) -> bool:
-    """Call ``finished()`` until it is true, sleeping at most 0.2 ms between calls; False after ``timeout`` s.
+    """Call ``finished()`` until it is true, sleeping ``pause_after`` the time waited between calls; False after ``timeout`` s.
+
+    MPI has no wait that sleeps in the kernel (its blocking ``Wait`` polls a core), so this sleeps
+    between nonblocking tests instead: the thread holds no core while it sleeps.
 
     Example:
         >>> poll(lambda: True, timeout=1.0), poll(lambda: False, timeout=0.01)
         (True, False)
     """
-    deadline = time.monotonic() + timeout
-    pause = 0.0
+    start = time.monotonic()
     while not finished():
-        if time.monotonic() > deadline:
+        waited = time.monotonic() - start
+        if waited > timeout:
             return False
-        time.sleep(pause)
-        pause = min(0.0002, pause + 0.00005)
+        time.sleep(pause_after(waited))
     return True
 
 

@@ -1,9 +1,20 @@
 """dualframe.pipeline.mpi_direct in one process: why a rank lacks MPI point-to-point, the bounded poll, the handles,
 and the requests cancelled or kept when a transport closes."""
 import gc
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
 
 from dualframe.pipeline import mpi_direct
-from dualframe.pipeline.mpi_direct import MPIDirect, missing, poll
+from dualframe.pipeline.mpi_direct import MAX_PAUSE_S, MPIDirect, missing, pause_after, poll
+
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 
 def test_missing_names_the_reason_before_touching_mpi():
@@ -15,6 +26,52 @@ def test_poll_is_bounded():
     calls = []
     assert poll(lambda: calls.append(1) or len(calls) == 3, timeout=1.0) and len(calls) == 3
     assert poll(lambda: False, timeout=0.02) is False
+
+
+def test_a_long_wait_backs_off_to_a_pause_of_a_millisecond():
+    assert [pause_after(w) for w in (0.0, 0.004, 0.02, 10.0)] == [0.0, 0.0002, MAX_PAUSE_S, MAX_PAUSE_S]
+    calls, start = [], time.monotonic()
+    assert poll(lambda: calls.append(1) or time.monotonic() - start > 0.2, timeout=5.0)
+    # The old 0.2 ms pauses tested ~700 times in 0.2 s; a pause growing to 1 ms tests ~260 times.
+    assert len(calls) < 400, f"{len(calls)} tests in a 0.2 s wait: the wait does not back off"
+
+
+def test_a_wait_ends_soon_after_the_message_lands():
+    start = time.monotonic()
+    assert poll(lambda: time.monotonic() - start > 0.05, timeout=5.0)
+    late = time.monotonic() - start - 0.05
+    assert late < pause_after(0.05) + 0.02, f"the wait ended {late * 1000:.1f} ms after the message landed"
+
+
+_SELF_WAIT = textwrap.dedent("""
+    import json, threading, time
+    import numpy as np
+    from mpi4py import MPI
+    from dualframe.pipeline.mpi_direct import MPIDirect
+
+    direct = MPIDirect(MPI.COMM_SELF.Dup(), outgoing=lambda a: a, incoming=lambda b: (b, lambda: b))
+    handle = direct.receive(np.zeros(4, dtype=np.float32), source=0, tag=3)
+    timer = threading.Timer(0.3, lambda: direct.send(np.arange(4, dtype=np.float32), dest=0, tag=3))
+    start, cpu = time.monotonic(), time.thread_time()
+    timer.start()
+    arrived = direct.done(handle, timeout=5.0)
+    wall, cpu = time.monotonic() - start, time.thread_time() - cpu
+    timer.join()
+    print(json.dumps({"arrived": arrived, "value": direct.result(handle).tolist(), "wall": wall, "cpu": cpu}))
+    direct.close()
+""")
+
+
+def test_a_real_mpi_receive_waits_without_holding_a_core():
+    pytest.importorskip("mpi4py")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-c", _SELF_WAIT], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    waited = json.loads(done.stdout.strip().splitlines()[-1])
+    assert waited["arrived"] and waited["value"] == [0.0, 1.0, 2.0, 3.0]
+    assert 0.3 <= waited["wall"] < 0.3 + 0.1, waited
+    # A spinning wait keeps its thread on a core the whole 0.3 s; this one sleeps between tests.
+    assert waited["cpu"] < 0.2 * waited["wall"], f"the waiting thread used {waited['cpu']:.3f} s of {waited['wall']:.3f} s"
 
 
 class Request:

@@ -5,6 +5,7 @@ import array
 import gc
 import socket
 import struct
+import threading
 import time
 
 import pytest
@@ -93,6 +94,23 @@ def test_closed_pipelines_do_not_make_a_live_peer_look_gone():
     first, second = pair()
     waiting = first.receive(array.array("d", [0.0]), source=1, tag=0)
     assert first.done(waiting, timeout=3.0) is False  # silent but alive: the bounded wait, no PeerLostError
+
+
+def test_a_wait_sleeps_in_zeromq_until_the_message_lands():
+    first, second = pair()
+    first.done(first.send(array.array("d", [0.0]), dest=1, tag=1), timeout=1.0)  # connected before timing
+    assert second.done(second.receive(array.array("d", [0.0]), source=0, tag=1), timeout=5.0)
+    assert not second.done(second.receive(array.array("d", [0.0]), source=0, tag=9), timeout=0.01)  # imports done
+    waiting = second.receive(array.array("d", [0.0] * 4), source=0, tag=2)
+    timer = threading.Timer(0.3, lambda: first.send(array.array("d", [4.0] * 4), dest=1, tag=2))
+    start, cpu = time.monotonic(), time.thread_time()
+    timer.start()
+    assert second.done(waiting, timeout=5.0) and list(second.result(waiting)) == [4.0] * 4
+    wall, cpu = time.monotonic() - start, time.thread_time() - cpu
+    timer.join()
+    assert 0.3 <= wall < 0.3 + 0.1, f"the message landed at 0.3 s, the wait ended at {wall:.3f} s"
+    # Woken by the socket, not by a clock: a few wakeups, no core held.
+    assert cpu < 0.05 * wall, f"the waiting thread used {cpu:.4f} s of {wall:.3f} s"
 
 
 def test_endpoints_are_the_addresses_the_ranks_listen_on():
