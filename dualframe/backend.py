@@ -223,7 +223,7 @@ class StageCodec(Protocol):
 
 @runtime_checkable
 class PlanProbe(Protocol):
-    """The planner's measuring of one framework's model (``dualframe.torch.plan_probe`` / ``tensorflow.plan_probe``)."""
+    """The planner's measuring of one framework's model (``dualframe.torch.plan.probe`` / ``tensorflow.plan.probe``)."""
 
     def profile(self, target: Any, input_shape: Tuple[int, ...], input_dtype: str, source: str,
                 input_names: Tuple[str, ...] = ()) -> Any:

@@ -30,9 +30,9 @@ def arms(base_dir, chunks):
     import torch
     from torch import nn
 
-    from dualframe.torch.activation_meter import ActivationMeter
-    from dualframe.torch.distributed_graph import ChainPart, ChainStage
-    from dualframe.torch.graph_stage_work import TorchGraphStageWork
+    from dualframe.torch.pipeline.activation_meter import ActivationMeter
+    from dualframe.torch.pipeline.graph import ChainPart, ChainStage
+    from dualframe.torch.pipeline.graph_work import TorchGraphStageWork
 
     spec = importlib.util.spec_from_file_location("base_work", base_dir / "dualframe/torch/pipeline_work.py")
     base = importlib.util.module_from_spec(spec)

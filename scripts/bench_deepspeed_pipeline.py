@@ -47,7 +47,7 @@ def dualframe_worker(steps: int, warmup: int) -> None:
     from torch import nn
 
     import dualframe.torch as hvd
-    from dualframe.torch.distributed_pipeline import DistributedPipeline
+    from dualframe.torch.pipeline.distributed import DistributedPipeline
 
     hvd.init()
     torch.set_num_threads(1)

@@ -33,7 +33,7 @@ import dualframe.torch as hvd
 from bench_torch import linear_relu
 from dualframe.observe.bench_rounds import bubble_line, ratio_line, seconds_line
 from dualframe.pipeline.walk import pipeline_bubble
-from dualframe.torch.distributed_pipeline import DistributedPipeline
+from dualframe.torch.pipeline.distributed import DistributedPipeline
 
 
 def ours(model, chunks, schedule="gpipe", transport="auto"):

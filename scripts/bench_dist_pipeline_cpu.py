@@ -24,7 +24,7 @@ from torch import nn
 import bench_common
 import dualframe.torch as hvd
 from bench_torch import linear_relu
-from dualframe.torch.distributed_pipeline import DistributedPipeline
+from dualframe.torch.pipeline.distributed import DistributedPipeline
 
 
 def thread_seconds() -> collections.Counter:

@@ -68,8 +68,8 @@ def torch_pipelines(args: argparse.Namespace) -> Tuple[Dict[str, Any], Callable[
     from bench_torch import linear_relu
     torch.set_num_threads(1)
     import dualframe.torch as hvd
-    from dualframe.torch.distributed_pipeline import DistributedPipeline
-    from dualframe.torch.plan_probe import profile_module
+    from dualframe.torch.pipeline.distributed import DistributedPipeline
+    from dualframe.torch.plan.probe import profile_module
 
     hvd.init()
     model = linear_relu(args.width, args.blocks * 2)
@@ -91,8 +91,8 @@ def keras_pipelines(args: argparse.Namespace) -> Tuple[Dict[str, Any], Callable[
     import keras
     import numpy as np
     import dualframe.tensorflow as hvd
-    from dualframe.tensorflow.distributed_pipeline import DistributedPipeline
-    from dualframe.tensorflow.plan_probe import profile_model
+    from dualframe.tensorflow.pipeline.distributed import DistributedPipeline
+    from dualframe.tensorflow.plan.probe import profile_model
 
     hvd.init()
 

@@ -23,7 +23,7 @@ import numpy as np  # noqa: E402
 
 import bench_common  # noqa: E402
 import dualframe.tensorflow as hvd  # noqa: E402
-from dualframe.tensorflow.distributed_pipeline import DistributedPipeline  # noqa: E402
+from dualframe.tensorflow.pipeline.distributed import DistributedPipeline  # noqa: E402
 
 ARMS = {"xla": True, "plain": False, "auto": None}
 

@@ -22,7 +22,7 @@ import bench_common
 import dualframe
 import dualframe.torch as hvd
 from dualframe.observe.bench_rounds import ratio_line, seconds_line
-from dualframe.torch.distributed_pipeline import DistributedPipeline
+from dualframe.torch.pipeline.distributed import DistributedPipeline
 from torch_examples.transformer_split import Encoder, synthetic
 
 

@@ -11,7 +11,7 @@ each configuration warmed up by two steps first: traces, XLA compilation, shape 
 the throughput zb-h1 / 1f1b at ``--chunks`` micro-batches, the seconds per step, and for each schedule
 the measured bubble (1 - mean stage busy / longest stage step) beside its theory ((n-1)/(m+n-1) and
 (n-1)/(3m+n-1)), the computing seconds per stage (ZB-H1's B re-runs each node from its kept inputs
-and W re-runs the nodes that own weights, so it may compute more: ``dualframe.tensorflow.graph_split_backward``)
+and W re-runs the nodes that own weights, so it may compute more: ``dualframe.tensorflow.pipeline.graph_backward``)
 and the micro-batches each rank held at once.
 """
 import bench_env
@@ -23,7 +23,7 @@ import keras  # noqa: E402
 import bench_common  # noqa: E402
 import dualframe.tensorflow as hvd  # noqa: E402
 from bench_keras import random_xy, zb_against_1f1b  # noqa: E402
-from dualframe.tensorflow.distributed_pipeline import DistributedPipeline  # noqa: E402
+from dualframe.tensorflow.pipeline.distributed import DistributedPipeline  # noqa: E402
 
 
 def build_model(width: int, blocks: int) -> keras.Model:

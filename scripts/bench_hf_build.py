@@ -39,7 +39,9 @@ import dualframe.torch as hvd  # noqa: E402
 _T3 = time.perf_counter()
 import bench_common  # noqa: E402
 from dualframe.observe.bench_rounds import interleaved  # noqa: E402
-from dualframe.torch import distributed_graph, distributed_pipeline, graph  # noqa: E402
+from dualframe.torch.split.pipeline import graph as distributed_graph  # noqa: E402
+from dualframe.torch.split.pipeline import distributed as distributed_pipeline  # noqa: E402
+from dualframe.torch.graph.capture import capture as graph  # noqa: E402
 
 IMPORTS = {"torch": _T1 - _T0, "transformers": _T2 - _T1, "dualframe.torch": _T3 - _T2}
 

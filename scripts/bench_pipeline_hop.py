@@ -17,7 +17,7 @@ import torch
 import bench_common
 import dualframe.torch as hvd
 from dualframe.pipeline.link import wait_for
-from dualframe.torch.pipeline_transport import TorchWire, point_to_point, process_sets
+from dualframe.torch.pipeline.link import TorchWire, point_to_point, process_sets
 
 
 def main() -> None:

@@ -55,9 +55,9 @@ def stage_arm(model_name, jit, x, y, first, chunks, split_blocks=False):
 
     from dualframe.pipeline.action import Action
     from dualframe.pipeline.schedule import deferred_weights
-    from dualframe.tensorflow.pipeline_work import StageFunctions, TFStageWork, fusable
-    from dualframe.tensorflow.split_backward import splittable
-    from dualframe.tensorflow.xla_choice import use_xla
+    from dualframe.tensorflow.pipeline.work import StageFunctions, TFStageWork, fusable
+    from dualframe.tensorflow.pipeline.backward import splittable
+    from dualframe.tensorflow.pipeline.xla import use_xla
     layers, shape, batch = make_layers(model_name)
     keras.Sequential([keras.Input(shape)] + layers)  # builds them
     use = use_xla(jit, layers, "/CPU:0")

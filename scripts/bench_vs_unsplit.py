@@ -35,7 +35,7 @@ def torch_arms(model_name):
     from torch import nn
 
     import dualframe.torch as hvd
-    from dualframe.torch.distributed_pipeline import DistributedPipeline
+    from dualframe.torch.pipeline.distributed import DistributedPipeline
 
     bench_common.init_two_processes(hvd)
     torch.set_num_threads(1)
@@ -77,7 +77,7 @@ def keras_arms(model_name, jit_compile="auto"):
     import numpy as np
 
     import dualframe.tensorflow as hvd
-    from dualframe.tensorflow.distributed_pipeline import DistributedPipeline
+    from dualframe.tensorflow.pipeline.distributed import DistributedPipeline
 
     bench_common.init_two_processes(hvd)
     keras.utils.set_random_seed(0)

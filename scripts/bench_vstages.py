@@ -42,7 +42,7 @@ def ours(model, chunks, schedule):
     v = SCHEDULES[schedule]
     if FRAMEWORK == "keras":
         import keras
-        from dualframe.tensorflow.distributed_pipeline import DistributedPipeline as KerasPipeline
+        from dualframe.tensorflow.pipeline.distributed import DistributedPipeline as KerasPipeline
 
         pipe = KerasPipeline(model, [len(model.layers) // (2 * v)] * (2 * v), chunks=chunks, schedule=schedule,
                              loss_fn="mse", virtual_stages=v)
@@ -54,7 +54,7 @@ def ours(model, chunks, schedule):
         return pipe, step
     import torch
     from torch import nn
-    from dualframe.torch.distributed_pipeline import DistributedPipeline
+    from dualframe.torch.pipeline.distributed import DistributedPipeline
 
     pipe = DistributedPipeline(model, [len(model) // (2 * v)] * (2 * v), chunks=chunks, schedule=schedule,
                                loss_fn=nn.MSELoss(), virtual_stages=v)

@@ -12,7 +12,7 @@ alone cannot tell whether the step overflowed. Each rank counts the non-finite v
 the counts are summed across the ranks (one allreduce of one number), and every rank skips the step,
 and lowers the scale, exactly when the sum is not zero.
 
-The adapters (``dualframe.torch.shard_precision``, ``dualframe.tensorflow.shard_precision``) hand
+The adapters (``dualframe.torch.dp.shard.precision``, ``dualframe.tensorflow.dp.shard.precision``) hand
 these rules their casts and their allreduce; ZeRO-3's parameter slices use the same
 :class:`SlicePrecision` (the fp32 master is the slice a rank keeps; the gathered copy is in the model dtype).
 """

@@ -127,9 +127,3 @@ def validate_split(
         names.append(name)
     return Split(tuple(partition_ranges(balance, num_layers)), tuple(names), strategy.chunks, strategy.checkpoint,
                  strategy.schedule)
-
-
-# The names before ``plan`` came to mean the advisor only; the adapters move to Split/validate_split
-# once the graph-model branches that edit the same lines have landed.
-SplitPlan = Split
-plan_split = validate_split

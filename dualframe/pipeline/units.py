@@ -10,9 +10,9 @@ def block_units(names: Sequence[str], blocks: Sequence[bool]) -> List[str]:
     Without blocks every node is its own unit. With blocks (a transformer's ``transformer.h.0`` ..
     ``transformer.h.23``, a keras_hub backbone's ``transformer_layer_N``) each block is a unit, and a
     node outside every block (embeddings, masks, the final norm, the head) joins the block before it,
-    or the first block when it runs before any. The Keras split (``dualframe.tensorflow.graph.block_units``)
+    or the first block when it runs before any. The Keras split (``dualframe.tensorflow.graph.capture.block_units``)
     and the planner call it once they know which nodes are blocks; the torch split applies the same rule
-    on module paths (``dualframe.torch.graph.Modules.unit``).
+    on module paths (``dualframe.torch.graph.capture.Modules.unit``).
 
     Example:
         >>> block_units(["wte", "h.0", "h.1", "ln_f", "lm_head"], [False, True, True, False, False])

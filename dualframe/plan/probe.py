@@ -23,7 +23,7 @@ from dualframe.errors import DualframeError
 from dualframe.plan.profile import ModelProfile
 
 #: Probe module of each framework, imported in the child only.
-PROBES = {"torch": "dualframe.torch.plan_probe", "keras": "dualframe.tensorflow.plan_probe"}
+PROBES = {"torch": "dualframe.torch.plan.probe", "keras": "dualframe.tensorflow.plan.probe"}
 FRAMEWORKS = ("auto",) + tuple(PROBES)
 _ROOTS = {"torch": "torch", "keras": "keras", "tensorflow": "keras"}
 #: Libraries whose models are one framework's: loading them says which probe builds the model.

@@ -6,7 +6,7 @@ node c begins) when it is made before c and read at or after c: those values are
 begins at c receives, and what a checkpointed segment that begins there keeps. A profile without
 values is a chain: each node reads only the previous node's output.
 
-A framework probe (``dualframe.torch.plan_probe``, ``dualframe.tensorflow.plan_probe``) measures a
+A framework probe (``dualframe.torch.plan.probe``, ``dualframe.tensorflow.plan.probe``) measures a
 model once and hands the core this description; all memory arithmetic works on it, so the two
 frameworks are planned by the same code.
 """

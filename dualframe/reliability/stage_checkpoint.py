@@ -6,7 +6,7 @@ manifest. A job killed in the middle of a save can leave some stages one checkpo
 so loads and merges use the newest step that EVERY stage holds and that verifies, never each
 folder's newest alone. This module owns the procedure (``save_stage``, ``load_stage``: folders,
 steps, who writes, RNG gathering, barriers) over the adapter's ``Backend``; the adapters
-(``dualframe.torch.stage_checkpoint``, ``dualframe.tensorflow.stage_checkpoint``) hand in a
+(``dualframe.torch.reliability.stage_checkpoint``, ``dualframe.tensorflow.reliability.stage_checkpoint``) hand in a
 ``StageCodec`` that serialises the tensors.
 
 Index names: ``j`` stage, ``n`` stages.

@@ -95,12 +95,12 @@ __all__ = [
 ]
 
 # --- Data parallelism: gradients averaged across ranks (Keras: DistributedOptimizer, callbacks) --------------
-from dualframe.tensorflow.compression import Compression  # noqa: E402
-from dualframe.tensorflow.data import shard  # noqa: E402
-from dualframe.tensorflow.gradient_tape import DistributedGradientTape, PartialDistributedGradientTape  # noqa: E402
-from dualframe.tensorflow.legacy_optimizer import DistributedOptimizer  # noqa: E402
-from dualframe.tensorflow.strategy import distribute  # noqa: E402
-from dualframe.tensorflow.sync_batch_norm import SyncBatchNormalization  # noqa: E402
+from dualframe.tensorflow.dp.compression import Compression  # noqa: E402
+from dualframe.tensorflow.dp.data import shard  # noqa: E402
+from dualframe.tensorflow.dp.gradient_tape import DistributedGradientTape, PartialDistributedGradientTape  # noqa: E402
+from dualframe.tensorflow.dp.legacy_optimizer import DistributedOptimizer  # noqa: E402
+from dualframe.tensorflow.dp.distribute import distribute  # noqa: E402
+from dualframe.tensorflow.dp.sync_batch_norm import SyncBatchNormalization  # noqa: E402
 
 # Horovod's TF 1 gradient accumulation helper, unchanged (its DistributedOptimizer for TF 1 optimizers uses it).
 LocalGradientAggregationHelper = _hvd.LocalGradientAggregationHelper
@@ -109,29 +109,29 @@ __all__ += ["DistributedGradientTape", "PartialDistributedGradientTape", "SyncBa
             "shard", "distribute", "DistributedOptimizer", "LocalGradientAggregationHelper"]
 
 # --- Model split and pipelines in one process ------------------------------------------------------------------
-from dualframe.tensorflow.balance import balance_by_size, balance_by_time  # noqa: E402
-from dualframe.tensorflow.model_parallel import ModelParallel, logical_cpus, stage_devices  # noqa: E402
-from dualframe.tensorflow.pipeline import Pipeline  # noqa: E402
+from dualframe.tensorflow.split.balance import balance_by_size, balance_by_time  # noqa: E402
+from dualframe.tensorflow.split.model_parallel import ModelParallel, logical_cpus, stage_devices  # noqa: E402
+from dualframe.tensorflow.split.pipeline import Pipeline  # noqa: E402
 
 __all__ += ["ModelParallel", "Pipeline", "logical_cpus", "stage_devices", "balance_by_size", "balance_by_time"]
 
 # --- Process pipelines: each stage a process, and data x pipeline ---------------------------------------------
 from dualframe.pipeline.layout import PeerLostError  # noqa: E402
-from dualframe.tensorflow.distributed_pipeline import DistributedPipeline  # noqa: E402
+from dualframe.tensorflow.pipeline.distributed import DistributedPipeline  # noqa: E402
 
 __all__ += ["DistributedPipeline", "PeerLostError"]
 
 # --- Reliability: failure, checkpoints, elastic -----------------------------------------------------------------
 # A custom tf.function step bounded by the stall watchdog (Keras fit: hvd.callbacks.StallGuardCallback).
-from dualframe.tensorflow.failure import stall_guard  # noqa: E402
+from dualframe.tensorflow.reliability.failure import stall_guard  # noqa: E402
 # Process pipelines' checkpoints: each stage saves its part, resumes, a merge gives the full model's.
-from dualframe.tensorflow.stage_checkpoint import (  # noqa: E402
+from dualframe.tensorflow.reliability.stage_checkpoint import (  # noqa: E402
     load_stage_checkpoint,
     merge_stage_checkpoints,
     save_stage_checkpoint,
 )
 # hvd.elastic (run, TensorFlowKerasState, TensorFlowState): a submodule as in Horovod, not in __all__.
-from dualframe.tensorflow import elastic  # noqa: E402,F401
+from dualframe.tensorflow.reliability import elastic  # noqa: E402,F401
 
 __all__ += ["stall_guard", "save_stage_checkpoint", "load_stage_checkpoint", "merge_stage_checkpoints"]
 

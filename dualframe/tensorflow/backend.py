@@ -7,7 +7,7 @@ import tensorflow as tf
 
 from dualframe.backend import AdapterBackend
 from dualframe.tensorflow.collectives import TFBatchOps, TFCaster, collectives
-from dualframe.tensorflow.pipeline_transport import TFWire, point_to_point, process_sets
+from dualframe.tensorflow.pipeline.link import TFWire, point_to_point, process_sets
 
 
 class TFPlacement:

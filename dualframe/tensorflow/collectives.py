@@ -35,8 +35,8 @@ class TFCollectives(HorovodCollectives[tf.Tensor]):
         return bytes(tensor.numpy().tobytes())
 
     def guard(self, what: str) -> ContextManager[None]:
-        """Bound an eager Horovod collective (``dualframe.tensorflow.failure.eager_guard``)."""
-        from dualframe.tensorflow.failure import eager_guard
+        """Bound an eager Horovod collective (``dualframe.tensorflow.reliability.failure.eager_guard``)."""
+        from dualframe.tensorflow.reliability.failure import eager_guard
 
         return eager_guard(what)
 

@@ -7,8 +7,8 @@ import tensorflow as tf
 
 from dualframe.dp.checks import check_compression, check_root_rank, op_name
 from dualframe.tensorflow.collectives import OPS, check_initialized, hvd
-from dualframe.tensorflow.failure import eager_guard
-from dualframe.tensorflow.compression import Compression
+from dualframe.tensorflow.reliability.failure import eager_guard
+from dualframe.tensorflow.dp.compression import Compression
 
 
 def _process_set(process_set: Any) -> Any:

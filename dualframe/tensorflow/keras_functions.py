@@ -7,8 +7,8 @@ import tensorflow as tf
 
 from dualframe.tensorflow import functions
 from dualframe.tensorflow.collectives import check_initialized, hvd
-from dualframe.tensorflow.compression import Compression
-from dualframe.tensorflow.failure import eager_guard
+from dualframe.tensorflow.dp.compression import Compression
+from dualframe.tensorflow.reliability.failure import eager_guard
 
 
 def allreduce(value: Any, name: Optional[str] = None, average: Optional[bool] = None, prescale_factor: float = 1.0,

@@ -270,7 +270,7 @@ class ConformanceTests:
     ``pytest_generate_tests`` is pytest's hook by name, which pytest looks up on a test class too.
 
     Example:
-        >>> import dualframe.torch.plan_probe as plan_probe              # doctest: +SKIP
+        >>> import dualframe.torch.plan.probe as plan_probe              # doctest: +SKIP
         >>> from dualframe.torch.backend import BACKEND                  # doctest: +SKIP
         >>> class TestTorchBackend(ConformanceTests):                    # doctest: +SKIP
         ...     backend, probe = BACKEND, plan_probe

@@ -91,13 +91,13 @@ __all__ = [
 ]
 
 # --- Data parallelism: gradients averaged across ranks, data shards, LR warm-up ---------------------------------
-from dualframe.torch.compression import Compression  # noqa: E402
-from dualframe.torch.distribute import distribute  # noqa: E402
+from dualframe.torch.dp.compression import Compression  # noqa: E402
+from dualframe.torch.dp.distribute import distribute  # noqa: E402
 from dualframe.torch.functions import broadcast_optimizer_state, broadcast_parameters  # noqa: E402
-from dualframe.torch.optimizer import DistributedOptimizer  # noqa: E402
-from dualframe.torch.shard_precision import ShardedGradScaler  # noqa: E402
-from dualframe.torch.sync_batch_norm import SyncBatchNorm  # noqa: E402
-from dualframe.torch.utils import (  # noqa: E402
+from dualframe.torch.dp.optimizer import DistributedOptimizer  # noqa: E402
+from dualframe.torch.dp.shard.precision import ShardedGradScaler  # noqa: E402
+from dualframe.torch.dp.sync_batch_norm import SyncBatchNorm  # noqa: E402
+from dualframe.torch.dp.helpers import (  # noqa: E402
     distributed_sampler,
     metric_average,
     shard_batch,
@@ -109,35 +109,35 @@ __all__ += ["Compression", "DistributedOptimizer", "ShardedGradScaler", "SyncBat
             "distributed_sampler", "shard_batch", "metric_average", "warmup_lr_scheduler"]
 
 # --- Model split and pipelines in one process ------------------------------------------------------------------
-from dualframe.torch.balance import balance_by_size, balance_by_time  # noqa: E402
-from dualframe.torch.deferred_batch_norm import DeferredBatchNorm  # noqa: E402
-from dualframe.torch.model_parallel import ModelParallel  # noqa: E402
-from dualframe.torch.pipeline import Pipeline  # noqa: E402
+from dualframe.torch.split.balance import balance_by_size, balance_by_time  # noqa: E402
+from dualframe.torch.split.deferred_batch_norm import DeferredBatchNorm  # noqa: E402
+from dualframe.torch.split.model_parallel import ModelParallel  # noqa: E402
+from dualframe.torch.split.pipeline import Pipeline  # noqa: E402
 
 __all__ += ["ModelParallel", "Pipeline", "DeferredBatchNorm", "balance_by_size", "balance_by_time"]
 
 # --- Process pipelines: each stage a process, and data x pipeline ---------------------------------------------
-from dualframe.torch.distributed_pipeline import DistributedPipeline  # noqa: E402
-from dualframe.torch.pipeline_transport import PeerLostError  # noqa: E402
+from dualframe.torch.pipeline.distributed import DistributedPipeline  # noqa: E402
+from dualframe.torch.pipeline.link import PeerLostError  # noqa: E402
 
 __all__ += ["DistributedPipeline", "PeerLostError"]
 
 # --- Reliability: failure, checkpoints, elastic -----------------------------------------------------------------
 # Checkpoints with exact resume, and process pipelines' stage parts merged into the full model's.
-from dualframe.torch.checkpoint import TrainingState, load_checkpoint, save_checkpoint  # noqa: E402
-from dualframe.torch.stage_checkpoint import (  # noqa: E402
+from dualframe.torch.reliability.checkpoint import TrainingState, load_checkpoint, save_checkpoint  # noqa: E402
+from dualframe.torch.reliability.stage_checkpoint import (  # noqa: E402
     load_stage_checkpoint,
     merge_stage_checkpoints,
     save_stage_checkpoint,
 )
 # hvd.elastic (run, TorchState): a submodule as in Horovod.
-from dualframe.torch import elastic  # noqa: E402
+from dualframe.torch.reliability import elastic  # noqa: E402
 
 __all__ += ["TrainingState", "load_checkpoint", "merge_stage_checkpoints", "save_checkpoint",
             "save_stage_checkpoint", "load_stage_checkpoint", "elastic"]
 
 # --- Observing: rank-0 output, Horovod's timeline ----------------------------------------------------------------
-from dualframe.torch.utils import is_root, log, progress  # noqa: E402
+from dualframe.torch.dp.helpers import is_root, log, progress  # noqa: E402
 
 _OBSERVING = _wrapped(["start_timeline", "stop_timeline"])
 start_timeline = _OBSERVING["start_timeline"]

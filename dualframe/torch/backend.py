@@ -7,7 +7,7 @@ import torch
 
 from dualframe.backend import AdapterBackend
 from dualframe.torch.collectives import TorchBatchOps, TorchCaster, collectives
-from dualframe.torch.pipeline_transport import TorchWire, point_to_point, process_sets
+from dualframe.torch.pipeline.link import TorchWire, point_to_point, process_sets
 
 
 class TorchPlacement:

@@ -61,7 +61,7 @@ op_of = collectives.op_of
 check_initialized = collectives.check_initialized
 
 # Under a launcher, a rank that fails or stalls ends the whole job, naming itself and the cause.
-from dualframe.torch.failure import install as _install_failure_hooks  # noqa: E402
+from dualframe.torch.reliability.failure import install as _install_failure_hooks  # noqa: E402
 from dualframe.launch import mpi_defaults as _mpi_defaults  # noqa: E402
 
 _install_failure_hooks()

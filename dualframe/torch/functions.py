@@ -10,9 +10,9 @@ import torch
 
 from dualframe.collectives import ProcessSetsArg
 from dualframe.errors import StrategyError
-from dualframe.torch import dp_checks
+from dualframe.torch.dp import checks as dp_checks
 from dualframe.torch.collectives import check_initialized, collectives, hvd
-from dualframe.torch.optimizer import DistributedOptimizer
+from dualframe.torch.dp.optimizer import DistributedOptimizer
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -18,7 +18,7 @@ from torch import nn
 import dualframe.torch as hvd
 from dualframe.launch.topology import detect
 from dualframe.pipeline.layout import pipeline_process_sets
-from dualframe.torch.distributed_pipeline import DistributedPipeline
+from dualframe.torch.pipeline.distributed import DistributedPipeline
 from tests.parallel.torch_cases import (check_pipeline_training, pipeline_batches, pipeline_model,  # PYTHONPATH: repo
                                         pipeline_reference)
 

@@ -248,7 +248,7 @@ def test_tape_elastic_state_sync_makes_model_and_optimizer_rank_zeros():
     with tf.GradientTape() as tape:  # a local step: Adam's slots and iteration count now differ per rank
         loss = tf.reduce_mean(model(np.full((2, FEATURES), RANK + 1.0, "float32")) ** 2)
     optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
-    state = dualframe.tensorflow.elastic.TensorFlowKerasState(model, optimizer, batch=10 + RANK)
+    state = dualframe.tensorflow.reliability.elastic.TensorFlowKerasState(model, optimizer, batch=10 + RANK)
     state.sync()
     values = [v.numpy() for v in model.variables + optimizer.variables]
     for mine, root in zip(values, hvd.broadcast_object(values, root_rank=0)):

@@ -3,7 +3,7 @@
 
 Cut at a block's output, one tensor crosses; cut inside a block, two do (the skip and the main
 path), packed into one byte message. GPipe, 1F1B and ZB-H1 (its B and W split node by node,
-``dualframe.tensorflow.graph_split_backward``), the residual net and the attention encoder with a mask. Skips over a stage and several outputs: mp_tf_graph_pipeline.py.
+``dualframe.tensorflow.pipeline.graph_backward``), the residual net and the attention encoder with a mask. Skips over a stage and several outputs: mp_tf_graph_pipeline.py.
 """
 import keras
 import numpy as np
@@ -11,7 +11,7 @@ import pytest
 
 import dualframe.tensorflow as hvd
 from dualframe.pipeline.graph_walk import edge_values
-from dualframe.tensorflow.distributed_pipeline import DistributedPipeline
+from dualframe.tensorflow.pipeline.distributed import DistributedPipeline
 # tests/parallel is on sys.path (pytest rootdir import)
 from keras_pipeline_models import (assert_weights, batches, encoder_batches, make_encoder, one_process,
                                    train_pipeline)

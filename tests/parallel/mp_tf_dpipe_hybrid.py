@@ -14,7 +14,7 @@ import pytest
 import dualframe.tensorflow as hvd
 import dualframe.tensorflow.keras as hvd_keras
 from dualframe.pipeline.layout import pipeline_process_sets
-from dualframe.tensorflow.distributed_pipeline import DistributedPipeline
+from dualframe.tensorflow.pipeline.distributed import DistributedPipeline
 # tests/parallel is on sys.path (pytest rootdir import)
 from keras_pipeline_models import assert_weights, batches, mlp, one_process, replica_feed, train_pipeline
 

@@ -14,7 +14,7 @@ import tensorflow as tf
 
 import dualframe.tensorflow as hvd
 from dualframe.pipeline.layout import pipeline_process_sets
-from dualframe.tensorflow.distributed_pipeline import DistributedPipeline
+from dualframe.tensorflow.pipeline.distributed import DistributedPipeline
 # tests/parallel is on sys.path (pytest rootdir import)
 from keras_pipeline_models import assert_weights, one_process, train_pipeline
 

@@ -12,7 +12,7 @@ import pytest
 
 import dualframe.tensorflow as hvd
 from dualframe.pipeline.layout import pipeline_process_sets
-from dualframe.tensorflow.distributed_pipeline import DistributedPipeline
+from dualframe.tensorflow.pipeline.distributed import DistributedPipeline
 # tests/parallel is on sys.path (pytest rootdir import)
 from keras_pipeline_models import (assert_weights, encoder_batches, float64_batches, make_encoder, one_process,
                                    replica_feed, shared_ends, train_pipeline)

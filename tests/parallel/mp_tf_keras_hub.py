@@ -17,7 +17,7 @@ import tensorflow as tf
 
 import dualframe.tensorflow as hvd
 from dualframe.errors import StrategyError
-from dualframe.tensorflow.distributed_pipeline import DistributedPipeline
+from dualframe.tensorflow.pipeline.distributed import DistributedPipeline
 # tests/parallel is on sys.path (pytest rootdir import)
 from keras_hub_models import HIDDEN, LENGTH, bert, gpt2, tokens
 from keras_mask_models import MODELS, padded_batches, sequential

@@ -247,7 +247,7 @@ def test_sharded_elastic_state_restores_and_resyncs_the_full_state():
     x, y = data(seed=25)
     opt = hvd.DistributedOptimizer(keras.optimizers.Adam(0.01), shard="gradients")
     model = sharded_fit(opt, x, y)
-    state = dualframe.tensorflow.elastic.KerasState(model, batch=0)
+    state = dualframe.tensorflow.reliability.elastic.KerasState(model, batch=0)
     state.save()  # a commit: the full state is gathered on every rank
     before = opt.state_arrays()
     for variable in opt.shard_variables():  # a failed step left garbage in this rank's slices

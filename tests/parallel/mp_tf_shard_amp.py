@@ -11,7 +11,7 @@ import keras
 import tensorflow as tf
 
 import dualframe.tensorflow.keras as hvd
-from dualframe.tensorflow.shard_precision import ShardedLossScaleOptimizer
+from dualframe.tensorflow.dp.shard.precision import ShardedLossScaleOptimizer
 # tests/parallel is on sys.path (pytest rootdir import)
 from keras_dp_helpers import FEATURES, PER_RANK, SEED0, data, flat, make_model, rank_fit, rank_rows
 

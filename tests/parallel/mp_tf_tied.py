@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import dualframe.tensorflow as hvd
-from dualframe.tensorflow.distributed_pipeline import DistributedPipeline
+from dualframe.tensorflow.pipeline.distributed import DistributedPipeline
 # tests/parallel is on sys.path (pytest rootdir import)
 from keras_pipeline_models import (assert_weights, float64_batches, one_process, shared_ends, tied_gpt2,
                                    token_batches, train_pipeline)

@@ -7,7 +7,7 @@ import pytest
 import dualframe.tensorflow as hvd
 from dualframe.errors import BalanceError, ChunksError, ScheduleError, StrategyError
 from dualframe.reliability.checkpoint import CheckpointError
-from dualframe.tensorflow.distributed_pipeline import DistributedPipeline
+from dualframe.tensorflow.pipeline.distributed import DistributedPipeline
 # tests/parallel is on sys.path (pytest rootdir import)
 from keras_pipeline_models import assert_weights, batches, check_set_weights_and_inference, one_process, train_pipeline
 

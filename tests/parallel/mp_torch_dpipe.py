@@ -9,7 +9,7 @@ from torch import nn
 
 import dualframe.torch as hvd
 from dualframe.errors import BalanceError, ChunksError, ScheduleError, StrategyError
-from dualframe.torch.distributed_pipeline import DistributedPipeline
+from dualframe.torch.pipeline.distributed import DistributedPipeline
 from torch_cases import (check_pipeline_training, merged_state_dict, pipeline_batches, pipeline_model,  # on sys.path
                          pipeline_reference)
 

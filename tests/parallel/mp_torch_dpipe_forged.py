@@ -23,7 +23,7 @@ import zmq
 from torch import nn
 
 import dualframe.torch as hvd
-from dualframe.torch.distributed_pipeline import DistributedPipeline
+from dualframe.torch.pipeline.distributed import DistributedPipeline
 from torch_cases import pipeline_batches, pipeline_model, pipeline_reference  # tests/parallel is on sys.path
 
 STEPS, BATCH, CHUNKS = 6, 10, 4

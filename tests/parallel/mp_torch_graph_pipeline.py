@@ -16,7 +16,7 @@ from torch import nn
 import dualframe.torch as hvd
 from dualframe.errors import SplitPointError
 from dualframe.pipeline.layout import pipeline_process_sets
-from dualframe.torch.distributed_pipeline import DistributedPipeline
+from dualframe.torch.pipeline.distributed import DistributedPipeline
 
 STEPS, BATCH, CHUNKS = 3, 10, 4
 

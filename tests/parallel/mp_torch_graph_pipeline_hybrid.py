@@ -15,7 +15,7 @@ from torch import nn
 
 import dualframe.torch as hvd
 from dualframe.pipeline.layout import pipeline_process_sets
-from dualframe.torch.distributed_pipeline import DistributedPipeline
+from dualframe.torch.pipeline.distributed import DistributedPipeline
 
 STEPS, GLOBAL_BATCH = 3, 16
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import dualframe.torch as hvd
-from dualframe.torch.distributed_pipeline import DistributedPipeline
+from dualframe.torch.pipeline.distributed import DistributedPipeline
 from dualframe.errors import StrategyError
 from hf_cases import MODELS, batch, labelled, loss_fn, make  # tests/parallel is on sys.path (pytest rootdir import)
 

@@ -11,7 +11,7 @@ import torch.nn as nn
 
 import dualframe
 import dualframe.torch as hvd
-import dualframe.torch.sharded_optimizer as shard_module
+import dualframe.torch.dp.shard.optimizer as shard_module
 
 TOL = 1e-5
 

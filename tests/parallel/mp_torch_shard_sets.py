@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import dualframe.torch as hvd
-import dualframe.torch.sharded_optimizer as shard_module
+import dualframe.torch.dp.shard.optimizer as shard_module
 from torch_cases import make_residual  # tests/parallel is on sys.path (pytest rootdir import)
 
 TOL = 1e-5

@@ -17,7 +17,7 @@ from torch import nn
 
 import dualframe.torch as hvd
 from dualframe.errors import StrategyError
-from dualframe.torch.distributed_pipeline import DistributedPipeline
+from dualframe.torch.pipeline.distributed import DistributedPipeline
 
 from torch_cases import float_batches, lm_loss, shared_ends, tied_gpt2, token_batches  # tests/parallel on sys.path
 

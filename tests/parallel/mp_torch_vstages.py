@@ -9,7 +9,7 @@ from torch import nn
 
 import dualframe.torch as hvd
 from dualframe.errors import BalanceError, ChunksError, ScheduleError, StrategyError
-from dualframe.torch.distributed_pipeline import DistributedPipeline
+from dualframe.torch.pipeline.distributed import DistributedPipeline
 from mp_torch_dpipe import started  # noqa: F401 (fixture: Horovod on 2 ranks; the files share a launch)
 from torch_cases import check_pipeline_training, pipeline_batches, pipeline_reference  # tests/parallel is on sys.path
 

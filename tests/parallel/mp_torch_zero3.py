@@ -10,7 +10,7 @@ import torch.nn as nn
 
 import dualframe
 import dualframe.torch as hvd
-import dualframe.torch.shard_blocks as shard_blocks
+import dualframe.torch.dp.shard.blocks as shard_blocks
 from mp_torch_shard_amp import adam, sgd
 from mp_torch_shard_amp import batches as mlp_batches, loss as amp_loss, make as mlp, reference as master_reference
 

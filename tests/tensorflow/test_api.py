@@ -19,7 +19,7 @@ def test_tensorflow_imports_without_keras_and_keras_re_exports_every_name():
         assert not missing, missing
         assert all(getattr(keras_api, n) is not getattr(tf_api, n) for n in own)
         assert keras_api.elastic is tf_api.elastic
-        assert keras_api.callbacks is sys.modules["dualframe.tensorflow.callbacks"]
+        assert keras_api.callbacks is sys.modules["dualframe.tensorflow.dp.callbacks"]
         for name in keras_api.__all__:
             getattr(keras_api, name)
         print("ok")

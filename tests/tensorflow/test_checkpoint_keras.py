@@ -10,7 +10,7 @@ import tensorflow as tf
 
 import dualframe.tensorflow.keras as hvd
 from dualframe.reliability.checkpoint import CheckpointError
-from dualframe.tensorflow import checkpoint as keras_checkpoint
+from dualframe.tensorflow.reliability import checkpoint as keras_checkpoint
 
 hvd.init()
 

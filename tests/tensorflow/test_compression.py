@@ -1,4 +1,4 @@
-"""dualframe.tensorflow.compression in one process: Horovod's Compression.none/fp16 over the core's compressors."""
+"""dualframe.tensorflow.dp.compression in one process: Horovod's Compression.none/fp16 over the core's compressors."""
 import horovod.tensorflow as horovod_tf
 import numpy as np
 import pytest
@@ -7,8 +7,8 @@ import tensorflow as tf
 import dualframe.tensorflow as hvd
 import dualframe.tensorflow.keras as hvd_keras
 from dualframe.dp.compression import FP16Compressor, NoneCompressor
-from dualframe.tensorflow.compression import Compression
-from dualframe.tensorflow.gradients import ReduceSettings
+from dualframe.tensorflow.dp.compression import Compression
+from dualframe.tensorflow.dp.gradients import ReduceSettings
 
 hvd.init()
 

@@ -1,5 +1,5 @@
 """The tensorflow adapter's Backend passes the conformance suite (dualframe.testing.conformance), one process."""
-import dualframe.tensorflow.plan_probe as plan_probe
+import dualframe.tensorflow.plan.probe as plan_probe
 from dualframe.testing.conformance import ConformanceTests
 from dualframe.tensorflow.backend import BACKEND
 

@@ -5,7 +5,7 @@ import keras
 
 import dualframe
 import dualframe.tensorflow.keras as hvd
-from dualframe.tensorflow.sharded_optimizer import ShardedOptimizer
+from dualframe.tensorflow.dp.shard.optimizer import ShardedOptimizer
 
 hvd.init()
 

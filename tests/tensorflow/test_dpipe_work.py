@@ -1,4 +1,4 @@
-"""One Keras pipeline stage's work (dualframe.tensorflow.pipeline_work), in one process: the last stage's compiled
+"""One Keras pipeline stage's work (dualframe.tensorflow.pipeline.work), in one process: the last stage's compiled
 forward+loss+backward against one tape over the whole batch, and against the taped path."""
 import keras
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 from dualframe.pipeline.schedule import rank_schedule
-from dualframe.tensorflow.pipeline_work import StageFunctions, TFStageWork, deferred_weights, fusable
+from dualframe.tensorflow.pipeline.work import StageFunctions, TFStageWork, deferred_weights, fusable
 
 SIZES = [3, 3, 2, 2]  # 10 rows in 4 micro-batches
 

@@ -1,4 +1,4 @@
-"""hvd.elastic for Keras fit (dualframe.tensorflow.elastic), one process: checks, KerasState commit/restore, callbacks."""
+"""hvd.elastic for Keras fit (dualframe.tensorflow.reliability.elastic), one process: checks, KerasState commit/restore, callbacks."""
 import keras
 import numpy as np
 import pytest

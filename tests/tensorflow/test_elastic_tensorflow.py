@@ -1,4 +1,4 @@
-"""dualframe.tensorflow.elastic in one process: Horovod's hvd.elastic names for GradientTape scripts on Keras 3."""
+"""dualframe.tensorflow.reliability.elastic in one process: Horovod's hvd.elastic names for GradientTape scripts on Keras 3."""
 import keras
 import numpy as np
 import pytest

@@ -345,9 +345,9 @@ def walk_in_one_process(model, balance, inputs, chunks=1):
     """DistributedPipeline's stages of ``model``, run in one process along the graph's edges (GPipe order):
     the model's outputs, loss and variable gradients (in ``model.trainable_variables`` order), and the edges."""
     from dualframe.pipeline.graph_walk import edge_pairs
-    from dualframe.tensorflow.graph import capture
-    from dualframe.tensorflow.distributed_graph import process_stages
-    from dualframe.tensorflow.graph_stage_work import TFGraphStageWork
+    from dualframe.tensorflow.graph.capture import capture
+    from dualframe.tensorflow.pipeline.graph import process_stages
+    from dualframe.tensorflow.pipeline.graph_work import TFGraphStageWork
 
     captured = capture(model)
     split, stages = process_stages(captured, balance=balance)
@@ -397,7 +397,7 @@ def test_process_stages_along_edges_equal_the_model(make, balance, x, edges, chu
 
 
 def test_messages_carry_every_dtype_exactly():
-    from dualframe.tensorflow.graph_stage_work import pack, unpack
+    from dualframe.tensorflow.pipeline.graph_work import pack, unpack
 
     values = [tf.constant([[2 ** 53 + 1, -7]], tf.int64), tf.constant([True, False, True]),
               tf.constant(np.arange(7, dtype=np.uint8)), tf.random.normal((2, 3, 1)), tf.constant(2 ** 31 - 1, tf.int32),

@@ -13,9 +13,9 @@ import tensorflow as tf
 from dualframe.pipeline.clock import clock_table
 from dualframe.pipeline.microbatch import micro_batch_sizes
 from dualframe.pipeline.schedule import rank_schedule
-from dualframe.tensorflow.distributed_graph import process_stages
-from dualframe.tensorflow.graph import capture
-from dualframe.tensorflow.graph_stage_work import GraphStageFunction, TFGraphStageWork
+from dualframe.tensorflow.pipeline.graph import process_stages
+from dualframe.tensorflow.graph.capture import capture
+from dualframe.tensorflow.pipeline.graph_work import GraphStageFunction, TFGraphStageWork
 
 from test_graph_split import encoder, encoder_batch, gated, loss_of, resnet, rows_of, run
 

@@ -4,7 +4,7 @@ import pytest
 import tensorflow as tf
 
 from dualframe.errors import ChunksError, DataError
-from dualframe.tensorflow.pipeline_data import PipelineData, replica_share, split_validation
+from dualframe.tensorflow.pipeline.data import PipelineData, replica_share, split_validation
 
 X = np.arange(20, dtype="float32").reshape(10, 2)
 Y = np.arange(10, dtype="float32").reshape(10, 1)

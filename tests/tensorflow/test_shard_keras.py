@@ -5,7 +5,7 @@ import keras
 
 import dualframe
 import dualframe.tensorflow.keras as hvd
-from dualframe.tensorflow.sharded_optimizer import ShardedOptimizer
+from dualframe.tensorflow.dp.shard.optimizer import ShardedOptimizer
 
 hvd.init()
 
@@ -111,7 +111,7 @@ def test_global_clipnorm_equals_plain_and_survives_the_config(shard):
 
 
 def test_loss_scale_optimizer_with_shard_keeps_its_settings_and_round_trips_its_config():
-    from dualframe.tensorflow.shard_precision import ShardedLossScaleOptimizer
+    from dualframe.tensorflow.dp.shard.precision import ShardedLossScaleOptimizer
 
     given = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.05), initial_scale=64.0,
                                                 dynamic_growth_steps=3)

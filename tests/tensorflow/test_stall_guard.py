@@ -7,7 +7,7 @@ import tensorflow as tf
 import dualframe.tensorflow.keras as hvd
 from dualframe.reliability import failure
 from dualframe.reliability.failure import Watchdog
-from dualframe.tensorflow.failure import GuardedStep, eager_guard, guard_train_function
+from dualframe.tensorflow.reliability.failure import GuardedStep, eager_guard, guard_train_function
 
 hvd.init()
 

@@ -11,9 +11,9 @@ import pytest
 import tensorflow as tf
 
 import dualframe.tensorflow as hvd
-from dualframe.tensorflow.graph import capture
-from dualframe.tensorflow.graph_split import split_model
-from dualframe.tensorflow.tied import find_layer_tied
+from dualframe.tensorflow.graph.capture import capture
+from dualframe.tensorflow.graph.cut import split_model
+from dualframe.tensorflow.split.tied import find_layer_tied
 from tests.parallel.keras_pipeline_models import float64_batches, shared_ends, tied_gpt2, token_batches
 
 CASES = {

@@ -1,10 +1,10 @@
-"""Whether a Keras process stage compiles with XLA (dualframe.tensorflow.xla_choice): asked for, or chosen per stage."""
+"""Whether a Keras process stage compiles with XLA (dualframe.tensorflow.pipeline.xla): asked for, or chosen per stage."""
 import keras
 import pytest
 
-from dualframe.tensorflow.graph import capture
-from dualframe.tensorflow.distributed_graph import process_stages
-from dualframe.tensorflow.xla_choice import use_xla
+from dualframe.tensorflow.graph.capture import capture
+from dualframe.tensorflow.pipeline.graph import process_stages
+from dualframe.tensorflow.pipeline.xla import use_xla
 
 
 def built(*layers, shape=(4,)):

@@ -1,5 +1,5 @@
 """The torch adapter's Backend passes the conformance suite (dualframe.testing.conformance), one process."""
-import dualframe.torch.plan_probe as plan_probe
+import dualframe.torch.plan.probe as plan_probe
 from dualframe.testing.conformance import ConformanceTests
 from dualframe.torch.backend import BACKEND
 

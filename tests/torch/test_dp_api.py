@@ -8,7 +8,7 @@ import dualframe
 import dualframe.torch as hvd
 from dualframe.errors import StrategyError
 from dualframe.dp.scaling import warmup_factor
-from dualframe.torch.sync_batch_norm import _SyncBatchNormFunction
+from dualframe.torch.dp.sync_batch_norm import _SyncBatchNormFunction
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -60,7 +60,7 @@ def test_a_wrapper_is_refused_and_an_optimizer_wrapped_again_is_reduced_by_its_n
         hvd.DistributedOptimizer(model)
     again = hvd.DistributedOptimizer(sgd, model.named_parameters())  # as Horovod allows
     assert isinstance(again, torch.optim.SGD) and type(again) is type(wrapped)
-    from dualframe.torch.wrapped_optimizer import OWNERS
+    from dualframe.torch.dp.wrapped_optimizer import OWNERS
     assert OWNERS[sgd][0]() is again
     with pytest.raises(StrategyError, match="sharded wrapper must be its optimizer's only one"):
         hvd.DistributedOptimizer(sgd, model.named_parameters(), shard="optimizer")

@@ -1,4 +1,4 @@
-"""dualframe.torch.elastic in one process: argument checks, and TorchState's commit/restore of model and optimizer."""
+"""dualframe.torch.reliability.elastic in one process: argument checks, and TorchState's commit/restore of model and optimizer."""
 import pytest
 import torch
 import torch.nn as nn

@@ -506,7 +506,7 @@ class _Positions(nn.Module):
 
 
 def test_a_stage_placed_on_another_device_makes_its_recorded_constants_there():
-    from dualframe.torch.graph_devices import place_stage
+    from dualframe.torch.graph.devices import place_stage
 
     gm = torch.export.export(_Positions(), (torch.zeros(2, 5),)).module()
     assert any(n.kwargs.get("device") == torch.device("cpu") for n in gm.graph.nodes)

@@ -14,8 +14,8 @@ transformers = pytest.importorskip("transformers")
 
 import dualframe.torch as hvd  # noqa: E402
 from dualframe.errors import StrategyError, TraceError  # noqa: E402
-from dualframe.torch.distributed_graph import GraphPart  # noqa: E402
-from dualframe.torch.graph_stage_work import pack, unpack  # noqa: E402
+from dualframe.torch.pipeline.graph import GraphPart  # noqa: E402
+from dualframe.torch.pipeline.graph_work import pack, unpack  # noqa: E402
 from tests.parallel.hf_cases import MODELS, batch, labelled, loss_fn, make, reference_grads  # noqa: E402
 
 CUTS = [(name, cut) for name, (_, inside, head) in MODELS.items() for cut in (inside, head)]

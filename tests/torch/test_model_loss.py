@@ -12,7 +12,7 @@ from torch import nn
 
 import dualframe.torch as hvd
 from dualframe.errors import ChunksError, StrategyError
-from dualframe.torch.model_loss import model_loss, output_loss
+from dualframe.torch.split.loss import model_loss, output_loss
 
 
 class OwnLoss(nn.Module):

@@ -241,7 +241,7 @@ def test_a_failing_stage_names_its_cell_and_no_thread_hangs():
 
 
 def test_a_recomputation_replays_its_own_devices_generator_and_no_other():
-    from dualframe.torch.device_rng import replay_on
+    from dualframe.torch.split.rng import replay_on
 
     forward, recompute = replay_on(torch.device("cpu"))()
     with forward:

@@ -6,7 +6,7 @@ import torch.nn as nn
 import dualframe.torch as hvd
 from dualframe.errors import StrategyError
 from dualframe.plan import Training, group_memory
-from dualframe.torch.plan_probe import profile_module
+from dualframe.torch.plan.probe import profile_module
 
 
 def model():
@@ -122,7 +122,7 @@ def test_zero_grad_is_refused_while_gradients_accumulate_or_are_sent():
 @pytest.mark.parametrize("shard", ["optimizer", "gradients"])
 def test_distribute_passes_the_strategy_shard_and_equals_unsharded(shard):
     import dualframe
-    from dualframe.torch.sharded_optimizer import ShardedOptimizer
+    from dualframe.torch.dp.shard.optimizer import ShardedOptimizer
     # SGD with momentum: for a plain optimizer without state, Horovod's broadcast_optimizer_state takes
     # a zero-gradient step, which advances Adam's step count (a sharded optimizer's broadcast does not).
     plain_net, sharded_net = model(), model()

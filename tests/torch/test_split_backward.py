@@ -9,10 +9,10 @@ from torch import nn
 
 from dualframe.pipeline.clock import clock_table
 from dualframe.pipeline.schedule import rank_schedule
-from dualframe.torch.activation_meter import ActivationMeter
-from dualframe.torch.distributed_graph import ChainPart, ChainStage
-from dualframe.torch.graph_stage_work import TorchGraphStageWork
-from dualframe.torch.split_backward import SplitBackward
+from dualframe.torch.pipeline.activation_meter import ActivationMeter
+from dualframe.torch.pipeline.graph import ChainPart, ChainStage
+from dualframe.torch.pipeline.graph_work import TorchGraphStageWork
+from dualframe.torch.pipeline.backward import SplitBackward
 
 
 class Scaled(nn.Module):

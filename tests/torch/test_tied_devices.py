@@ -14,9 +14,9 @@ from torch import nn
 
 import dualframe.torch as hvd
 from dualframe.errors import DeviceError, StrategyError
-from dualframe.torch import tied_devices
-from dualframe.torch.model_parallel import check_shared_layers
-from dualframe.torch.tied_devices import DeviceCopies
+from dualframe.torch.split import devices as tied_devices
+from dualframe.torch.split.model_parallel import check_shared_layers
+from dualframe.torch.split.devices import DeviceCopies
 from tests.parallel.torch_cases import float_batches, lm_loss, shared_ends, shared_layer, tied_gpt2, token_batches
 
 OPTIMIZERS = {"sgd-momentum": lambda params: torch.optim.SGD(params, lr=0.3, momentum=0.9),

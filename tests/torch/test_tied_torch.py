@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 import dualframe.torch as hvd
-from dualframe.torch.distributed_graph import GraphPart
-from dualframe.torch.tied import find_stage_tied, model_state_dict, stage_part, tensor_names
+from dualframe.torch.pipeline.graph import GraphPart
+from dualframe.torch.split.tied import find_stage_tied, model_state_dict, stage_part, tensor_names
 from tests.parallel.torch_cases import float_batches, lm_loss, shared_ends, tied_gpt2, token_batches
 
 

@@ -10,23 +10,23 @@ from dualframe.tensorflow import *  # noqa: F401,F403  (every section of the TF 
 from dualframe.tensorflow import __all__ as _tf_all
 
 # --- Data parallelism: the optimizer wrapper, Horovod's callbacks, a saved model loaded distributed ------------
-from dualframe.tensorflow import callbacks
-from dualframe.tensorflow.callbacks import broadcast_model
-from dualframe.tensorflow.optimizer import (  # type: ignore[assignment]  # (the TF one, replaced)
+from dualframe.tensorflow.dp import callbacks
+from dualframe.tensorflow.dp.callbacks import broadcast_model
+from dualframe.tensorflow.dp.optimizer import (  # type: ignore[assignment]  # (the TF one, replaced)
     DistributedLossScaleOptimizer, DistributedOptimizer)
-from dualframe.tensorflow.saving import load_model
+from dualframe.tensorflow.dp.saving import load_model
 # Horovod's Keras collectives: value in, value out (their signatures differ from the TF module's, as in Horovod).
 from dualframe.tensorflow.keras_functions import (  # type: ignore[assignment]  # (the TF ones, replaced)
     allgather, allreduce, broadcast, reducescatter)
-from dualframe.tensorflow.callbacks import is_version_greater_equal_than  # Horovod's helper, in its Keras API
+from dualframe.tensorflow.dp.callbacks import is_version_greater_equal_than  # Horovod's helper, in its Keras API
 
 # --- Reliability: checkpoints (rank 0 writes atomically, loads are broadcast), elastic ------------------------
 from dualframe.reliability.checkpoint import TrainingState
-from dualframe.tensorflow import elastic
-from dualframe.tensorflow.checkpoint import CheckpointCallback, load_checkpoint, save_checkpoint
+from dualframe.tensorflow.reliability import elastic
+from dualframe.tensorflow.reliability.checkpoint import CheckpointCallback, load_checkpoint, save_checkpoint
 
 # --- Observing ---------------------------------------------------------------------------------------------------
-from dualframe.tensorflow.callbacks import verbose
+from dualframe.tensorflow.dp.callbacks import verbose
 
 __all__ = list(_tf_all) + [
     "callbacks", "broadcast_model", "DistributedOptimizer", "DistributedLossScaleOptimizer", "load_model",

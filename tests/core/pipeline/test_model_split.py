@@ -2,7 +2,6 @@
 import pytest
 
 from dualframe.errors import BalanceError, ChunksError, DeviceError, ScheduleError, StrategyError
-from dualframe.pipeline import split as split_module
 from dualframe.pipeline.split import default_devices, validate_split
 from dualframe.launch.topology import Topology
 
@@ -34,10 +33,6 @@ def test_schedules_one_process_cannot_run_are_refused_by_name_before_anything_ru
         plan([2, 2], ["cpu", "cpu"], chunks=4, schedule="1f1b")
     with pytest.raises(ScheduleError, match=r"unknown schedule 'zigzag'; choose one of gpipe, 1f1b"):
         plan([2, 2], ["cpu", "cpu"], schedule="zigzag")
-
-
-def test_the_old_names_are_the_new_objects():
-    assert split_module.SplitPlan is split_module.Split and split_module.plan_split is validate_split
 
 
 @pytest.mark.parametrize("balance, devices, chunks, checkpoint, error, message", [

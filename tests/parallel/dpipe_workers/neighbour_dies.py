@@ -9,7 +9,7 @@ from torch import nn
 
 import dualframe.torch as hvd
 from dpipe_fault import train_until_fault
-from dualframe.torch.distributed_pipeline import DistributedPipeline
+from dualframe.torch.pipeline.distributed import DistributedPipeline
 
 hvd.init()
 torch.manual_seed(0)

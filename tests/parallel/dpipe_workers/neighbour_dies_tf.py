@@ -9,7 +9,7 @@ import numpy as np
 
 import dualframe.tensorflow as hvd
 from dpipe_fault import train_until_fault
-from dualframe.tensorflow.distributed_pipeline import DistributedPipeline
+from dualframe.tensorflow.pipeline.distributed import DistributedPipeline
 
 hvd.init()
 keras.utils.set_random_seed(0)

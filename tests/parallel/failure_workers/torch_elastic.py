@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 
 import dualframe.torch as hvd
-from dualframe.torch import elastic
+from dualframe.torch.reliability import elastic
 
 STEPS, KILL_AT, COMMIT_EVERY = 12, 7, 3
 GLOBAL, GROW_WAIT_S = 8, 150.0

@@ -1,0 +1,1 @@
+"""Process pipelines in TensorFlow/Keras 3: ``DistributedPipeline``, each stage's work, the links between stages."""

@@ -1,0 +1,358 @@
+"""DistributedPipeline for TensorFlow/Keras 3: layers or a functional model split over processes, one stage per rank.
+
+The TensorFlow twin of ``dualframe.torch.DistributedPipeline``, built on the same core: arguments
+checked by ``dualframe.pipeline.layout``, per-rank action lists from ``dualframe.pipeline.schedule``, the
+walk, timing and per-step agreement from ``dualframe.pipeline.walk``. The framework parts are the
+stage's GradientTape work (``pipeline_work``; a functional model: ``graph_stage_work``, walked along the
+graph's edges by ``dualframe.pipeline.graph_walk`` as torch's is) and the Horovod transport (``pipeline_transport``).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from dualframe.errors import BalanceError, StrategyError
+from dualframe.pipeline.action import splits_backward
+from dualframe.pipeline.schedule import Action
+from dualframe.pipeline.stage import StageView, open_stage
+from dualframe.pipeline.walk import StepRecord
+from dualframe.pipeline.layout import layout_pipeline
+from dualframe.pipeline.schedule import batched_weights, forwards_first, virtual_count
+from dualframe.pipeline.link import check_transport
+from dualframe.tensorflow.backend import BACKEND
+from dualframe.tensorflow.collectives import hvd
+from dualframe.tensorflow.dp.optimizer import DistributedOptimizer
+from dualframe.tensorflow.pipeline.work import StageFunctions, TFStageWork, fusable
+from dualframe.tensorflow.pipeline.recompute import StageRecompute
+from dualframe.pipeline.graph import GraphSplit, stage_count
+from dualframe.tensorflow.graph.capture import KerasGraph, capture
+from dualframe.tensorflow.graph.masks import chain_mask_crossing
+from dualframe.tensorflow.pipeline.graph import process_stages
+from dualframe.tensorflow.pipeline.graph_work import GraphStageFunction, TFGraphStageWork
+from dualframe.tensorflow.pipeline.fit import KerasFit, keras_loss
+from dualframe.tensorflow.pipeline.virtual_work import VirtualStageWorks, stage_actions
+from dualframe.tensorflow.pipeline.xla import use_xla
+from dualframe.tensorflow.split.tied import TiedVariables, find_layer_tied
+from dualframe.pipeline.tied import TiedPlan, TiedWeight
+
+
+def _layers_of(layers: Any) -> List[Any]:
+    if isinstance(layers, keras.Sequential):
+        return list(layers.layers)
+    if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence) or not all(
+            isinstance(layer, keras.layers.Layer) for layer in layers):
+        raise StrategyError(
+            f"DistributedPipeline splits a keras.Sequential or a list of Keras layers (layers: {type(layers).__name__})")
+    return list(layers)
+
+
+def _refuse_masks_crossing(layers: Sequence[Any], ranges: Sequence[range]) -> None:
+    """Refuse a cut of a chain where a Keras mask may cross: a chain's messages carry tensors, not their masks."""
+    found = chain_mask_crossing(layers, [r.stop for r in ranges[:-1]])
+    if found is not None:
+        raise StrategyError(
+            f"layer {found[0]!r} {found[1]}, which a chain of layers does not carry between processes; pass the "
+            "functional model (keras.Model(inputs, outputs)), whose masks cross, or a keras.Sequential built on a "
+            "keras.Input cut after the layer that reads the mask")
+
+
+def _graph_of(layers: Any) -> Optional[KerasGraph]:
+    """A functional model's graph (a subclassed one: TraceError); None for a Sequential or a list."""
+    if isinstance(layers, keras.Model) and not isinstance(layers, keras.Sequential):
+        return capture(layers)
+    return None
+
+
+def _tied_parts(all_layers: Sequence[Any], mine: Sequence[Any], weights: Sequence[Any]) -> List[Tuple[Any, List[Any]]]:
+    """Per layer this graph stage holds a copy of (``GraphStage.tied``), its values in the full model's list."""
+    offsets: Dict[int, Tuple[Any, int]] = {}
+    start = 0
+    for stage in all_layers:
+        for layer in getattr(stage, "layers", [stage]):
+            offsets[id(layer)] = (layer, start)
+            start += len(layer.weights)
+    parts = []
+    for stage in mine:
+        for layer in getattr(stage, "tied", []):
+            begin = offsets[id(layer)][1]
+            parts.append((layer, list(weights[begin:begin + len(layer.weights)])))
+    return parts
+
+
+class DistributedPipeline(KerasFit, StageView):
+    """Keras layers whose stages are processes: rank j of each pipeline holds stage j.
+
+    Every rank builds the same full model (same seed); each keeps its stage. ``train_step`` runs one
+    mini-batch through the schedule, leaves the stage's gradients in ``gradients`` (aligned with
+    ``trainable_variables``) and returns the mean loss on every rank; the optimizer step is the caller's.
+
+    Args:
+        layers: a ``keras.Sequential`` or a list of layers, each taking and returning one tensor; or a
+            functional ``keras.Model`` cut anywhere: each value goes from the rank that makes it straight to
+            every rank that reads it (model inputs from stage 0, model outputs to the last stage, which
+            computes the loss), one exact byte message per pair of stages and micro-batch.
+        balance: layers per stage, e.g. ``[3, 2]`` (a functional model: ``len(model.layers)`` in execution
+            order, or its repeated blocks, as ``ModelParallel``); one stage per rank of a pipeline. For a
+            functional model give exactly one of ``balance``, ``split_points`` or ``stages``.
+        split_points: (a functional model) the layer names where stages 1..n-1 begin, as ``ModelParallel``.
+        stages: (a functional model) how many stages, cut to balance parameter and output bytes from the
+            static shapes (the same on every rank; for a cut by time pass ``ModelParallel``'s
+            ``split_points``).
+        chunks: micro-batches per mini-batch.
+        schedule: ``"gpipe"``, ``"1f1b"`` (at most ``stages`` micro-batches' tapes alive) or ``"zb-h1"``
+            (1F1B's memory, the weights' gradients computed in ticks 1F1B leaves idle:
+            ``dualframe.tensorflow.pipeline.backward``; a functional model's stages:
+            ``dualframe.tensorflow.pipeline.graph_backward``); with ``virtual_stages`` > 1, ``"interleaved-1f1b"``
+            or ``"zb-v"`` (see torch's ``DistributedPipeline``).
+        loss_fn: ``loss_fn(targets, outputs)`` in Keras order (``keras.losses.MeanSquaredError()`` or
+            ``"mse"``); per-row results are averaged. ``outputs`` is what the model returns (a list or dict
+            for several outputs).
+        devices: one TF device per stage (default: the process's default placement).
+        data_parallel: replicas of the pipeline (default: processes // stages); checked against the world.
+        timeout: seconds to wait for a neighbouring stage before raising PeerLostError.
+        jit_compile: True: compile each micro-batch's pass with XLA, where XLA compiles the stage (else a
+            plain ``tf.function``, decided at the first call); False: plain ``tf.function``s; None
+            (default): chosen per stage where XLA pays its compile time back (``xla_choice.pays_back``: on
+            a GPU, and on a CPU for stages of ``Dense`` layers, whose XLA kernels keep their speed per row
+            at micro-batch sizes; not for convolutions or attention). A stage with Dropout never uses XLA.
+        transport: how messages travel: ``"auto"``, ``"mpi"``, ``"zmq"`` or ``"horovod"``, as torch's
+            ``DistributedPipeline``; None (default): ``DUALFRAME_PIPELINE_TRANSPORT``, else auto.
+        checkpoint: activation checkpointing in each stage, as ``Pipeline``'s: ``"never"`` (default), ``"always"``
+            or ``"except_last"`` (every micro-batch but the last): such a micro-batch's forward runs without a
+            tape, keeping only its input, and again under a tape when its backward starts (the same Dropout
+            masks; moving statistics updated once). Results equal those without it.
+        virtual_stages: stages each rank holds (a Sequential or a list of layers): ``balance`` then lists all
+            ``ranks x virtual_stages`` stages and the schedule places them (``held_stages``). ``fit`` and stage
+            checkpoints take one stage per rank yet (they refuse by name).
+
+    Raises:
+        BalanceError, ChunksError, ScheduleError, StrategyError: bad arguments, on every rank, before
+        any communication.
+
+    Example:
+        >>> import dualframe.tensorflow as hvd                                         # doctest: +SKIP
+        >>> model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, "relu"), keras.layers.Dense(1)])
+        >>> pipe = hvd.DistributedPipeline(model, [1, 1], chunks=4, loss_fn="mse")  # doctest: +SKIP
+        >>> loss = pipe.train_step(x, y)                                                # doctest: +SKIP
+        >>> optimizer.apply_gradients(zip(pipe.gradients, pipe.trainable_variables))    # doctest: +SKIP
+    """
+
+    def __init__(self, layers: Any, balance: Optional[Sequence[int]] = None, chunks: int = 1, schedule: str = "gpipe",
+                 loss_fn: Optional[Callable[[Any, Any], Any]] = None, devices: Optional[Sequence[str]] = None,
+                 data_parallel: Optional[int] = None, timeout: float = 45.0, *,
+                 split_points: Optional[Sequence[str]] = None, stages: Optional[int] = None,
+                 jit_compile: Optional[bool] = None, transport: Optional[str] = None,
+                 checkpoint: str = "never", virtual_stages: int = 1) -> None:
+        transport = check_transport(transport)
+        if jit_compile is not None and not isinstance(jit_compile, bool):
+            raise StrategyError(f"jit_compile must be None, True or False (jit_compile: {jit_compile!r})")
+        captured = _graph_of(layers)
+        loss_fn = keras_loss(loss_fn)
+        world = BACKEND.collectives.world_size()
+        tied: List[TiedWeight] = []
+        self.captured = captured
+        self.split: Optional[GraphSplit] = None
+        if captured is None:
+            if split_points is not None or stages is not None:
+                raise BalanceError("split_points= and stages= cut a functional keras.Model; a list of layers "
+                                   "takes balance=[layers per stage]")
+            if balance is None:
+                raise BalanceError("give balance=[layers per stage] to split a list of layers")
+            all_layers: List[Any] = _layers_of(layers)
+            layout = layout_pipeline(len(all_layers), balance, chunks, schedule, loss_fn, devices, data_parallel,
+                                     timeout, world, checkpoint, virtual_stages)
+            ranges = layout.ranges
+            _refuse_masks_crossing(all_layers, ranges)
+        elif virtual_count(virtual_stages) > 1:
+            raise StrategyError(f"virtual_stages={virtual_stages} cuts a keras.Sequential or a list of layers by "
+                                f"balance; a functional model's graph split holds one stage per rank; use "
+                                f"virtual_stages=1 there")
+        else:  # a functional model: one GraphStage per stage, the same cut on every rank
+            n = stage_count(split_points, balance, stages)
+            layout = layout_pipeline(n, [1] * n, chunks, schedule, loss_fn, devices, data_parallel, timeout, world,
+                                     checkpoint)
+            self.split, all_layers = process_stages(captured, split_points=split_points, balance=balance,
+                                                    stages=stages)
+            tied = find_layer_tied(captured, self.split)  # variables several stages read: each holds a copy
+            ranges = [range(k, k + 1) for k in range(len(all_layers))]
+        self.chunks, self.schedule, self.grid, self.checkpoint = chunks, layout.schedule, layout.grid, layout.checkpoint
+        self.loss_fn, self.timeout = loss_fn, timeout
+        # From here on, Horovod: every argument above is checked on every rank.
+        # Names without step numbers: each is a traced tf.function (see pipeline_transport).
+        self.role = open_stage(BACKEND, layout, step_names=False, split=self.split, transport=transport, tied=tied)
+        self.device, self.direct = self.role.device, self.role.direct  # direct None: Horovod broadcasts
+        j = self.role.index
+        #: The stages this rank holds (one, j = stage_index, unless virtual_stages > 1).
+        self.held_stages = layout.held(j)
+        self.layer_indices: Sequence[int] = ranges[j] if len(self.held_stages) == 1 else [
+            k for held in self.held_stages for k in ranges[held]]
+        self.layers = [all_layers[index] for index in self.layer_indices]
+        self._stage_ranges = {held: ranges[held] for held in self.held_stages}
+        self._all_layers = all_layers
+        #: The model given (saved whole by ``fit``'s checkpoints), None for a list of layers.
+        self.keras_model = layers if isinstance(layers, keras.Model) else None
+        self.tied = TiedVariables(TiedPlan.build(tied, layout.grid, BACKEND.collectives.rank()), self.trainable_variables,
+                                  self.role.sets, self.role.link.prefix, timeout)
+        self.tied.broadcast()
+        # One trace per training flag and (relaxed) input shape, kept across steps (see pipeline_work,
+        # graph_stage_work): each micro-batch's pass is one compiled call.
+        jit_compile = use_xla(jit_compile, self.layers, self.device)
+        self._functions = (StageFunctions(self.layers, self.is_first, loss_fn, jit_compile)
+                           if self.split is None and len(self.held_stages) == 1 else None)
+        self._stage_functions = {held: StageFunctions([all_layers[k] for k in ranges[held]], held == 0, loss_fn,
+                                                      jit_compile) for held in self.held_stages} \
+            if len(self.held_stages) > 1 else {}
+        self._graph_function = (None if self.split is None or self.captured is None else GraphStageFunction(
+            self.layers[0], self.split, j, self.captured, loss_fn, jit_compile))
+        # A graph stage calls its own layers and its copies of tied ones: the Keras layers whose state a replay needs.
+        called = self.layers if self.split is None else self.layers[0].layers + self.layers[0].tied
+        self._recompute = StageRecompute(called, layout.recomputed) if layout.recomputed else None
+        self.gradients: List[Optional[tf.Tensor]] = []
+        self.peak_live = 0
+        #: GPipe: a stage whose split passes run computes its micro-batches' weight gradients in one pass
+        #: after its last backward (``schedule.batched_weights``); False: each in its backward.
+        self.batch_weights = True
+        self._batched_actions = (batched_weights(layout.actions)[j] if forwards_first(layout.actions)
+                                 and not splits_backward(layout.actions[j]) else None)
+
+    @property
+    def all_layers(self) -> List[Any]:
+        """Every layer of the full model, in order (this stage holds ``layers``, those at ``layer_indices``)."""
+        return self._all_layers
+
+    @property
+    def trainable_variables(self) -> List[tf.Variable]:
+        """The local stage's trainable variables, in layer order."""
+        return [v for layer in self.layers for v in layer.trainable_weights]
+
+    @property
+    def variables(self) -> List[Any]:
+        """All the local stage's variables (``get_weights`` order)."""
+        return [v for layer in self.layers for v in layer.weights]
+
+    def get_weights(self) -> List[np.ndarray]:
+        """The local stage's weights, in the full model's order: the stages' lists concatenate into the model's."""
+        return [w for layer in self.layers for w in layer.get_weights()]
+
+    def set_weights(self, weights: Sequence[Any]) -> None:
+        """Take this stage's part of the full model's ``get_weights()`` list (layers must be built)."""
+        if not all(layer.built for layer in self._all_layers):
+            raise StrategyError("set_weights needs the full model built: give the keras.Sequential a keras.Input")
+        counts = [len(layer.weights) for layer in self._all_layers]
+        if len(weights) != sum(counts):
+            raise StrategyError(f"set_weights takes the full model's list (weights: {len(weights)}, model: {sum(counts)})")
+        for index, layer in zip(self.layer_indices, self.layers):
+            start = sum(counts[:index])
+            layer.set_weights(list(weights[start:start + len(layer.weights)]))
+        if self.split is not None:  # this graph stage's copies of tied layers
+            for tied, values in _tied_parts(self._all_layers, self.layers, weights):
+                tied.set_weights(values)
+
+    def gather_weights(self) -> List[np.ndarray]:
+        """The full model's weights, merged from every stage of this pipeline (a collective: call it on all ranks)."""
+        mine = [(index, layer.get_weights()) for index, layer in zip(self.layer_indices, self.layers)]
+        parts = hvd.allgather_object(mine, name=f"{self.role.link.prefix}.weights", process_set=self.pipeline_set)
+        return [w for _, layer in sorted(item for part in parts for item in part) for w in layer]
+
+    def distributed_optimizer(self, optimizer: keras.optimizers.Optimizer, **kwargs: Any) -> Any:
+        """Wrap ``optimizer`` so each stage's gradients are averaged among its replicas only.
+
+        Returns ``dualframe.tensorflow.keras.DistributedOptimizer`` on this stage's process set (the
+        pipeline already sums a step's micro-batches, so one ``apply_gradients`` per step); with a
+        single replica, the optimizer itself. Extra arguments (``compression``, ``op`` ...) pass through.
+        """
+        if str(kwargs.get("shard")).lower() == "parameters":
+            raise StrategyError("shard='parameters' (ZeRO-3) is not built for pipeline stages yet; use "
+                                "shard='gradients' to shard a stage's gradients and state among its replicas")
+        if self.stage_process_set is None:
+            return optimizer
+        return DistributedOptimizer(optimizer, process_set=self.stage_process_set, **kwargs)
+
+    def apply_gradients(self, optimizer: Any) -> None:
+        """``optimizer.apply_gradients`` on the last step's gradients and the stage's variables."""
+        optimizer.apply_gradients([(g, v) for g, v in zip(self.gradients, self.trainable_variables) if g is not None])
+
+    def _run(self, actions: Sequence[Action], inputs: Any, targets: Any, train: bool) -> Tuple[Any, StepRecord]:
+        targets = None if targets is None or not self.is_last else tf.convert_to_tensor(targets)
+        if self.split is not None:
+            return self._run_graph(actions, inputs, targets, train)
+        inputs = None if inputs is None or not self.is_first else tf.convert_to_tensor(inputs)
+        sizes = self.role.agree(inputs, targets, train)
+        micro_inputs, micro_targets = self.role.micro_batches(inputs, targets, sizes, train)
+        if self._stage_functions:
+            return self._run_virtual(actions, micro_inputs, micro_targets, [s / sum(sizes) for s in sizes], train)
+        batch_weights = self._batches_weights(actions, train)
+        if batch_weights:  # W actions send nothing: each stage decides alone
+            assert self._batched_actions is not None
+            actions = self._batched_actions
+        work = TFStageWork(self.layers, self.is_first, self.is_last, self.loss_fn if train else None,
+                           micro_targets, [s / sum(sizes) for s in sizes], self.device, self._functions, fusable(actions),
+                           split=splits_backward(actions), batch_weights=batch_weights, recompute=self._recompute)
+        return work, self.role.step(actions, micro_inputs, work, train)
+
+    def _run_virtual(self, actions: Sequence[Action], micro_inputs: Any, micro_targets: Any, weights: List[float],
+                     train: bool) -> Tuple[VirtualStageWorks, StepRecord]:
+        """Walk this rank's stages (virtual stages): one ``TFStageWork`` per stage, over its own functions."""
+        last = len(self.role.layout.ranges) - 1
+        works = {j: TFStageWork([self._all_layers[k] for k in self._stage_ranges[j]], j == 0, j == last,
+                                self.loss_fn if train else None, micro_targets if j == last else [], weights,
+                                self.device, functions, fusable(stage_actions(actions, j)),
+                                split=splits_backward(actions)) for j, functions in self._stage_functions.items()}
+        joined = VirtualStageWorks(works, last)
+        return joined, self.role.step(actions, micro_inputs, works, train)
+
+    def _batches_weights(self, actions: Sequence[Action], train: bool) -> bool:
+        """Whether this step runs GPipe's W passes as one after its last B (``schedule.batched_weights``).
+
+        Only on a stage whose split passes run (built, no layer with state) and re-run cheaply (no layer
+        owning weights through sublayers, ``split_backward.reruns_cheaply``), and only where every forward
+        runs before any backward (GPipe, ``schedule.forwards_first``): 1F1B would have to keep every
+        micro-batch's layer inputs until the end, GPipe's memory; and not with checkpointing, whose point
+        is to keep no more than their inputs.
+        """
+        return (train and self._batched_actions is not None and self.batch_weights and self._functions is not None
+                and self._recompute is None and self._functions.batches_weights())
+
+    def _run_graph(self, actions: Sequence[Action], inputs: Any, targets: Any,
+                   train: bool) -> Tuple[TFGraphStageWork, StepRecord]:
+        assert self.split is not None and self.captured is not None
+        values: Dict[str, Any] = {}
+        if self.is_first and inputs is not None:
+            flat = [tf.convert_to_tensor(v) for v in self.captured.flat_inputs(inputs)]
+            values = dict(zip(self.split.graph.inputs, flat))
+        key = next(iter(values.values())) if values else None  # its shape keys the step (its rows: the batch)
+        sizes = self.role.agree(key, targets, train)
+        parts = {name: tf.split(value, sizes) for name, value in values.items()}
+        micro_inputs = [{name: part[i] for name, part in parts.items()} for i in range(len(sizes))] if values else []
+        micro_targets = tf.split(targets, sizes) if train and targets is not None else []
+        work: Any = TFGraphStageWork(self.layers[0], self.split, self.stage_index, self.captured,
+                                self.loss_fn if train else None, micro_targets, [s / sum(sizes) for s in sizes],
+                                self.device, self._graph_function, split_backward=splits_backward(actions),
+                                recompute=self._recompute)
+        return work, self.role.step(actions, micro_inputs, work, train)
+
+    def train_step(self, inputs: Any, targets: Any) -> float:
+        """Run one mini-batch forward and backward through the pipeline; the stage's gradients land in ``gradients``.
+
+        Inputs are read on the first stage, targets on the last (others may pass them or None).
+        Returns the mini-batch's mean loss on every rank of the pipeline (over all replicas' batches
+        with ``data_parallel`` > 1). Apply the gradients with ``apply_gradients(optimizer)``.
+        """
+        if self.loss_fn is None:
+            raise StrategyError("train_step needs a loss_fn; pass loss_fn= to DistributedPipeline")
+        work, _ = self._run(self.actions, inputs, targets, train=True)
+        self.gradients = self.tied.sum_gradients(work.gradients)  # tied copies: summed over their holders
+        self.peak_live = max(self.peak_live, work.peak_live)
+        return self.role.mean_loss(work.loss_sum)
+
+    def __call__(self, inputs: Any) -> Any:
+        """Inference through the pipeline (no gradients): the model's output on the last stage, None elsewhere."""
+        work, _ = self._run(self.role.forward_actions(self.chunks), inputs, None, train=False)
+        if not self.is_last:
+            return None
+        if self.captured is None or self.split is None:
+            return BACKEND.batches.concat(work.outputs)
+        return self.captured.pack_outputs([BACKEND.batches.concat(list(parts)) for parts in zip(*work.outputs)])

@@ -1,0 +1,54 @@
+"""A Keras rank's several pipeline stages (virtual stages): one TFStageWork per stage, their results joined."""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence
+
+import tensorflow as tf
+
+from dualframe.pipeline.action import Action
+from dualframe.tensorflow.pipeline.work import TFStageWork
+
+
+def stage_actions(actions: Sequence[Action], j: int) -> List[Action]:
+    """Stage j's actions among a rank's (each naming its stage), without the stage: what one stage's work reads.
+
+    Example:
+        >>> [str(a) for a in stage_actions([Action.parse(t) for t in "0F0 3F0 3B0 0B0".split()], 3)]
+        ['F0', 'B0']
+    """
+    return [Action(a.kind, a.micro) for a in actions if a.stage == j]
+
+
+class VirtualStageWorks:
+    """The works of the stages one rank holds, by stage j; what ``DistributedPipeline`` reads of a step's work.
+
+    ``gradients`` follow the rank's trainable variables (its stages' layers in order); the loss and the
+    outputs are the last stage's, where this rank holds it.
+
+    Example:
+        >>> works = VirtualStageWorks({0: work0, 3: work3}, last=3)   # doctest: +SKIP
+        >>> role.step(actions, micro_inputs, works.works, train=True)  # doctest: +SKIP
+    """
+
+    def __init__(self, works: Dict[int, TFStageWork], last: int) -> None:
+        self.works, self.last = works, last
+
+    @property
+    def gradients(self) -> List[Optional[tf.Tensor]]:
+        """Every held stage's gradient sums, stage by stage (the rank's trainable variables' order)."""
+        return [g for j in sorted(self.works) for g in self.works[j].gradients]
+
+    @property
+    def loss_sum(self) -> float:
+        """The step's summed weighted loss on the rank holding the last stage, 0 elsewhere."""
+        return self.works[self.last].loss_sum if self.last in self.works else 0.0
+
+    @property
+    def outputs(self) -> List[tf.Tensor]:
+        """Inference: the last stage's micro-batch outputs, where this rank holds it."""
+        return self.works[self.last].outputs if self.last in self.works else []
+
+    @property
+    def peak_live(self) -> int:
+        """Most micro-batches held at once, summed over the rank's stages (each stage's own peak)."""
+        return sum(work.peak_live for work in self.works.values())

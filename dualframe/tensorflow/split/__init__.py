@@ -1,0 +1,1 @@
+"""A TensorFlow/Keras 3 model split in one process: ``ModelParallel``, ``Pipeline``, balance, tied weights."""

@@ -1,0 +1,1 @@
+"""Data parallelism in torch: the optimizer wrapper, compression, synchronized batch norm, sharding."""

@@ -1,0 +1,372 @@
+"""DistributedOptimizer: wraps a torch optimizer and reduces gradients across ranks (Horovod's semantics)."""
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple, Union
+
+import torch
+
+from dualframe.dp.settings import ReduceSettings
+from dualframe.dp.shard import check_scatter, check_shard
+from dualframe.errors import StrategyError
+from dualframe.torch.dp import checks as dp_checks
+from dualframe.torch.collectives import OPS, check_initialized, hvd
+from dualframe.torch.dp.compression import Compression
+from dualframe.torch.dp.shard.buckets import check_norm_arguments
+from dualframe.dp.subclass import wrapper_subclass
+from dualframe.torch.dp.wrapped_optimizer import WrappedOptimizer, check_optimizer, claim, weak_hook
+
+Key = Union[torch.Tensor, Tuple[torch.Tensor, ...]]
+Pending = Tuple[Any, Any]  # (Horovod handle or None while gradients still accumulate, compression ctx)
+
+class DistributedOptimizer(WrappedOptimizer):
+    """A torch optimizer whose gradients are reduced across ranks before each ``step()``.
+
+    Every gradient starts an asynchronous Horovod allreduce as soon as backward has accumulated
+    it, so communication overlaps the rest of the backward pass; ``step()`` waits for them, then
+    runs the wrapped optimizer. The arguments and behaviour are those of
+    ``horovod.torch.DistributedOptimizer``; ``state_dict()`` is the wrapped optimizer's.
+
+    Args:
+        optimizer: the torch optimizer to wrap; the result is an instance of its class too, as Horovod's
+            (``isinstance(opt, torch.optim.SGD)``). Wrapped again, the newest wrapper reduces.
+        named_parameters: ``model.named_parameters()``; names the reductions, must cover every parameter.
+        compression: ``Compression.none`` or ``Compression.fp16`` (or ``"none"``/``"fp16"``).
+        backward_passes_per_step: backward passes accumulated locally before one reduction.
+        op: ``Average``, ``Sum``, ``Adasum``, ``Min`` or ``Max``.
+        gradient_predivide_factor: with ``Average``, divide by this before the sum, the rest after.
+        num_groups: deprecated spelling of an int ``groups``.
+        groups: an int (that many fused groups) or lists of parameters reduced together.
+        sparse_as_dense: reduce sparse gradients as dense tensors.
+        process_set: the ranks to reduce over (a registered ``ProcessSet``).
+        shard: None, ``"optimizer"`` (ZeRO-1: a rank keeps 1/N of the optimizer state) or ``"gradients"``
+            (ZeRO-2: and 1/N of the gradients), which builds a ``dualframe.torch.dp.shard.optimizer.ShardedOptimizer``
+            (``scatter=`` and ``clip_grad_norm_`` are its); ``"parameters"`` (ZeRO-3: and 1/N of the parameters,
+            gathered per block in forward and backward) with ``model=``, which builds a
+            ``dualframe.torch.dp.shard.parameters.ParameterShardedOptimizer``.
+
+    Raises:
+        NotInitializedError: before ``hvd.init()``.
+        StrategyError: any invalid argument, before any communication.
+
+    Example:
+        >>> import dualframe.torch as hvd                                        # doctest: +SKIP
+        >>> hvd.init()                                                           # doctest: +SKIP
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1 * hvd.size())       # doctest: +SKIP
+        >>> opt = hvd.DistributedOptimizer(opt, model.named_parameters())        # doctest: +SKIP
+        >>> loss_fn(model(x), y).backward(); opt.step()                          # doctest: +SKIP
+    """
+
+    def __new__(cls, *args: Any, shard: Optional[str] = None, **kwargs: Any) -> "DistributedOptimizer":
+        if cls is DistributedOptimizer and isinstance(shard, str) and shard.lower() == "parameters":
+            from dualframe.torch.dp.shard.parameters import ParameterShardedOptimizer
+            return super().__new__(ParameterShardedOptimizer)
+        for zero3_only in ("model", "keep_gathered"):
+            if zero3_only in kwargs:
+                raise StrategyError(f"{zero3_only}= is for shard='parameters' (ZeRO-3), which gathers each block's "
+                                    f"parameters in the model's forward (shard: {shard!r}); drop {zero3_only}=")
+        if cls is DistributedOptimizer and not (shard is None or str(shard).lower() == "none"):  # shard: that class
+            from dualframe.torch.dp.shard.optimizer import ShardedOptimizer
+            return super().__new__(ShardedOptimizer)
+        check_scatter(kwargs.get("scatter"), None)  # scatter= without shard=: refused here, before anything
+        optimizer = args[0] if args else kwargs.get("optimizer")
+        if cls is DistributedOptimizer and isinstance(optimizer, torch.optim.Optimizer) \
+                and not isinstance(optimizer, WrappedOptimizer):
+            cls = wrapper_subclass(cls, type(optimizer))[0]  # an instance of the user's class, as Horovod's
+        return super().__new__(cls)
+
+    def __init__(self, optimizer: torch.optim.Optimizer,
+                 named_parameters: Optional[Iterable[Tuple[str, torch.Tensor]]] = None,
+                 compression: Any = Compression.none, backward_passes_per_step: int = 1,
+                 op: Any = hvd.Average, gradient_predivide_factor: float = 1.0, num_groups: int = 0,
+                 groups: dp_checks.GroupsArg = None, sparse_as_dense: bool = False,
+                 process_set: Any = hvd.global_process_set, *, shard: Optional[str] = None,
+                 scatter: Optional[str] = None) -> None:
+        check_initialized("DistributedOptimizer")
+        self._optimizer = check_optimizer(optimizer)
+        self._compression = dp_checks.check_compression(compression, Compression)
+        self.op_name = dp_checks.check_numbers(backward_passes_per_step, op, gradient_predivide_factor)
+        self.op = OPS[self.op_name]
+        self.shard = check_shard(shard, self.op_name)
+        self._names = dp_checks.parameter_names(optimizer, named_parameters)
+        if num_groups:
+            warnings.warn("num_groups is deprecated; use groups", DeprecationWarning, stacklevel=2)
+            groups = num_groups if groups is None else groups
+        self._groups = dp_checks.check_groups(groups, dp_checks.optimizer_params(optimizer))
+        self.process_set = dp_checks.check_process_set(process_set)
+        if self.op_name == "adasum":
+            dp_checks.check_adasum(self.process_set)
+        self.settings = ReduceSettings(compression=self._compression, op=self.op_name,
+                                       sparse_as_dense=bool(sparse_as_dense),
+                                       gradient_predivide_factor=float(gradient_predivide_factor),
+                                       process_set=self.process_set, backward_passes_per_step=backward_passes_per_step)
+        self._delay: Dict[torch.Tensor, int] = {}
+        self._handles: Dict[Key, Pending] = {}
+        self._requires_update: Set[torch.Tensor] = set()
+        self._p_to_group: Dict[torch.Tensor, Tuple[torch.Tensor, ...]] = {}
+        self._group_counts: Dict[Tuple[torch.Tensor, ...], int] = {}
+        self._hook_handles: List[Any] = []
+        self._synchronized = self._clipped = False
+        self._should_synchronize = True
+        # Under elastic Horovod the world size changes at a reset: hooks stay registered and whether
+        # to reduce is re-decided at each step (a job started on 1 worker must reduce once it grows).
+        self._elastic = os.environ.get("HOROVOD_ELASTIC") == "1"
+        self._adasum = self._active = False
+        self._decide()
+        claim(optimizer, self)
+        self._track(dp_checks.optimizer_params(optimizer))
+        if (self._active or self._elastic) and self._groups is not None:
+            self._form_groups()
+
+    def _decide(self) -> None:
+        # Adasum combines the wrapped optimizer's weight deltas, not gradients (see _adasum_step).
+        many = hvd.size() > 1
+        self._adasum = self.op_name == "adasum" and many
+        self._active = bool(self.process_set.included()) and many and not self._adasum
+
+    # -- the reduction's settings (``dualframe.dp.settings``), read-only ---------------------------
+    @property
+    def backward_passes_per_step(self) -> int:
+        """Backward passes accumulated locally before one reduction (``set_backward_passes_per_step`` changes it)."""
+        return self.settings.backward_passes_per_step
+
+    @property
+    def gradient_predivide_factor(self) -> float:
+        """With ``Average``: the share of the division done before the sum."""
+        return self.settings.gradient_predivide_factor
+
+    @property
+    def sparse_as_dense(self) -> bool:
+        """Whether sparse gradients are reduced as dense tensors."""
+        return self.settings.sparse_as_dense
+
+    def __repr__(self) -> str:
+        return f"DistributedOptimizer(op={self.op_name}, {self._optimizer!r})"
+
+    # -- hooks: one asynchronous reduction per gradient, as soon as it is ready ---------------
+    def _track(self, params: List[torch.Tensor]) -> None:
+        for p in params:
+            self._delay[p] = self.backward_passes_per_step
+            if (self._active or self._elastic) and p.requires_grad:
+                self._requires_update.add(p)
+                self._hook_handles.append(p.register_post_accumulate_grad_hook(weak_hook(self)))
+
+    def _form_groups(self) -> None:
+        params = [p for p in dp_checks.optimizer_params(self._optimizer) if p.requires_grad]
+        # Every rank must fuse the same tensors in the same order: rank 0's order decides. Elastic
+        # workers build their optimizer at different times, so there no collective: the model's order.
+        order = [self._names[p] for p in params]
+        if not self._elastic:
+            order = hvd.broadcast_object(order, root_rank=0, process_set=self.process_set)
+        params.sort(key=lambda p: order.index(self._names[p]))
+        if isinstance(self._groups, int):
+            n = min(self._groups, len(params))
+            size, extra = divmod(len(params), n)
+            bounds = [i * size + min(i, extra) for i in range(n + 1)]
+            formed = [tuple(params[bounds[i]:bounds[i + 1]]) for i in range(n)]
+        else:
+            listed = [tuple(p for p in group if p.requires_grad) for group in self._groups or []]
+            grouped = {id(p) for group in listed for p in group}
+            formed = [g for g in listed if g] + [(p,) for p in params if id(p) not in grouped]
+        for group in formed:
+            self._group_counts[group] = 0
+            for p in group:
+                self._p_to_group[p] = group
+
+    def _on_gradient(self, p: torch.Tensor) -> None:
+        if self._elastic and not self._handles:
+            self._decide()  # the first gradient of a step: the world may have grown or shrunk since
+        if not self._active:
+            return
+        if p in self._handles and self._handles[p][0] is not None and self._delay[p] <= 0:
+            raise AssertionError(
+                f"gradients were computed more than backward_passes_per_step "
+                f"({self.backward_passes_per_step}) times before step(); raise backward_passes_per_step "
+                f"to accumulate gradients locally (parameter {self._names.get(p)})"
+            )
+        self._delay[p] -= 1
+        if self._delay[p] > 0:
+            self._handles[p] = (None, None)
+            return
+        if p in self._p_to_group:
+            group = self._p_to_group[p]
+            self._group_counts[group] += 1
+            if self._group_counts[group] == len(group):
+                for q in group:
+                    self._handles.pop(q, None)
+                self._handles[group] = self._reduce_group(group)
+                self._group_counts[group] = 0
+            else:
+                self._handles[p] = (None, None)
+            return
+        self._handles[p] = self._reduce(p)
+
+    def _reduce(self, p: torch.Tensor) -> Pending:
+        if p.grad is None:
+            # Another rank may have a gradient for it (a branch not taken here): send zeros.
+            p.grad = torch.zeros_like(p)
+        name = self._names.get(p)
+        tensor = p.grad
+        if tensor.is_sparse:
+            if not self.sparse_as_dense:
+                return hvd.sparse_allreduce_async(tensor, name=name, op=self.op, process_set=self.process_set), None
+            tensor = tensor.to_dense()
+        compressed, ctx = self._compression.compress(tensor)
+        prescale, postscale = self.settings.scale_factors()
+        handle = hvd.allreduce_async_(compressed, name=name, op=self.op, prescale_factor=prescale,
+                                      postscale_factor=postscale, process_set=self.process_set)
+        return handle, ctx
+
+    def _reduce_group(self, group: Tuple[torch.Tensor, ...]) -> Pending:
+        grads = []
+        for p in group:
+            grad = torch.zeros_like(p) if p.grad is None else p.grad
+            p.grad = grad.to_dense() if grad.is_sparse else grad
+            grads.append(p.grad)
+        pairs = [self._compression.compress(grad) for grad in grads]
+        prescale, postscale = self.settings.scale_factors()
+        handle = hvd.grouped_allreduce_async_([t for t, _ in pairs], name=self._names.get(group[0]), op=self.op,
+                                              prescale_factor=prescale, postscale_factor=postscale,
+                                              process_set=self.process_set)
+        return handle, [ctx for _, ctx in pairs]
+
+    # -- synchronize and step ------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Wait for every gradient reduction (starting those not started yet); gradients are then global."""
+        if not self._active:
+            self._synchronized = True
+            return
+        started: Set[torch.Tensor] = set()
+        for key in self._handles:
+            started.update(key) if isinstance(key, tuple) else started.add(key)
+        for p in self._requires_update - started:
+            self._handles[p] = self._reduce(p)
+        for key, (handle, _) in list(self._handles.items()):
+            if handle is None and isinstance(key, torch.Tensor):
+                self._handles[key] = self._reduce(key)
+        for key, (handle, ctx) in self._handles.items():
+            self._finish(key, handle, ctx)
+        self._handles.clear()
+        self._synchronized = True
+
+    def _finish(self, key: Key, handle: Any, ctx: Any) -> None:
+        if isinstance(key, tuple):
+            for p, output, one_ctx in zip(key, hvd.synchronize(handle), ctx):
+                self._delay[p] = self.backward_passes_per_step
+                self._set_grad(p, output, one_ctx)
+            self._group_counts[key] = 0
+            return
+        output = handle() if callable(handle) else hvd.synchronize(handle)
+        self._delay[key] = self.backward_passes_per_step
+        if key in self._p_to_group:
+            self._group_counts[self._p_to_group[key]] = 0
+        self._set_grad(key, output, ctx)
+
+    def _set_grad(self, p: torch.Tensor, output: torch.Tensor, ctx: Any) -> None:
+        assert p.grad is not None
+        if p.grad.is_sparse:
+            reduced = self._compression.decompress(output, ctx)
+            p.grad.zero_().add_(reduced if reduced.is_sparse else reduced.to_sparse())
+        else:
+            p.grad.set_(self._compression.decompress(output, ctx))
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Inside this context ``step()`` does not synchronize (after an explicit ``synchronize()``)."""
+        if self._adasum:
+            raise StrategyError("skip_synchronize() is not available with op=Adasum (it reduces in step())")
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # type: ignore[override]
+        """Synchronize the gradients (unless inside ``skip_synchronize()``), then step the wrapped optimizer."""
+        if self._elastic and not self._handles:
+            self._decide()
+        if self._adasum:
+            return self._adasum_step(closure)
+        if self._should_synchronize and not self._clipped:
+            if self._synchronized:
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
+                              "optimizer.synchronize(): the gradients were reduced again; step inside "
+                              "`with optimizer.skip_synchronize():`",
+                              stacklevel=2)
+            self.synchronize()
+        self._synchronized = self._clipped = False
+        return self._optimizer.step(closure)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Synchronize, then ``torch.nn.utils.clip_grad_norm_`` on the reduced gradients; ``step()`` reduces no more.
+
+        Horovod's recipe (``synchronize()``, clip, ``step()`` inside ``skip_synchronize()``) in one call,
+        the same call as with ``shard=`` (where the recipe cannot work), so a script switches freely.
+
+        Returns:
+            The global norm of the reduced gradients before clipping.
+
+        Raises:
+            StrategyError: ``max_norm`` or ``norm_type`` not a number > 0, or op=Adasum (it reduces in step()).
+
+        Example:
+            >>> loss.backward(); optimizer.clip_grad_norm_(1.0); optimizer.step()   # doctest: +SKIP
+        """
+        check_norm_arguments(max_norm, norm_type)
+        if self._adasum:
+            raise StrategyError("clip_grad_norm_ is not available with op=Adasum (it reduces weight changes in step())")
+        if not self._synchronized:
+            self.synchronize()
+        params = [p for p in dp_checks.optimizer_params(self._optimizer) if p.grad is not None]
+        total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+        self._clipped = True
+        return total
+
+    def _adasum_step(self, closure: Optional[Callable[[], Any]]) -> Any:
+        # Horovod's delta rule: step locally, reduce the weight change with Adasum, apply it to the start.
+        params = [p for p in dp_checks.optimizer_params(self._optimizer) if p.requires_grad]
+        starts = [p.detach().clone() for p in params]
+        loss = self._optimizer.step(closure)
+        pairs = [self._compression.compress(p.detach() - start) for p, start in zip(params, starts)]
+        reduced = hvd.grouped_allreduce([t for t, _ in pairs], name="dualframe.adasum.delta", op=hvd.Adasum)
+        with torch.no_grad():
+            for p, start, output, (_, ctx) in zip(params, starts, reduced, pairs):
+                p.copy_(start + self._compression.decompress(output, ctx))
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradients; refused while reductions are pending (between backward and step)."""
+        if self._handles:
+            raise AssertionError(
+                "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
+                "optimizer.synchronize(); that would race with the pending gradient reductions"
+            )
+        self._optimizer.zero_grad(set_to_none=set_to_none)
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Change how many backward passes are accumulated before a reduction."""
+        dp_checks.check_numbers(passes, self.op, self.gradient_predivide_factor)
+        self.settings = self.settings.with_passes(passes)
+        for p in self._delay:
+            self._delay[p] = passes
+
+    # -- state and param groups ----------------------------------------------------------------
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Load into the wrapped optimizer and drop pending reductions."""
+        self._handles = {}
+        self._synchronized = self._clipped = False
+        self._should_synchronize = True
+        for p in self._delay:
+            self._delay[p] = self.backward_passes_per_step
+        self._optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """Add a param group to the wrapped optimizer; its parameters are reduced too (every rank must add it)."""
+        index = len(self._optimizer.param_groups)
+        self._optimizer.add_param_group(param_group)
+        params = self._optimizer.param_groups[index]["params"]
+        for j, p in enumerate(params):
+            self._names.setdefault(p, f"allreduce.noname.{index}.{j}")
+        self._track([p for p in params if p not in self._delay])

@@ -1,0 +1,1 @@
+"""A torch model captured as the core's ``Graph`` and what each of its nodes costs and reads."""

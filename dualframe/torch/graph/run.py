@@ -1,0 +1,229 @@
+"""Runs one step of a model cut as a graph: several values per cell, each moved to the stages that read it.
+
+The walk over clock ticks is ``StepRun``'s; this module only changes what a cell reads and writes.
+A cell (micro-batch i, stage j) reads the values ``reads[j]`` (model inputs, or values sent by the
+stages that produced them), each detached and moved to stage j's device, and produces the tuple
+``sends[j]``. Its backward sums, for each value it sent, the gradients coming back from every stage
+that read it (and from the caller for a model output), and hands the gradients of its reads back to
+their producers. Values are pytrees (a tensor, a tuple of tensors, a dict); non-tensor leaves pass
+as they are.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from dualframe.errors import ChunksError
+from dualframe.pipeline.graph import GraphSplit
+from dualframe.pipeline.split import Split
+from dualframe.torch.split.rng import checkpointed
+from dualframe.torch.split.run import StepRun, device_scope
+
+Grads = List[Optional[torch.Tensor]]  # one per tensor leaf of a value
+
+
+def tensor_leaves(value: Any) -> List[torch.Tensor]:
+    """The tensors of a pytree value, in flattening order."""
+    if isinstance(value, torch.Tensor):  # the common case, without pytree's walk
+        return [value]
+    return [leaf for leaf in pytree.tree_leaves(value) if isinstance(leaf, torch.Tensor)]
+
+
+def split_inputs(values: Dict[str, Any], sizes: Sequence[int]) -> List[Dict[str, Any]]:
+    """Each input value cut into micro-batches along dimension 0 (0-d tensors and non-tensors repeated).
+
+    Raises:
+        ChunksError: an input tensor whose first dimension is not the batch's, naming it.
+    """
+    batch = sum(sizes)
+    parts: List[Dict[str, Any]] = [{} for _ in sizes]
+    for name, value in values.items():
+        flat, spec = pytree.tree_flatten(value)
+        pieces: List[Sequence[Any]] = []
+        for leaf in flat:
+            if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+                if leaf.shape[0] != batch:
+                    raise ChunksError(f"every input tensor must have the batch in dimension 0 (input {name!r}: "
+                                      f"shape {list(leaf.shape)}, batch: {batch})")
+                pieces.append(torch.split(leaf, list(sizes)))
+            else:
+                pieces.append([leaf] * len(sizes))
+        for i, part in enumerate(parts):
+            part[name] = pytree.tree_unflatten([p[i] for p in pieces], spec)
+    return parts
+
+
+def batch_size(values: Dict[str, Any]) -> int:
+    """Rows of the first input tensor with a dimension (the batch every input must share)."""
+    for value in values.values():
+        for leaf in tensor_leaves(value):
+            if leaf.dim() > 0:
+                return int(leaf.shape[0])
+    raise ChunksError("the model's inputs hold no tensor with a batch dimension to cut into micro-batches")
+
+
+def _joined(pieces: Sequence[Any], name: str, weights: Optional[Sequence[float]] = None) -> Any:
+    """Micro-batch pieces of one value joined along dimension 0; with ``weights`` (the model's own loss,
+    a mean), 0-d pieces joined as their mean weighted by the micro-batches' shares of rows."""
+    flats = [pytree.tree_flatten(piece) for piece in pieces]
+    spec = flats[0][1]
+    joined = []
+    for k, leaf in enumerate(flats[0][0]):
+        if not isinstance(leaf, torch.Tensor):
+            joined.append(leaf)
+        elif len(pieces) == 1:
+            joined.append(leaf.detach())
+        elif leaf.dim() == 0 and weights is not None:
+            joined.append(sum(f[0][k].detach() * w for f, w in zip(flats, weights)))
+        elif leaf.dim() == 0:
+            raise ChunksError(f"output {name!r} is a 0-d tensor, which micro-batches cannot be joined into; "
+                              "return per-row values (or use chunks=1)")
+        else:
+            joined.append(torch.cat([f[0][k].detach() for f in flats]))
+    return pytree.tree_unflatten(joined, spec)
+
+
+class GraphStepRun(StepRun):
+    """One step of a graph-split model: cells read and send named values (see the module docstring)."""
+
+    def __init__(self, stages: Sequence[nn.Module], devices: Sequence[torch.device], plan: Split,
+                 split: GraphSplit, parts: Sequence[Dict[str, Any]], params: Sequence[Sequence[nn.Parameter]],
+                 shapes: Optional[Dict[str, Any]] = None, loss: Optional[str] = None, **walk: Any) -> None:
+        super().__init__(stages, devices, plan, parts, params, **walk)  # type: ignore[arg-type]
+        self.split = split
+        self.loss = loss  # the output value that is the model's own loss (a mean over rows), if any
+        self.shapes = shapes  # filled with each sent value's tensor shapes and dtypes (micro-batch 0)
+        self.cell_reads: Dict[Tuple[int, int], List[Any]] = {}
+        self.cell_sends: Dict[Tuple[int, int], Tuple[Any, ...]] = {}
+        self.read_grads: Dict[Tuple[int, int], Dict[str, Grads]] = {}
+        self.output_grads: List[Dict[str, Grads]] = []
+        self.input_grads: List[Dict[str, Grads]] = []
+
+    def _value(self, i: int, name: str) -> Any:
+        producer = self.split.producer[name]
+        if producer < 0:
+            return self.parts[i][name]  # type: ignore[index]
+        return self.cell_sends[(i, producer)][self.split.sends[producer].index(name)]
+
+    def _forward_cell(self, i: int, j: int) -> None:
+        device = self.devices[j]
+
+        def take(leaf: Any) -> Any:
+            if not isinstance(leaf, torch.Tensor):
+                return leaf
+            x = leaf.detach().to(device, non_blocking=True)
+            if self.grad and leaf.requires_grad:
+                x.requires_grad_()
+            return x
+
+        with device_scope(device), torch.set_grad_enabled(self.grad):
+            values = [self._value(i, name) for name in self.split.reads[j]]
+            reads = [take(v) if isinstance(v, torch.Tensor) else pytree.tree_map(take, v) for v in values]
+            if self.grad and self.plan.checkpointed(i):
+                sends = checkpointed(self.stages[j], device, *reads)
+            else:
+                sends = self.stages[j](*reads)
+        self.cell_reads[(i, j)], self.cell_sends[(i, j)] = reads, tuple(sends)
+        if i == 0 and self.shapes is not None:
+            for name, value in zip(self.split.sends[j], sends):
+                self.shapes[name] = [(tuple(t.shape), t.dtype) for t in tensor_leaves(value)]
+
+    def _result(self) -> Dict[str, Any]:
+        """Each model output joined over micro-batches (on its producer's device)."""
+        weights = self._weights()
+        return {name: _joined([self._value(i, name) for i in range(len(self.parts))], name,
+                              weights if name == self.loss else None)
+                for name in self.split.graph.outputs}
+
+    def _weights(self) -> List[float]:
+        """Each micro-batch's share of the rows (how the model's own loss joins)."""
+        rows = [self._rows(i) for i in range(len(self.parts))]
+        return [r / sum(rows) for r in rows]
+
+    def _start_backward(self, grad_outputs: Dict[str, Grads]) -> None:
+        """Cut each output's gradients into micro-batches."""
+        rows = [self._rows(i) for i in range(len(self.parts))]
+        self.output_grads = [{} for _ in self.parts]
+        for name, grads in grad_outputs.items():
+            pieces = [g.split(rows) if g is not None and g.dim() > 0 else self._repeated(g, name) for g in grads]
+            for i in range(len(self.parts)):
+                self.output_grads[i][name] = [p[i] for p in pieces]
+        self.input_grads = [{} for _ in self.parts]
+
+    def _repeated(self, grad: Optional[torch.Tensor], name: str) -> List[Optional[torch.Tensor]]:
+        """A 0-d output's gradient for each micro-batch: the same, or its share where the output is the loss."""
+        if grad is None or name != self.loss or len(self.parts) == 1:
+            return [grad] * len(self.parts)
+        return [grad * w for w in self._weights()]
+
+    def _rows(self, i: int) -> int:
+        return batch_size(self.parts[i])  # type: ignore[arg-type]
+
+    def _upstream(self, i: int, j: int, name: str, count: int, device: torch.device) -> Grads:
+        """The gradient of value ``name`` of cell (i, j): summed over its readers and the caller."""
+        total: Grads = [None] * count
+        sources = [self.read_grads[(i, c)].pop(name) for c in self.split.consumers.get(name, ())
+                   if c < self.split.stages]
+        if name in self.output_grads[i]:
+            sources.append(self.output_grads[i][name])
+        for grads in sources:
+            for k, g in enumerate(grads):
+                if g is not None:
+                    g = g.to(device, non_blocking=True)
+                    total[k] = g if total[k] is None else total[k] + g  # type: ignore[operator]
+        return total
+
+    def _backward_cell(self, i: int, j: int) -> None:
+        device = self.devices[j]
+        reads, sends = self.cell_reads.pop((i, j)), self.cell_sends.pop((i, j))
+        outs: List[torch.Tensor] = []
+        grads: List[torch.Tensor] = []
+        with device_scope(device):
+            for name, value in zip(self.split.sends[j], sends):
+                leaves = tensor_leaves(value)
+                for leaf, g in zip(leaves, self._upstream(i, j, name, len(leaves), device)):
+                    if g is not None and leaf.requires_grad:
+                        outs.append(leaf)
+                        grads.append(g)
+            read_leaves = [tensor_leaves(value) for value in reads]
+            wanted = [t for leaves in read_leaves for t in leaves if t.requires_grad]
+            trainable: List[torch.Tensor] = [p for p in self.params[j] if p.requires_grad]
+            found = (torch.autograd.grad(outs, wanted + trainable, grads, allow_unused=True)
+                     if outs and (wanted or trainable) else [None] * (len(wanted) + len(trainable)))
+        it = iter(found[:len(wanted)])
+        self.read_grads[(i, j)] = {}
+        for name, leaves in zip(self.split.reads[j], read_leaves):
+            grads_of = [next(it) if t.requires_grad else None for t in leaves]
+            if self.split.producer[name] < 0:
+                self._add_input_grad(i, name, grads_of)
+            else:
+                self.read_grads[(i, j)][name] = grads_of
+        self._accumulate(j, found[len(wanted):])
+
+    def _add_input_grad(self, i: int, name: str, grads: Grads) -> None:
+        old = self.input_grads[i].get(name)
+        if old is None:
+            self.input_grads[i][name] = list(grads)
+            return
+        for k, g in enumerate(grads):
+            held = old[k]
+            if g is not None:
+                old[k] = g if held is None else held + g.to(held.device)
+
+    def _input_gradient(self) -> Dict[str, Grads]:
+        """Per model input, its tensor leaves' gradients joined over micro-batches (None: no gradient)."""
+        joined: Dict[str, Grads] = {}
+        for name in self.split.graph.inputs:
+            count = len(tensor_leaves(self.parts[0][name]))  # type: ignore[index]
+            joined[name] = []
+            for k in range(count):
+                pieces = [self.input_grads[i].get(name, [None] * count)[k] for i in range(len(self.parts))]
+                whole: Optional[torch.Tensor] = None
+                if all(p is not None for p in pieces):  # a 0-d input was repeated: its gradients add up
+                    whole = pieces[0] if len(pieces) == 1 else (
+                        torch.stack(pieces).sum(0) if pieces[0].dim() == 0 else torch.cat(pieces))  # type: ignore
+                joined[name].append(whole)
+        return joined

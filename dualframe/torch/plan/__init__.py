@@ -1,0 +1,1 @@
+"""What ``dualframe plan`` measures on a torch model."""

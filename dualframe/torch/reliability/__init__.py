@@ -1,0 +1,1 @@
+"""Reliability in torch: failures and stalls, checkpoints, stage checkpoints, elastic runs."""

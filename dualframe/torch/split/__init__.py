@@ -1,0 +1,1 @@
+"""A torch model split in one process: ``ModelParallel``, ``Pipeline``, balance, tied weights."""
