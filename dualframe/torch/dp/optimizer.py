@@ -283,6 +283,15 @@ class DistributedOptimizer(WrappedOptimizer):
         finally:
             self._should_synchronize = True
 
+    def _reduce_for_step(self) -> None:
+        """``synchronize()`` as ``step()`` does it, warning when the gradients were already reduced."""
+        if self._synchronized:
+            warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
+                          "optimizer.synchronize(): the gradients were reduced again; step inside "
+                          "`with optimizer.skip_synchronize():`",
+                          stacklevel=3)
+        self.synchronize()
+
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # type: ignore[override]
         """Synchronize the gradients (unless inside ``skip_synchronize()``), then step the wrapped optimizer."""
         if self._elastic and not self._handles:
@@ -290,12 +299,7 @@ class DistributedOptimizer(WrappedOptimizer):
         if self._adasum:
             return self._adasum_step(closure)
         if self._should_synchronize and not self._clipped:
-            if self._synchronized:
-                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
-                              "optimizer.synchronize(): the gradients were reduced again; step inside "
-                              "`with optimizer.skip_synchronize():`",
-                              stacklevel=2)
-            self.synchronize()
+            self._reduce_for_step()
         self._synchronized = self._clipped = False
         return self._optimizer.step(closure)
 

@@ -14,7 +14,6 @@ path (reduce, synchronize, clip) is in ``dp/shard/gradients.py``; the buckets in
 from __future__ import annotations
 
 import os
-import warnings
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -199,12 +198,7 @@ class ShardedOptimizer(SliceGradients, DistributedOptimizer):
         if not self._should_synchronize:
             self._check_untouched()
         elif not self._clipped:
-            if self._synchronized:
-                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
-                              "optimizer.synchronize(): the gradients were reduced again; step inside "
-                              "`with optimizer.skip_synchronize():`",
-                              stacklevel=2)
-            self.synchronize()
+            self._reduce_for_step()
         self._synchronized = self._clipped = False
         self._versions = {}
         self._sync_hyperparameters()
