@@ -7,7 +7,7 @@ One process, one thread, CPU seconds (``time.process_time``, so the figure holds
 box): the two stages of 12 x (Linear(512), ReLU), batch 2048, 8 micro-batches, in GPipe's order (F0..F7 on
 stage 0, F0..F7 then B7..B0 on stage 1, B7..B0 on stage 0), messages handed over in memory. ``chain``:
 the base's ``pipeline_work.TorchStageWork`` (tensors passed as they are); ``graph``: this checkout's
-``graph_stage_work.TorchGraphStageWork`` over ``distributed_graph.ChainPart`` (each message packed into one
+``graph_stage_work.TorchGraphStageWork`` over ``graph.chain.ChainPart`` (each message packed into one
 ``uint8`` tensor and unpacked). Interleaved rounds, the order flipped every round; prints the median of the
 per-round ratios graph / chain. The transport is left out: ``bench_vs_unsplit.py`` run from both checkouts
 measures the whole step.
@@ -31,7 +31,7 @@ def arms(base_dir, chunks):
     from torch import nn
 
     from dualframe.torch.pipeline.activation_meter import ActivationMeter
-    from dualframe.torch.pipeline.graph import ChainPart, ChainStage
+    from dualframe.torch.graph.chain import ChainPart, ChainStage
     from dualframe.torch.pipeline.graph_work import TorchGraphStageWork
 
     spec = importlib.util.spec_from_file_location("base_work", base_dir / "dualframe/torch/pipeline_work.py")

@@ -10,7 +10,7 @@ from torch import nn
 from dualframe.pipeline.clock import clock_table
 from dualframe.pipeline.schedule import rank_schedule
 from dualframe.torch.pipeline.activation_meter import ActivationMeter
-from dualframe.torch.pipeline.graph import ChainPart, ChainStage
+from dualframe.torch.graph.chain import ChainPart, ChainStage
 from dualframe.torch.pipeline.graph_work import TorchGraphStageWork
 from dualframe.torch.pipeline.backward import SplitBackward
 

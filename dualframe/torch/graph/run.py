@@ -1,26 +1,29 @@
-"""Runs one step of a model cut as a graph: several values per cell, each moved to the stages that read it.
+"""One step of a split torch model in one process, cell by cell over the core's one-process schedule.
 
-The walk over clock ticks is ``StepRun``'s; this module only changes what a cell reads and writes.
-A cell (micro-batch i, stage j) reads the values ``reads[j]`` (model inputs, or values sent by the
-stages that produced them), each detached and moved to stage j's device, and produces the tuple
-``sends[j]``. Its backward sums, for each value it sent, the gradients coming back from every stage
-that read it (and from the caller for a model output), and hands the gradients of its reads back to
-their producers. Values are pytrees (a tensor, a tuple of tensors, a dict); non-tensor leaves pass
-as they are.
+A model cut as a graph and a chain of layer groups (``graph.chain``: edges (j - 1, j)) run alike. Every cell
+(micro-batch i, stage j) is its own small autograd graph: it reads the values ``reads[j]`` (model inputs, or
+values sent by the stages that produced them), each detached and moved to stage j's device, and produces
+the tuple ``sends[j]``. Forward runs the schedule's clock ticks, backward the mirrored ones, the cells of a
+tick in threads, one per device (cells sharing a device run one after another in the calling thread). A
+cell's backward sums, for each value it sent, the gradients coming back from every stage that read it (and
+from the caller for a model output), and hands the gradients of its reads back to their producers. Values
+are pytrees (a tensor, a tuple of tensors, a dict); non-tensor leaves pass as they are.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+import contextlib
+from typing import Any, Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
 from dualframe.errors import ChunksError
+from dualframe.pipeline.executor import RecordFn, run_ticks
 from dualframe.pipeline.graph import GraphSplit
+from dualframe.pipeline.schedule import one_process_ticks
 from dualframe.pipeline.split import Split
 from dualframe.torch.split.rng import checkpointed
-from dualframe.torch.split.run import StepRun, device_scope
 
 Grads = List[Optional[torch.Tensor]]  # one per tensor leaf of a value
 
@@ -86,21 +89,84 @@ def _joined(pieces: Sequence[Any], name: str, weights: Optional[Sequence[float]]
     return pytree.tree_unflatten(joined, spec)
 
 
-class GraphStepRun(StepRun):
-    """One step of a graph-split model: cells read and send named values (see the module docstring)."""
+def device_scope(device: torch.device) -> contextlib.AbstractContextManager:
+    """Make ``device`` current for the work a stage thread enqueues (a no-op on CPU)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+class StepRun:
+    """One step of a split model: the micro-batches, what each cell read and sent, and the gradients.
+
+    Args:
+        stages: stage j's module, taking the values ``split.reads[j]`` and returning the tuple ``split.sends[j]``.
+        devices: stage j's device.
+        plan: the split (schedule, stages, which micro-batches are checkpointed).
+        split: the graph split (a chain's: ``graph.chain.ChainPart``).
+        parts: each micro-batch's input values by name.
+        params: stage j's parameters (whose gradients the step returns).
+        shapes: filled with each sent value's tensor shapes and dtypes (micro-batch 0), if given.
+        loss: the output value that is the model's own loss (a mean over rows), if any.
+        record, lanes: ``run_ticks``' timeline recorder and lanes (cells of a tick in one lane share a thread).
+        masters: a copy's id -> the model's tensor it stands for (``split.devices``).
+
+    Example:
+        >>> run = StepRun(stages, devices, plan, ChainPart(2).split, [{"x0": x}], params)   # doctest: +SKIP
+        >>> outputs = run.forward(grad=True)                                                  # doctest: +SKIP
+        >>> input_grads, param_grads = run.backward({"x2": [torch.ones_like(outputs["x2"])]}) # doctest: +SKIP
+    """
 
     def __init__(self, stages: Sequence[nn.Module], devices: Sequence[torch.device], plan: Split,
                  split: GraphSplit, parts: Sequence[Dict[str, Any]], params: Sequence[Sequence[nn.Parameter]],
-                 shapes: Optional[Dict[str, Any]] = None, loss: Optional[str] = None, **walk: Any) -> None:
-        super().__init__(stages, devices, plan, parts, params, **walk)  # type: ignore[arg-type]
-        self.split = split
-        self.loss = loss  # the output value that is the model's own loss (a mean over rows), if any
-        self.shapes = shapes  # filled with each sent value's tensor shapes and dtypes (micro-batch 0)
+                 shapes: Optional[Dict[str, Any]] = None, loss: Optional[str] = None,
+                 record: Optional[RecordFn] = None, lanes: Optional[Sequence[Hashable]] = None,
+                 masters: Optional[Mapping[int, torch.Tensor]] = None) -> None:
+        self.stages, self.devices, self.plan, self.split, self.parts = stages, devices, plan, split, list(parts)
+        self.params, self.shapes, self.loss = params, shapes, loss
+        self.record, self.lanes, self.masters = record, lanes, masters or {}
+        self.param_grads: List[List[Optional[torch.Tensor]]] = [[None] * len(p) for p in params]
+        self.grad = False
         self.cell_reads: Dict[Tuple[int, int], List[Any]] = {}
         self.cell_sends: Dict[Tuple[int, int], Tuple[Any, ...]] = {}
         self.read_grads: Dict[Tuple[int, int], Dict[str, Grads]] = {}
         self.output_grads: List[Dict[str, Grads]] = []
         self.input_grads: List[Dict[str, Grads]] = []
+
+    def forward(self, grad: bool) -> Dict[str, Any]:
+        """Run every forward cell by clock tick; return each model output joined over micro-batches."""
+        self.grad = grad
+        ticks = one_process_ticks(self.plan.schedule, len(self.parts), self.plan.stages, "F")
+        run_ticks(ticks, self._forward_cell, self.plan.stages, "F", record=self.record, lanes=self.lanes)
+        return self._result()
+
+    def backward(self, grad_outputs: Dict[str, Grads]) -> Tuple[Dict[str, Grads], List[Optional[torch.Tensor]]]:
+        """Run every backward cell by mirrored clock tick; return (each input's gradients, parameter gradients)."""
+        self._start_backward(grad_outputs)
+        ticks = one_process_ticks(self.plan.schedule, len(self.parts), self.plan.stages, "B")
+        run_ticks(ticks, self._backward_cell, self.plan.stages, "B", record=self.record, lanes=self.lanes)
+        return self._input_gradient(), self._param_gradients()
+
+    def _param_gradients(self) -> List[Optional[torch.Tensor]]:
+        """Every parameter's gradient summed over micro-batches (and over the stages sharing it or its copies)."""
+        summed: Dict[int, Optional[torch.Tensor]] = {}
+        for stage, grads in zip(self.params, self.param_grads):
+            for p, g in zip(stage, grads):
+                key = id(self.masters.get(id(p), p))
+                old = summed.get(key)
+                summed[key] = g if old is None else (old if g is None else old + g.to(old.device))
+        return [summed.get(id(p)) for p in unique_params(self.params, self.masters)]
+
+    def _accumulate(self, j: int, found: Sequence[Optional[torch.Tensor]]) -> None:
+        """Add stage j's parameter gradients of one micro-batch (``found``: one per trainable parameter) into the step's."""
+        trainable = iter(found)
+        for index, p in enumerate(self.params[j]):
+            if p.requires_grad:
+                g = next(trainable)
+                if g is not None:
+                    old = self.param_grads[j][index]
+                    if old is None:
+                        self.param_grads[j][index] = g  # a fresh tensor from autograd.grad: ours to add into
+                    else:
+                        old.add_(g)
 
     def _value(self, i: int, name: str) -> Any:
         producer = self.split.producer[name]
@@ -227,3 +293,15 @@ class GraphStepRun(StepRun):
                         torch.stack(pieces).sum(0) if pieces[0].dim() == 0 else torch.cat(pieces))  # type: ignore
                 joined[name].append(whole)
         return joined
+
+
+def unique_params(params: Sequence[Sequence[nn.Parameter]],
+                  masters: Optional[Mapping[int, Any]] = None) -> List[nn.Parameter]:
+    """Every stage's parameters in order, each once (a parameter may be shared by two stages; a copy on
+    another device stands for its master, ``masters``: id of a copy -> the model's parameter)."""
+    seen: Dict[int, nn.Parameter] = {}
+    for stage in params:
+        for p in stage:
+            p = (masters or {}).get(id(p), p)
+            seen.setdefault(id(p), p)
+    return list(seen.values())

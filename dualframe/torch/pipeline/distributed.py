@@ -3,7 +3,7 @@
 Rank j of a pipeline group keeps only stage j; micro-batches' activations flow forward and their
 gradients backward between the ranks whose stages exchange them (``dualframe.torch.pipeline.link``),
 in the order the core's per-rank schedule (``dualframe.pipeline.schedule``) gives. A chain is a graph
-whose edges are (j - 1, j) (``distributed_graph.ChainPart``): chains and captured models take one walk
+whose edges are (j - 1, j) (``graph.chain.ChainPart``): chains and captured models take one walk
 (``dualframe.pipeline.graph_walk``) and one stage work (``graph_stage_work.TorchGraphStageWork``).
 With ``data_parallel`` replicas of the whole pipeline, the ranks holding the same stage average its
 gradients through ``DistributedOptimizer`` on that stage's process set (``distributed_optimizer``).
@@ -27,7 +27,8 @@ from dualframe.pipeline.schedule import virtual_count
 from dualframe.pipeline.tied import TiedPlan
 from dualframe.torch.backend import BACKEND
 from dualframe.torch.pipeline.activation_meter import ActivationMeter
-from dualframe.torch.pipeline.graph import ChainPart, ChainStage, GraphPart
+from dualframe.torch.graph.chain import ChainPart, ChainStage
+from dualframe.torch.pipeline.graph import GraphPart
 from dualframe.torch.graph.devices import place_stage
 from dualframe.torch.graph.capture import Leaves
 from dualframe.torch.pipeline.graph_work import TorchGraphStageWork

@@ -1,7 +1,7 @@
 """The graph side of a torch ``DistributedPipeline``: one cut on every rank, this rank's stage, its inputs, outputs.
 
-An ``nn.Sequential`` is a graph too (``ChainPart``): stage j reads what stage j - 1 sends, so chains and
-captured models run through the same walk and stage work (``graph_stage_work``).
+An ``nn.Sequential`` is a graph too (``graph.chain.ChainPart``): stage j reads what stage j - 1 sends, so chains
+and captured models run through the same walk and stage work (``graph_work``).
 
 Every rank captures the model and cuts it alike (the cut must not depend on timing, which differs
 between ranks: ``stages=n`` evens out parameter bytes here; measure once with ``ModelParallel(...,
@@ -15,49 +15,12 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 
 from dualframe.errors import StrategyError
-from dualframe.pipeline.graph import GraphSplit, chain_split, cut_graph
+from dualframe.pipeline.graph import GraphSplit, cut_graph
 from dualframe.torch.graph.capture import Captured, Leaves, capture, capture_other_mode, stage_module
 from dualframe.torch.pipeline.graph_work import check_crossing
 from dualframe.torch.split.loss import loss_value
 from dualframe.torch.graph.run import _joined, batch_size, split_inputs
 from dualframe.torch.split.graph import _param_bytes
-
-
-class ChainStage(torch.nn.Module):
-    """A chain's stage module as a graph stage: its one input in, the tuple of its one output out."""
-
-    def __init__(self, layers: torch.nn.Module) -> None:
-        super().__init__()
-        self.layers = layers
-
-    def forward(self, x: Any) -> Tuple[Any]:
-        return (self.layers(x),)
-
-
-class ChainPart:
-    """An ``nn.Sequential`` cut into ``stages`` stages as a graph split whose edges are (j - 1, j).
-
-    Example:
-        >>> part = ChainPart(2)
-        >>> part.split.reads, part.split.sends
-        ((('x0',), ('x1',)), (('x1',), ('x2',)))
-    """
-
-    def __init__(self, stages: int) -> None:
-        self.split: GraphSplit = chain_split(stages)
-        self.input, self.output = self.split.graph.inputs[0], self.split.graph.outputs[0]
-
-    def unflatten(self, outputs: Dict[str, Any]) -> Any:
-        """The model's return value from its output values (the last stage's output)."""
-        return outputs[self.output]
-
-    def micro_inputs(self, parts: Sequence[Any]) -> List[Dict[str, Any]]:
-        """Each micro-batch of the input as the graph's input values."""
-        return [{self.input: part} for part in parts]
-
-    def joined_outputs(self, outputs: Sequence[Dict[str, Any]]) -> Any:
-        """The model's output from each micro-batch's output values (on the last stage)."""
-        return torch.cat([o[self.output] for o in outputs])
 
 
 class GraphPart:

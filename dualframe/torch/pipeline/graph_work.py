@@ -121,7 +121,7 @@ class TorchGraphStageWork:
     """Forward and backward of stage j of a graph split on micro-batch i, keeping what backward needs.
 
     ``stage`` takes the values ``split.reads[j]`` and returns the tuple ``split.sends[j]`` (a chain's
-    stage: ``chain_part.ChainStage``). The last stage gathers the model's outputs (its own and those sent
+    stage: ``graph.chain.ChainStage``). The last stage gathers the model's outputs (its own and those sent
     to it), rebuilds the model's return value (``unflatten``: ``Captured.unflatten``, a chain's
     ``ChainPart.unflatten``) and turns it into the loss weighted by the micro-batch's share of rows. A
     micro-batch in ``recompute`` (activation checkpointing) keeps only the values its stage read until

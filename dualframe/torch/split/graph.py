@@ -7,7 +7,7 @@ registers the original's own parameters, buffers and children under their own na
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Protocol, Sequence, Set, Tuple
 
 import torch
 from torch import nn
@@ -18,7 +18,7 @@ from dualframe.pipeline.graph import GraphSplit, cut_graph, graph_units
 from dualframe.pipeline.tied import TiedWeight, tied_description
 from dualframe.torch.graph.capture import Captured, Leaves, capture, capture_other_mode, stage_module
 from dualframe.torch.graph.cost import BY, Shapes, _attr, measure
-from dualframe.torch.graph.run import GraphStepRun, tensor_leaves
+from dualframe.torch.graph.run import StepRun, tensor_leaves
 from dualframe.torch.split.loss import loss_value
 from dualframe.torch.split import devices as tied_devices
 from dualframe.torch.split.tied import find_stage_tied, tensor_names
@@ -27,10 +27,20 @@ from dualframe.torch.split.devices import DeviceCopies
 
 
 
-class ModeStages(NamedTuple):
-    """One mode's capture, cut, stage modules and their parameters."""
+class Binding(Protocol):
+    """A split model's call as its graph's input values, and its output values as its return value."""
 
-    captured: Captured
+    def bind(self, args: Sequence[Any], kwargs: Dict[str, Any]) -> Dict[str, Any]:
+        """The call's arguments by input value name."""
+
+    def unflatten(self, values: Dict[str, Any]) -> Any:
+        """The model's return value from the output values by name."""
+
+
+class ModeStages(NamedTuple):
+    """One mode's capture (a chain's ``ChainPart``), cut, stage modules and their parameters."""
+
+    captured: Binding
     split: GraphSplit
     modules: List[Any]
     params: List[List[nn.Parameter]]
@@ -117,16 +127,16 @@ class GraphStages:
             self._modes[training] = self._other_mode(other) if other is not None else self._modes[self.mode]
         return self._modes[training]
 
-    def run(self, plan: Any, parts: Sequence[Dict[str, Any]], training: bool, **walk: Any) -> GraphStepRun:
+    def run(self, plan: Any, parts: Sequence[Dict[str, Any]], training: bool, **walk: Any) -> StepRun:
         """A step over ``parts`` (micro-batches of the inputs); value shapes are noted from micro-batch 0."""
         view = self.view(training)
         shapes: Shapes = {}
-        for name in view.captured.graph.inputs:
+        for name in view.split.graph.inputs:
             shapes[name] = [(tuple(t.shape), t.dtype) for t in tensor_leaves(parts[0][name])]
         if view.split is self.split:  # describe() shows the capture mode's cut
             self.shapes, self.shapes_from = shapes, "micro-batch 0 of the last step"
-        return GraphStepRun(view.modules, self.devices, plan, view.split, parts, view.params, shapes=shapes,
-                            masters=self.copies.masters, loss=view.loss, **walk)
+        return StepRun(view.modules, self.devices, plan, view.split, parts, view.params, shapes=shapes,
+                       masters=self.copies.masters, loss=view.loss, **walk)
 
     def unit_balance(self) -> Optional[List[int]]:
         """Top-level units per stage, or None when a cut falls inside a unit."""
@@ -202,7 +212,7 @@ class GraphFunction(torch.autograd.Function):
     """A graph step as one node of the caller's graph: inputs' tensors and parameters in, outputs' tensors out."""
 
     @staticmethod
-    def forward(ctx: Any, run: GraphStepRun, layout: Any, *tensors: torch.Tensor) -> Any:  # type: ignore[override]
+    def forward(ctx: Any, run: StepRun, layout: Any, *tensors: torch.Tensor) -> Any:  # type: ignore[override]
         ctx.set_materialize_grads(False)
         ctx.run, ctx.layout = run, layout
         ctx.devices = [t.device for t in tensors]  # an input's gradient must come back on its device

@@ -14,9 +14,9 @@ from dualframe.pipeline.microbatch import micro_batch_sizes
 from dualframe.pipeline.split import Split, validate_split
 from dualframe.observe.timeline import Recording
 from dualframe.torch.graph.capture import Leaves
-from dualframe.torch.graph.run import batch_size, split_inputs, tensor_leaves
+from dualframe.torch.graph.run import batch_size, split_inputs, tensor_leaves, unique_params
+from dualframe.torch.split.chain import ChainStages
 from dualframe.torch.split.graph import GraphFunction, GraphStages, Layout
-from dualframe.torch.split.run import PipeFunction, StepRun, unique_params
 
 
 def accelerators() -> List[str]:
@@ -45,7 +45,8 @@ def canonical_device(name: str) -> str:
 
 
 def is_graph_split(module: Any, split_points: Any, stages: Any) -> bool:
-    """Whether ``module`` is cut as a graph: any module but a Sequential, or any module given split_points/stages."""
+    """Whether ``module`` is captured and cut as a graph (any module but a Sequential, or any module given
+    split_points/stages) rather than its layers grouped by ``balance`` into a chain."""
     if split_points is not None or stages is not None:
         return True
     return isinstance(module, nn.Module) and not isinstance(module, nn.Sequential)
@@ -130,6 +131,7 @@ class ModelParallel(Recording, nn.Module):
                  sample: Any = None, by: str = "time", leaves: Leaves = ()) -> None:
         super().__init__()
         self._graph: Optional[GraphStages] = None
+        self._stages: Union[GraphStages, ChainStages]
         if is_graph_split(module, split_points, stages):
             self._init_graph(module, balance, devices, chunks, checkpoint, schedule, split_points, stages, sample, by,
                              leaves)
@@ -142,10 +144,8 @@ class ModelParallel(Recording, nn.Module):
                                           accelerators=accelerators(), schedule=schedule)
         check_shared_layers([[layers[index] for index in r] for r in self.plan.ranges], self.plan.devices)
         self.devices = [torch.device(d) for d in self.plan.devices]
-        self.partitions = nn.ModuleList(
-            nn.Sequential(*[layers[index] for index in r]).to(device)
-            for r, device in zip(self.plan.ranges, self.devices)
-        )
+        self.partitions = nn.ModuleList(nn.Sequential(*[layers[index] for index in r]) for r in self.plan.ranges)
+        self._stages = ChainStages(self.partitions, self.devices)
 
     def _init_graph(self, module: Any, balance: Optional[Sequence[int]], devices: Optional[Sequence[str]],
                     chunks: int, checkpoint: str, schedule: str, split_points: Optional[Sequence[str]],
@@ -166,7 +166,7 @@ class ModelParallel(Recording, nn.Module):
         # A plain list, not registered: the stages only reference the modules adopted below.
         self.partitions = graph.modules  # type: ignore[assignment]
         self._adopt(module)
-        self._graph = graph
+        self._graph = self._stages = graph
 
     def _adopt(self, module: nn.Module) -> None:
         """Register the original's own parameters, buffers and children under their own names."""
@@ -216,46 +216,24 @@ class ModelParallel(Recording, nn.Module):
                          for j, (r, d) in enumerate(zip(self.plan.ranges, self.plan.devices)))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the batch through the groups (as ``chunks`` micro-batches); outputs where their stage ran."""
-        if self._graph is not None:
-            return self._forward_graph(args, kwargs)
-        if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor):
-            raise TypeError(f"the input must be one tensor (got {', '.join(type(a).__name__ for a in args)})")
-        batch = args[0]
-        sizes = micro_batch_sizes(int(batch.shape[0]), self.plan.chunks)
-        self._begin_step(int(batch.shape[0]))
-        params = [list(stage.parameters()) for stage in self.partitions]
-        flat = unique_params(params)
-        run = StepRun(list(self.partitions), self.devices, self.plan, torch.split(batch, sizes), params,
-                      self.recorder(self.plan.devices), self._lanes())
-        grad = torch.is_grad_enabled() and (batch.requires_grad or any(p.requires_grad for p in flat))
-        try:
-            if not grad:
-                return run.forward(grad=False)
-            return PipeFunction.apply(run, batch, *flat)
-        finally:
-            self._end_forward()
-
-    def _forward_graph(self, args: Sequence[Any], kwargs: Any) -> Any:
-        assert self._graph is not None
-        self._graph.copies.sync()
-        view = self._graph.view(self.training)
-        captured, split = view.captured, view.split
-        values = captured.bind(args, kwargs)
+        """Run the batch through the stages (as ``chunks`` micro-batches); outputs where their stage ran."""
+        self._stages.copies.sync()
+        view = self._stages.view(self.training)
+        values = view.captured.bind(args, kwargs)
         batch = batch_size(values)
         parts = split_inputs(values, micro_batch_sizes(batch, self.plan.chunks))
         self._begin_step(batch)
-        run = self._graph.run(self.plan, parts, self.training, record=self.recorder(self.plan.devices),
-                              lanes=self._lanes())
-        flat = unique_params(view.params, self._graph.copies.masters)
-        inputs = [t for name in split.graph.inputs for t in tensor_leaves(values[name])]
+        run = self._stages.run(self.plan, parts, self.training, record=self.recorder(self.plan.devices),
+                               lanes=self._lanes())
+        flat = unique_params(view.params, self._stages.copies.masters)
+        inputs = [t for name in view.split.graph.inputs for t in tensor_leaves(values[name])]
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs + flat)
         try:
             if not grad:
-                return captured.unflatten(run.forward(grad=False))
-            layout = Layout(split.graph.inputs, split.graph.outputs)
+                return view.captured.unflatten(run.forward(grad=False))
+            layout = Layout(view.split.graph.inputs, view.split.graph.outputs)
             outputs = GraphFunction.apply(run, layout, *inputs, *flat)
-            return captured.unflatten(layout.rebuild(outputs))
+            return view.captured.unflatten(layout.rebuild(outputs))
         finally:
             self._end_forward()
 
