@@ -259,3 +259,34 @@ def test_a_recomputation_replays_its_own_devices_generator_and_no_other():
     torch.manual_seed(0)
     with recompute:  # a CPU stage drawing in its own thread meanwhile sees its generator untouched
         assert torch.equal(torch.rand(3), expected)
+
+
+class Pair(nn.Module):
+    """Returns a tuple (x, tanh(x)): an output that is not one tensor."""
+
+    def forward(self, x):
+        return x, torch.tanh(x)
+
+
+def test_a_sequential_ending_in_a_tuple_joins_it_over_micro_batches_as_a_graph_output():
+    reference = nn.Sequential(*list(mlp())[:4], Pair())
+    pipe = hvd.Pipeline(copy.deepcopy(reference), [2, 3], ["cpu", "cpu"], chunks=3, checkpoint="always")
+    x = torch.randn(7, 6, dtype=torch.float64)
+    got, want = pipe(x), reference(x)
+    assert isinstance(got, tuple) and len(got) == 2
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+    (got[0].sum() + got[1].pow(2).sum()).backward()
+    (want[0].sum() + want[1].pow(2).sum()).backward()
+    for p, q in zip(pipe.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-12, rtol=0)
+
+
+def test_a_sequential_takes_one_tensor_and_keeps_its_partitions_keys():
+    pipe = hvd.Pipeline(mlp(), [4, 4], ["cpu", "cpu"], chunks=2)
+    x = torch.randn(4, 6, dtype=torch.float64)
+    with pytest.raises(TypeError, match=r"the input must be one tensor \(got Tensor, Tensor\)"):
+        pipe(x, x)
+    with pytest.raises(TypeError, match=r"the input must be one tensor \(got x=Tensor\)"):
+        pipe(x=x)
+    assert list(pipe.state_dict())[:2] == ["partitions.0.0.weight", "partitions.0.0.bias"]

@@ -4,7 +4,8 @@ There is no GPU here, so ``tied_devices.COPY_ON_ONE_DEVICE`` makes every later s
 on "cpu": the code path of stages on different GPUs (copy, gradient summed into the model's parameter,
 copies following it before each forward). GPT-2 (tied head), a layer called in both halves and a model
 whose first and last layers share a weight, float64: the loss and every gradient of each step, and the
-weights after 2 steps of SGD with momentum and of Adam, equal the unsplit model's to 1e-9.
+weights after 2 steps of SGD with momentum and of Adam, equal the unsplit model's to 1e-9. An
+``nn.Sequential`` whose groups on one device share a weight needs no copy: its gradients sum alike.
 """
 import copy
 
@@ -48,17 +49,8 @@ def copies_of(split):
     return split.graph_stages.copies.copies.values()
 
 
-@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
-@pytest.mark.parametrize("strategy", [hvd.ModelParallel, hvd.Pipeline])
-@pytest.mark.parametrize("case", list(CASES))
-def test_copies_train_as_the_unsplit_model(copies_on_cpu, case, strategy, optimizer):
-    model, data, loss_fn, cut = CASES[case]()
-    reference = copy.deepcopy(model)
-    n = len(cut["split_points"]) + 1
-    split = strategy(model, devices=["cpu"] * n, chunks=2, **cut)
-    assert len(copies_of(split)) >= 1 and all(h.copy is not h.master for h in copies_of(split))
-    assert list(split.parameters()) == list(model.parameters())  # the masters only: copies are not trained
-    assert "copy of " in split.describe()
+def train_alike(split, reference, data, loss_fn, optimizer):
+    """Train both with ``optimizer``; each step's loss and every gradient equal to 1e-9."""
     opt, ref_opt = OPTIMIZERS[optimizer](split.parameters()), OPTIMIZERS[optimizer](reference.parameters())
     for x, y in data:
         opt.zero_grad()
@@ -71,6 +63,20 @@ def test_copies_train_as_the_unsplit_model(copies_on_cpu, case, strategy, optimi
             torch.testing.assert_close(p.grad, q.grad, atol=1e-9, rtol=0, msg=name)
         opt.step()
         ref_opt.step()
+
+
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+@pytest.mark.parametrize("strategy", [hvd.ModelParallel, hvd.Pipeline])
+@pytest.mark.parametrize("case", list(CASES))
+def test_copies_train_as_the_unsplit_model(copies_on_cpu, case, strategy, optimizer):
+    model, data, loss_fn, cut = CASES[case]()
+    reference = copy.deepcopy(model)
+    n = len(cut["split_points"]) + 1
+    split = strategy(model, devices=["cpu"] * n, chunks=2, **cut)
+    assert len(copies_of(split)) >= 1 and all(h.copy is not h.master for h in copies_of(split))
+    assert list(split.parameters()) == list(model.parameters())  # the masters only: copies are not trained
+    assert "copy of " in split.describe()
+    train_alike(split, reference, data, loss_fn, optimizer)
     got, want = split.state_dict(), reference.state_dict()
     assert list(got) == list(want)
     for key, value in want.items():
@@ -127,3 +133,14 @@ def test_a_sequential_split_refuses_layers_sharing_a_weight_on_two_devices():
     with pytest.raises(DeviceError, match=r"groups 0 \(cuda:0\) and 2 \(cuda:1\) share 'weight'; cut the model as "):
         check_shared_layers([layers[:2], layers[2:4], layers[4:]], ["cuda:0", "cuda:0", "cuda:1"])
     check_shared_layers([layers[:2], layers[2:4], layers[4:]], ["cuda:0", "cuda:1", "cuda:0"])
+
+
+@pytest.mark.parametrize("strategy", [hvd.ModelParallel, hvd.Pipeline])
+def test_a_sequential_split_sharing_a_weight_on_one_device_trains_as_unsplit(strategy):
+    model, data = shared_ends(sequential=True), float_batches()
+    reference = copy.deepcopy(model)
+    split = strategy(model, [2, 2, 1], ["cpu"] * 3, chunks=2)
+    assert len(list(split.parameters())) == len(list(reference.parameters())) == 5  # the shared weight once
+    train_alike(split, reference, data, nn.functional.mse_loss, "sgd-momentum")
+    for p, q in zip(split.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-9, rtol=0)

@@ -12,6 +12,7 @@ are pytrees (a tensor, a tuple of tensors, a dict); non-tensor leaves pass as th
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -41,22 +42,27 @@ def split_inputs(values: Dict[str, Any], sizes: Sequence[int]) -> List[Dict[str,
     Raises:
         ChunksError: an input tensor whose first dimension is not the batch's, naming it.
     """
-    batch = sum(sizes)
     parts: List[Dict[str, Any]] = [{} for _ in sizes]
     for name, value in values.items():
+        if isinstance(value, torch.Tensor):  # the common case, without pytree's walk
+            for part, piece in zip(parts, _split_leaf(value, name, sizes)):
+                part[name] = piece
+            continue
         flat, spec = pytree.tree_flatten(value)
-        pieces: List[Sequence[Any]] = []
-        for leaf in flat:
-            if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
-                if leaf.shape[0] != batch:
-                    raise ChunksError(f"every input tensor must have the batch in dimension 0 (input {name!r}: "
-                                      f"shape {list(leaf.shape)}, batch: {batch})")
-                pieces.append(torch.split(leaf, list(sizes)))
-            else:
-                pieces.append([leaf] * len(sizes))
+        pieces = [_split_leaf(leaf, name, sizes) for leaf in flat]
         for i, part in enumerate(parts):
             part[name] = pytree.tree_unflatten([p[i] for p in pieces], spec)
     return parts
+
+
+def _split_leaf(leaf: Any, name: str, sizes: Sequence[int]) -> Sequence[Any]:
+    """One input leaf cut into micro-batches (0-d tensors and non-tensors repeated)."""
+    if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0:
+        return [leaf] * len(sizes)
+    if leaf.shape[0] != sum(sizes):
+        raise ChunksError(f"every input tensor must have the batch in dimension 0 (input {name!r}: "
+                          f"shape {list(leaf.shape)}, batch: {sum(sizes)})")
+    return torch.split(leaf, list(sizes))
 
 
 def batch_size(values: Dict[str, Any]) -> int:
@@ -71,6 +77,8 @@ def batch_size(values: Dict[str, Any]) -> int:
 def _joined(pieces: Sequence[Any], name: str, weights: Optional[Sequence[float]] = None) -> Any:
     """Micro-batch pieces of one value joined along dimension 0; with ``weights`` (the model's own loss,
     a mean), 0-d pieces joined as their mean weighted by the micro-batches' shares of rows."""
+    if isinstance(pieces[0], torch.Tensor) and pieces[0].dim() > 0:  # the common case, without pytree's walk
+        return pieces[0].detach() if len(pieces) == 1 else torch.cat([piece.detach() for piece in pieces])
     flats = [pytree.tree_flatten(piece) for piece in pieces]
     spec = flats[0][1]
     joined = []
@@ -87,6 +95,16 @@ def _joined(pieces: Sequence[Any], name: str, weights: Optional[Sequence[float]]
         else:
             joined.append(torch.cat([f[0][k].detach() for f in flats]))
     return pytree.tree_unflatten(joined, spec)
+
+
+def _take(leaf: Any, device: torch.device, grad: bool) -> Any:
+    """A value's tensor leaf as a cell reads it: detached, on the cell's device, requiring grad where it did."""
+    if not isinstance(leaf, torch.Tensor):
+        return leaf
+    x = leaf.detach().to(device, non_blocking=True)
+    if grad and leaf.requires_grad:
+        x.requires_grad_()
+    return x
 
 
 def device_scope(device: torch.device) -> contextlib.AbstractContextManager:
@@ -130,6 +148,10 @@ class StepRun:
         self.read_grads: Dict[Tuple[int, int], Dict[str, Grads]] = {}
         self.output_grads: List[Dict[str, Grads]] = []
         self.input_grads: List[Dict[str, Grads]] = []
+        self.n, self.rows = split.stages, [batch_size(part) for part in self.parts]
+        # value name -> (its producer, its place in the producer's sends); producer -1: a model input
+        self.slots = {name: (-1, -1) for name in split.graph.inputs}
+        self.slots.update({name: (j, k) for j, sent in enumerate(split.sends) for k, name in enumerate(sent)})
 
     def forward(self, grad: bool) -> Dict[str, Any]:
         """Run every forward cell by clock tick; return each model output joined over micro-batches."""
@@ -169,26 +191,18 @@ class StepRun:
                         old.add_(g)
 
     def _value(self, i: int, name: str) -> Any:
-        producer = self.split.producer[name]
+        producer, slot = self.slots[name]
         if producer < 0:
-            return self.parts[i][name]  # type: ignore[index]
-        return self.cell_sends[(i, producer)][self.split.sends[producer].index(name)]
+            return self.parts[i][name]
+        return self.cell_sends[(i, producer)][slot]
 
     def _forward_cell(self, i: int, j: int) -> None:
-        device = self.devices[j]
-
-        def take(leaf: Any) -> Any:
-            if not isinstance(leaf, torch.Tensor):
-                return leaf
-            x = leaf.detach().to(device, non_blocking=True)
-            if self.grad and leaf.requires_grad:
-                x.requires_grad_()
-            return x
-
-        with device_scope(device), torch.set_grad_enabled(self.grad):
-            values = [self._value(i, name) for name in self.split.reads[j]]
-            reads = [take(v) if isinstance(v, torch.Tensor) else pytree.tree_map(take, v) for v in values]
-            if self.grad and self.plan.checkpointed(i):
+        device, grad = self.devices[j], self.grad
+        with device_scope(device), torch.set_grad_enabled(grad):
+            reads = [_take(v, device, grad) if isinstance(v, torch.Tensor) else
+                     pytree.tree_map(functools.partial(_take, device=device, grad=grad), v)
+                     for v in (self._value(i, name) for name in self.split.reads[j])]
+            if grad and self.plan.checkpointed(i):
                 sends = checkpointed(self.stages[j], device, *reads)
             else:
                 sends = self.stages[j](*reads)
@@ -206,15 +220,13 @@ class StepRun:
 
     def _weights(self) -> List[float]:
         """Each micro-batch's share of the rows (how the model's own loss joins)."""
-        rows = [self._rows(i) for i in range(len(self.parts))]
-        return [r / sum(rows) for r in rows]
+        return [r / sum(self.rows) for r in self.rows]
 
     def _start_backward(self, grad_outputs: Dict[str, Grads]) -> None:
         """Cut each output's gradients into micro-batches."""
-        rows = [self._rows(i) for i in range(len(self.parts))]
         self.output_grads = [{} for _ in self.parts]
         for name, grads in grad_outputs.items():
-            pieces = [g.split(rows) if g is not None and g.dim() > 0 else self._repeated(g, name) for g in grads]
+            pieces = [g.split(self.rows) if g is not None and g.dim() > 0 else self._repeated(g, name) for g in grads]
             for i in range(len(self.parts)):
                 self.output_grads[i][name] = [p[i] for p in pieces]
         self.input_grads = [{} for _ in self.parts]
@@ -225,14 +237,10 @@ class StepRun:
             return [grad] * len(self.parts)
         return [grad * w for w in self._weights()]
 
-    def _rows(self, i: int) -> int:
-        return batch_size(self.parts[i])  # type: ignore[arg-type]
-
     def _upstream(self, i: int, j: int, name: str, count: int, device: torch.device) -> Grads:
         """The gradient of value ``name`` of cell (i, j): summed over its readers and the caller."""
         total: Grads = [None] * count
-        sources = [self.read_grads[(i, c)].pop(name) for c in self.split.consumers.get(name, ())
-                   if c < self.split.stages]
+        sources = [self.read_grads[(i, c)].pop(name) for c in self.split.consumers.get(name, ()) if c < self.n]
         if name in self.output_grads[i]:
             sources.append(self.output_grads[i][name])
         for grads in sources:

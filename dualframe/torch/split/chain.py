@@ -43,7 +43,6 @@ class ChainStages:
         return ModeStages(self.chain, self.chain.split, list(self.modules),
                           [list(partition.parameters()) for partition in self.partitions], None)
 
-    def run(self, plan: Any, parts: Sequence[Dict[str, Any]], training: bool, **walk: Any) -> StepRun:
-        """A step over ``parts`` (micro-batches of the input, as ``{"x0": tensor}``)."""
-        view = self.view(training)
+    def run(self, view: ModeStages, plan: Any, parts: Sequence[Dict[str, Any]], **walk: Any) -> StepRun:
+        """A step of ``view`` (from ``view()``) over ``parts`` (micro-batches of the input, as ``{"x0": tensor}``)."""
         return StepRun(view.modules, self.devices, plan, view.split, parts, view.params, **walk)

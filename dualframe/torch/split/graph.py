@@ -127,9 +127,9 @@ class GraphStages:
             self._modes[training] = self._other_mode(other) if other is not None else self._modes[self.mode]
         return self._modes[training]
 
-    def run(self, plan: Any, parts: Sequence[Dict[str, Any]], training: bool, **walk: Any) -> StepRun:
-        """A step over ``parts`` (micro-batches of the inputs); value shapes are noted from micro-batch 0."""
-        view = self.view(training)
+    def run(self, view: ModeStages, plan: Any, parts: Sequence[Dict[str, Any]], **walk: Any) -> StepRun:
+        """A step of ``view`` (from ``view(training)``) over ``parts`` (micro-batches of the inputs); value shapes
+        are noted from micro-batch 0."""
         shapes: Shapes = {}
         for name in view.split.graph.inputs:
             shapes[name] = [(tuple(t.shape), t.dtype) for t in tensor_leaves(parts[0][name])]
@@ -249,5 +249,6 @@ class Layout:
         values: Dict[str, Any] = {}
         for name in self.output_names:
             value = self.outputs[name]
-            values[name] = pytree.tree_map(lambda t: next(it) if isinstance(t, torch.Tensor) else t, value)
+            values[name] = next(it) if isinstance(value, torch.Tensor) else \
+                pytree.tree_map(lambda t: next(it) if isinstance(t, torch.Tensor) else t, value)
         return values

@@ -223,8 +223,7 @@ class ModelParallel(Recording, nn.Module):
         batch = batch_size(values)
         parts = split_inputs(values, micro_batch_sizes(batch, self.plan.chunks))
         self._begin_step(batch)
-        run = self._stages.run(self.plan, parts, self.training, record=self.recorder(self.plan.devices),
-                               lanes=self._lanes())
+        run = self._stages.run(view, self.plan, parts, record=self.recorder(self.plan.devices), lanes=self._lanes())
         flat = unique_params(view.params, self._stages.copies.masters)
         inputs = [t for name in view.split.graph.inputs for t in tensor_leaves(values[name])]
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs + flat)
