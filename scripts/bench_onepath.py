@@ -23,12 +23,13 @@ import bench_env
 ARGS = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ARGS.add_argument("--base", type=pathlib.Path, required=True, help="a checkout holding dualframe/torch/split/run.py")
 ARGS.add_argument("--rounds", type=int, default=11)
-ARGS.add_argument("--steps", type=int, default=2, help="steps per arm per round")
+ARGS.add_argument("--steps", type=int, default=2, help="steps per arm per round, at least (more for fast steps)")
 ARGS.add_argument("--checkpoint", default="except_last", choices=["never", "always", "except_last"])
 
 
 def models() -> Dict[str, Any]:
-    """name -> (model, balance, batch, chunks, input width)."""
+    """name -> (model, balance, batch, chunks, input width): the issue's dense stack, a small residual net, and
+    stages that compute nothing, where the step's own bookkeeping is all there is to time."""
     import torch
     from torch import nn
 
@@ -42,10 +43,20 @@ def models() -> Dict[str, Any]:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return torch.relu(x + self.body(x))
 
+    class Scale(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(()))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.weight
+
     torch.manual_seed(0)
     residual = nn.Sequential(*[Residual(128) for _ in range(8)])
     return {"12 x (Linear(512), ReLU), batch 2048, chunks 8, 2 stages": (linear_relu(512, 12), [12, 12], 2048, 8, 512),
-            "8 residual blocks of 2 x Linear(128), batch 256, chunks 8, 4 stages": (residual, [2, 2, 2, 2], 256, 8, 128)}
+            "8 residual blocks of 2 x Linear(128), batch 256, chunks 8, 4 stages": (residual, [2, 2, 2, 2], 256, 8, 128),
+            "4 x (x * w), batch 32, chunks 32, 4 stages (no compute: the step's own cost, 256 cells)":
+                (nn.Sequential(*[Scale() for _ in range(4)]), [1, 1, 1, 1], 32, 32, 4)}
 
 
 def base_step(base: Any, pipe: Any) -> Callable[[Any], Any]:
@@ -87,19 +98,19 @@ def main() -> None:
     base = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(base)
     torch.set_num_threads(1)
-    print(f"torch {torch.__version__}, one thread, checkpoint={args.checkpoint}, {args.rounds} rounds x {args.steps} "
-          f"steps, {time.strftime('%Y-%m-%d %H:%M')}")
+    print(f"torch {torch.__version__}, one thread, checkpoint={args.checkpoint}, {args.rounds} rounds, "
+          f"{time.strftime('%Y-%m-%d %H:%M')}")
     for name, (model, balance, batch, chunks, width) in models().items():
         pipe = hvd.Pipeline(model, balance, ["cpu"] * len(balance), chunks=chunks, checkpoint=args.checkpoint)
         x = torch.randn(batch, width)
         arms = {"chain": base_step(base, pipe), "graph": pipe}
-        for forward in arms.values():
-            timed(forward, pipe, x, 1)  # warm-up
+        warm = max(timed(forward, pipe, x, 1)[0] for forward in arms.values())
+        steps = max(args.steps, int(0.5 / warm))  # a round's block at least about half a second
         times: Dict[str, List["tuple[float, float]"]] = {arm: [] for arm in arms}
         for r in range(args.rounds):
             for arm in (list(arms) if r % 2 == 0 else list(arms)[::-1]):
-                times[arm].append(timed(arms[arm], pipe, x, args.steps))
-        print(name)
+                times[arm].append(timed(arms[arm], pipe, x, steps))
+        print(f"{name}, {steps} steps a round")
         for k, unit in ((0, "CPU"), (1, "wall")):
             ratios = [g[k] / c[k] for g, c in zip(times["graph"], times["chain"])]
             medians = {arm: statistics.median(t[k] for t in ts) for arm, ts in times.items()}

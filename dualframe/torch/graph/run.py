@@ -148,7 +148,9 @@ class StepRun:
         self.read_grads: Dict[Tuple[int, int], Dict[str, Grads]] = {}
         self.output_grads: List[Dict[str, Grads]] = []
         self.input_grads: List[Dict[str, Grads]] = []
-        self.n, self.rows = split.stages, [batch_size(part) for part in self.parts]
+        self.rows = [batch_size(part) for part in self.parts]
+        # value name -> the stages that read it (its consumers but the caller, ``split.stages``)
+        self.readers = {name: [c for c in js if c < split.stages] for name, js in split.consumers.items()}
         # value name -> (its producer, its place in the producer's sends); producer -1: a model input
         self.slots = {name: (-1, -1) for name in split.graph.inputs}
         self.slots.update({name: (j, k) for j, sent in enumerate(split.sends) for k, name in enumerate(sent)})
@@ -240,7 +242,7 @@ class StepRun:
     def _upstream(self, i: int, j: int, name: str, count: int, device: torch.device) -> Grads:
         """The gradient of value ``name`` of cell (i, j): summed over its readers and the caller."""
         total: Grads = [None] * count
-        sources = [self.read_grads[(i, c)].pop(name) for c in self.split.consumers.get(name, ()) if c < self.n]
+        sources = [self.read_grads[(i, c)].pop(name) for c in self.readers[name]]
         if name in self.output_grads[i]:
             sources.append(self.output_grads[i][name])
         for grads in sources:
