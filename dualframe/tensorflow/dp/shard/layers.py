@@ -160,8 +160,11 @@ def _differentiable(value: Any) -> bool:
 def _gathered_call(unit: _Unit, *args: Any, **kwargs: Any) -> Any:
     flat_args = tf.nest.flatten(args)
     where = [i for i, a in enumerate(flat_args) if _differentiable(a)]
-    stats = [tf.convert_to_tensor(h) for h in unit.holders]
-    slices = [tf.convert_to_tensor(unit.optimizer._zero.slices[b]) for b in unit.buckets]
+    # Read as stored (float32 under a mixed policy), not in the autocast scope of the layer's __call__: the
+    # gather carries the masters and the layer casts what it reads, so the gradient comes back float32.
+    with AutocastScope(None):
+        stats = [tf.convert_to_tensor(h) for h in unit.holders]
+        slices = [tf.convert_to_tensor(unit.optimizer._zero.slices[b]) for b in unit.buckets]
     if not where and not slices:  # nothing to differentiate (a frozen embedding of token ids): just map the state
         outputs, updated = unit.run([], stats, args, kwargs)
         for holder, value in zip(unit.holders, updated):
