@@ -2,6 +2,7 @@
 import numpy as np
 import pytest
 import keras
+import tensorflow as tf
 
 import dualframe
 import dualframe.tensorflow.keras as hvd
@@ -87,3 +88,35 @@ def test_embeddings_of_token_ids_frozen_and_trained_equal_plain():
     for a, b in zip(sharded.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(a, b, atol=1e-6)
     assert np.abs(plain.get_weights()[1] - embedded().get_weights()[1]).max() > 1e-3  # the trained one moved
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_mixed_policy_gathers_the_float32_masters_and_keeps_the_state_exact(policy):
+    """Eager (no fused kernels): the slices' gradients equal the plain model's bit for bit, in float32; a
+    frozen kernel and batch-norm statistics read in the compute dtype are not written back rounded to it."""
+    def mixed():
+        keras.utils.set_random_seed(4)
+        inputs = keras.Input((5,))
+        hidden = keras.layers.BatchNormalization()(keras.layers.Dense(8, activation="tanh")(inputs))
+        frozen = keras.layers.Dense(8, trainable=False)(keras.layers.Add()([hidden, keras.layers.Dense(8)(hidden)]))
+        return keras.Model(inputs, keras.layers.Dense(1)(frozen))
+
+    keras.mixed_precision.set_dtype_policy(policy)
+    try:
+        x, y = data()
+        opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), shard="parameters")
+        sharded, plain = opt.shard_model(mixed()), mixed()
+        gradients = []
+        for model, wrt in ((sharded, opt.parameter_slices()), (plain, plain.trainable_variables)):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(tf.cast(model(x, training=True), "float32") - y))
+            gradients.append(tape.gradient(loss, wrt))
+        sharded_opt = getattr(opt, "inner_optimizer", opt)  # mixed_float16: inside a ShardedLossScaleOptimizer
+        for a, b in zip(sharded_opt._zero.unflatten(gradients[0]), gradients[1]):
+            assert a.dtype == b.dtype == tf.float32
+            np.testing.assert_array_equal(a, b)
+        assert all(s.dtype == "float32" for s in opt.parameter_slices())
+        for a, b in zip(sharded.get_weights(), plain.get_weights()):  # the moving statistics moved alike
+            np.testing.assert_array_equal(a, b)
+    finally:
+        keras.mixed_precision.set_dtype_policy("float32")

@@ -148,7 +148,9 @@ class _Unit:
         # The backward's recomputation runs outside the layer's __call__, which entered the mixed policy's
         # autocast scope (float32 values read as float16): it enters the forward's scope again.
         cast = AutocastScope(autocast.dtype) if autocast is not None else contextlib.nullcontext()
-        with cast, keras.StatelessScope(state_mapping=mapping, initialize_variables=False) as scope:
+        with AutocastScope(None):  # a variable's dtype reads as the compute dtype in the scope: keep the stored one
+            scope = keras.StatelessScope(state_mapping=mapping, initialize_variables=False)
+        with cast, scope:
             outputs = self.call(*args, **kwargs)
         return outputs, [scope.get_current_value(v) for v in layer.non_trainable_variables]
 
