@@ -138,10 +138,10 @@ def _stepper(optimizer: Any, model: keras.Model) -> Any:
         StrategyError: Keras's own LossScaleOptimizer wraps it (compile adds one under ``mixed_float16``
             to an optimizer made before the policy was set): its skip decision would be each rank's own.
     """
-    compiled = getattr(model, "optimizer", None)
+    compiled, guard = getattr(model, "optimizer", None), optimizer._zero.guard
     if getattr(compiled, "inner_optimizer", None) is not optimizer:
         return optimizer
-    if optimizer._zero.guard is None:  # no ShardedLossScaleOptimizer installed its guard
+    if guard is None:  # no ShardedLossScaleOptimizer installed its guard
         raise StrategyError(
             f"shard='parameters' under loss scaling needs hvd.DistributedOptimizer to make the LossScaleOptimizer "
             f"(compiled: Keras's {type(compiled).__name__} around the sharded optimizer, which would skip steps "

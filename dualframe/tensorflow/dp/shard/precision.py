@@ -1,7 +1,9 @@
 """Loss scaling for the Keras sharded optimizer: ``ShardedLossScaleOptimizer``, one skip decision for every rank.
 
 ``hvd.DistributedOptimizer(keras.optimizers.LossScaleOptimizer(opt), shard=...)`` (or any optimizer
-with ``shard=`` under the ``mixed_float16`` policy) returns it. The fp32 master slices of float16 or
+with ``shard=`` under the ``mixed_float16`` policy) returns it; with ``shard="parameters"`` its
+``shard_model`` and ``parameter_slices`` are the sharded optimizer's, and ``fit`` scales the loss
+through it (``dp/shard/parameters.py``). The fp32 master slices of float16 or
 bfloat16 variables are in ``dp/shard/slices.py``; the rules in ``dualframe.dp.precision``.
 """
 from __future__ import annotations
