@@ -6,6 +6,9 @@ import tensorflow as tf
 
 import dualframe
 import dualframe.tensorflow.keras as hvd
+from dualframe.plan import Hardware, Training, advise
+from dualframe.plan.profile import Shared
+from dualframe.tensorflow.plan.probe import profile_model
 
 hvd.init()
 
@@ -120,3 +123,41 @@ def test_mixed_policy_gathers_the_float32_masters_and_keeps_the_state_exact(poli
             np.testing.assert_array_equal(a, b)
     finally:
         keras.mixed_precision.set_dtype_policy("float32")
+
+
+def test_the_plan_offers_zero3_for_a_layer_called_twice_and_not_for_a_layer_two_models_share():
+    """``dualframe plan``'s Keras probe lists a variable held by two top-level layers as shared (counted once),
+    and the advisor then leaves out the ZeRO-3 row, which shard_model would refuse; one layer called twice
+    holds its variables once: offered, and equal to the plain model."""
+    def twice():
+        keras.utils.set_random_seed(5)
+        inputs = keras.Input((5,))
+        dense = keras.layers.Dense(5, activation="tanh")
+        return keras.Model(inputs, keras.layers.Dense(1)(dense(dense(inputs))))
+
+    def nested():
+        keras.utils.set_random_seed(6)
+        inputs = keras.Input((5,))
+        shared = keras.layers.Dense(5)
+        inner = keras.Model(inputs, keras.layers.Dense(1)(shared(inputs)))
+        return keras.Model(inputs, inner(keras.Sequential([shared])(inputs)))
+
+    hardware, zero3 = Hardware(memory_per_device=1e9, devices_per_node=2), "data parallel + sharded parameters"
+    offered = profile_model(twice(), (5,))
+    assert offered.shared == () and offered.parameters == 5 * 5 + 5 + 5 + 1
+    assert zero3 in [o.kind for o in advise(offered, Training(8), hardware).options]
+    x, y = data()
+    opt = hvd.DistributedOptimizer(keras.optimizers.Adam(0.05), shard="parameters")
+    sharded, plain = opt.shard_model(twice()), twice()
+    sharded.compile(optimizer=opt, loss="mse")
+    plain.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+    for m in (sharded, plain):
+        m.fit(x, y, batch_size=6, shuffle=False, verbose=0)
+    for a, b in zip(sharded.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+    refused = profile_model(nested(), (5,))
+    assert refused.shared == (Shared(5 * 5, (0, 1)), Shared(5, (0, 1))) and refused.parameters == 5 * 5 + 5 + 5 + 1
+    assert zero3 not in [o.kind for o in advise(refused, Training(8), hardware).options]
+    with pytest.raises(dualframe.StrategyError, match="shared between nested models"):
+        hvd.DistributedOptimizer(keras.optimizers.SGD(), shard="parameters").shard_model(nested())
