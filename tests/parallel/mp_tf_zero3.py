@@ -64,6 +64,11 @@ def test_distribute_parameters_is_checked_before_any_communication():
         hvd.DistributedOptimizer(keras.optimizers.SGD(), shard="gradients").shard_model(zero3_model(SEED0))
     with pytest.raises(dualframe.StrategyError, match="root_rank must be an int in \\[0, 2\\)"):
         hvd.DistributedOptimizer(keras.optimizers.SGD(), shard="parameters").shard_model(zero3_model(SEED0), 5)
+    # float16 variables (not a mixed policy): no fp32 master slices of them, refused by the variable's path.
+    inputs = keras.Input((FEATURES,))
+    half = keras.Model(inputs, keras.layers.Dense(1, dtype="float16", name="half")(inputs))
+    with pytest.raises(dualframe.StrategyError, match="half/kernel \\(float16\\).*mixed_float16 policy"):
+        hvd.DistributedOptimizer(keras.optimizers.SGD(), shard="parameters").shard_model(half)
     # A layer shared by two nested models (the rebuilt model would not share it): refused before the broadcast.
     inputs = keras.Input((FEATURES,))
     shared = keras.layers.Dense(FEATURES)

@@ -28,6 +28,7 @@ from dualframe.errors import StrategyError
 from dualframe.tensorflow.dp.shard import layers as sharded_layers
 from dualframe.tensorflow.collectives import hvd
 from dualframe.tensorflow.dp.gradients import SHARD_SCOPE, collective_scope, named
+from dualframe.tensorflow.dp.shard.slices import check_master_dtypes
 
 
 def shard_model(optimizer: Any, model: keras.Model, root_rank: int = 0) -> keras.Model:
@@ -38,8 +39,8 @@ def shard_model(optimizer: Any, model: keras.Model, root_rank: int = 0) -> keras
 
     Raises:
         StrategyError: the optimizer is not ``shard="parameters"`` or already holds a model, the model is
-            not built, Keras cannot rebuild it from its config, a variable is shared by two layers, or
-            the ranks' models differ.
+            not built or has float16/bfloat16 trainable variables, Keras cannot rebuild it from its config,
+            a variable is shared by two layers, or the ranks' models differ.
     """
     process_set = optimizer.reduction.process_set
     if getattr(optimizer, "shard", None) != "parameters":
@@ -53,6 +54,7 @@ def shard_model(optimizer: Any, model: keras.Model, root_rank: int = 0) -> keras
         raise StrategyError(f"build the model before shard_model (call it on a batch or give an Input) "
                             f"(model {model.name!r} is not built)")
     check_root_rank(root_rank, process_set.size())
+    check_master_dtypes(model.trainable_variables)
     clone = storage_free_clone(model)
     shapes = [tuple(v.shape) for v in model.trainable_variables]
     if [tuple(v.shape) for v in clone.trainable_variables] != shapes:

@@ -65,6 +65,23 @@ def inner_copy(optimizer: keras.optimizers.Optimizer) -> Tuple[keras.optimizers.
     return type(optimizer).from_config(config), (None if clip is None else float(clip))
 
 
+def check_master_dtypes(variables: Sequence[Any]) -> None:
+    """Refuse float16 and bfloat16 trainable variables: Keras's slices are the variables' own dtype, no fp32 master.
+
+    The torch adapter keeps fp32 master slices of low-precision weights; here a mixed policy gives the
+    same split (float32 variables and slices, low-precision compute).
+    """
+    low = [v for v in variables if master_dtype(str(v.dtype)) != str(v.dtype)]
+    if low:
+        dtype = str(low[0].dtype)
+        named = ", ".join(f"{v.path} ({v.dtype})" for v in low[:3]) + (f" and {len(low) - 3} more" if len(low) > 3 else "")
+        raise StrategyError(
+            f"shard= in Keras keeps no fp32 master slices of float16 or bfloat16 variables (only mixed policies' "
+            f"float32 ones): {named}. For {dtype} compute use the mixed_{dtype} policy (float32 variables: "
+            f"keras.mixed_precision.set_dtype_policy('mixed_{dtype}') before building the model, or the layer's "
+            f"dtype='mixed_{dtype}'), or shard=None")
+
+
 class ShardedState:
     """The inner optimizer, the slice variables and the layout: a plain holder the Keras tracker does not walk."""
 
@@ -98,14 +115,11 @@ class ShardedState:
 
         ``values`` (one per variable) are read instead of the variables (ZeRO-3: the model holds none).
         """
+        check_master_dtypes(variables)
         self.layout, self.variables, self.rank = layout, variables, rank
         self.slices = []
         for b, bucket in enumerate(layout.buckets):
             dtype = variables[bucket.tensors[0]].dtype if bucket.tensors else "float32"
-            if master_dtype(str(dtype)) != str(dtype):  # fp32 master slices: the torch adapter has them, Keras not yet
-                raise StrategyError(
-                    f"shard= with {dtype} variables (dtype policy {str(dtype)!r}) is not supported yet in Keras; use the "
-                    f"mixed_{dtype} policy (float32 variables, {dtype} compute), or shard=None")
             # ZeRO-3's slices are what a tape differentiates (through each layer's gather): trainable there.
             self.slices.append(keras.Variable(tf.zeros([bucket.shard], dtype=dtype), trainable=self.model is not None,
                                               name=f"{SLICE_NAME}{b}"))
