@@ -68,6 +68,12 @@ def test_set_weights_and_the_refusals():
     with pytest.raises(dualframe.StrategyError, match="cannot be re-cut"):
         opt.reshard()
     assert hvd.DistributedOptimizer.from_config(opt.get_config()).shard == "parameters"
+    # Keras's own LossScaleOptimizer around it would decide each rank's skip alone: refused when fit traces.
+    scaled = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), shard="parameters")
+    wrapped = scaled.shard_model(model(1))
+    wrapped.compile(optimizer=keras.optimizers.LossScaleOptimizer(scaled), loss="mse")
+    with pytest.raises(dualframe.StrategyError, match="needs hvd.DistributedOptimizer to make the LossScaleOptimizer"):
+        wrapped.fit(x, y, batch_size=6, verbose=0)
 
 
 def test_embeddings_of_token_ids_frozen_and_trained_equal_plain():
