@@ -64,11 +64,6 @@ def test_distribute_parameters_is_checked_before_any_communication():
         hvd.DistributedOptimizer(keras.optimizers.SGD(), shard="gradients").shard_model(zero3_model(SEED0))
     with pytest.raises(dualframe.StrategyError, match="root_rank must be an int in \\[0, 2\\)"):
         hvd.DistributedOptimizer(keras.optimizers.SGD(), shard="parameters").shard_model(zero3_model(SEED0), 5)
-    # float16 variables (not a mixed policy): no fp32 master slices of them, refused by the variable's path.
-    inputs = keras.Input((FEATURES,))
-    half = keras.Model(inputs, keras.layers.Dense(1, dtype="float16", name="half")(inputs))
-    with pytest.raises(dualframe.StrategyError, match="half/kernel \\(float16\\).*mixed_float16 policy"):
-        hvd.DistributedOptimizer(keras.optimizers.SGD(), shard="parameters").shard_model(half)
     # A layer shared by two nested models (the rebuilt model would not share it): refused before the broadcast.
     inputs = keras.Input((FEATURES,))
     shared = keras.layers.Dense(FEATURES)
@@ -256,6 +251,32 @@ def test_mixed_bfloat16_fit_equals_one_process():
         assert all(s.dtype == "float32" for s in model.optimizer._zero.slices)
     finally:
         keras.mixed_precision.set_dtype_policy("float32")
+
+
+def test_float16_variables_fit_through_fp32_master_slices():
+    """Layers with dtype='float16' (float16 variables) at np=2 against one process training the same layers as
+    'mixed_float16' (float32 variables) from the same values: the slices are the fp32 masters; 2e-3, as the
+    float16 weights are the masters' casts (a float16 step at |w| < 2 is 9.8e-4) besides the rows' sums."""
+    def layered(policy, seed):
+        keras.utils.set_random_seed(seed)
+        inputs = keras.Input((FEATURES,))
+        hidden = keras.layers.Dense(16, activation="tanh", dtype=policy)(inputs)
+        branch = keras.layers.Dense(16, dtype=policy)(hidden)
+        normed = keras.layers.LayerNormalization()(keras.layers.Add(dtype=policy)([hidden, branch]))
+        return keras.Model(inputs, keras.layers.Dense(1)(normed))
+
+    x, y = data(steps=STEPS, seed=39)
+    opt = hvd.DistributedOptimizer(OPTIMIZERS["adam"](), shard="parameters")
+    model = opt.shard_model(layered("float16", SEED0 + RANK))
+    ref = layered("mixed_float16", SEED0)
+    ref.set_weights(model.get_weights())  # rank 0's values (get_weights gathers: every rank calls)
+    model.compile(optimizer=opt, loss="mse")
+    model.fit(rank_rows(x), rank_rows(y), batch_size=PER_RANK, shuffle=False, verbose=0)
+    one_process_fit(ref, OPTIMIZERS["adam"](), x, y, PER_RANK * SIZE)
+    flat = weights(model)
+    assert_same_on_all_ranks(flat)
+    np.testing.assert_allclose(flat, weights(ref), atol=2e-3)
+    assert model.get_weights()[0].dtype == np.float16 and all(s.dtype == "float32" for s in opt._zero.slices)
 
 
 def test_mixed_float16_through_distribute_skips_an_overflow_on_every_rank(mixed_float16):

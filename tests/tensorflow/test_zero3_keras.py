@@ -8,6 +8,7 @@ import dualframe
 import dualframe.tensorflow.keras as hvd
 from dualframe.plan import Hardware, Training, advise
 from dualframe.plan.profile import Shared
+from dualframe.tensorflow.dp.shard import parameters as sharded_parameters
 from dualframe.tensorflow.plan.probe import profile_model
 
 hvd.init()
@@ -167,3 +168,33 @@ def test_the_plan_offers_zero3_for_a_layer_called_twice_and_not_for_a_layer_two_
     assert zero3 not in [o.kind for o in advise(refused, Training(8), hardware).options]
     with pytest.raises(dualframe.StrategyError, match="shared between nested models"):
         hvd.DistributedOptimizer(keras.optimizers.SGD(), shard="parameters").shard_model(nested())
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_low_precision_variables_step_through_fp32_master_slices(dtype):
+    """Layers with dtype='float16' (variables in float16): the slices are float32 masters, and two eager SGD
+    steps equal, bit for bit, the same layers with dtype='mixed_float16' (float32 variables) from equal values."""
+    def layered(policy):
+        keras.utils.set_random_seed(7)
+        inputs = keras.Input((5,))
+        hidden = keras.layers.Dense(8, activation="tanh", dtype=policy)(inputs)
+        return keras.Model(inputs, keras.layers.Dense(1)(keras.layers.Dense(8, dtype=policy)(hidden)))
+
+    x, y = data()
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.5, momentum=0.9), shard="parameters")
+    sharded, plain = opt.shard_model(layered(dtype)), layered(f"mixed_{dtype}")
+    plain.set_weights(sharded.get_weights())
+    plain_opt = keras.optimizers.SGD(0.5, momentum=0.9)
+    for model, step, wrt in ((sharded, opt, opt.parameter_slices()), (plain, plain_opt, plain.trainable_variables)):
+        for _ in range(2):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(tf.cast(model(x, training=True), "float32") - y))
+            step.apply(tape.gradient(loss, wrt), wrt)
+    assert [str(v.dtype) for v in sharded.trainable_variables[:2]] == [dtype, dtype]
+    assert all(s.dtype == "float32" for s in opt.parameter_slices())
+    masters = [np.asarray(v) for v in sharded_parameters.gather(opt)]
+    for master, full in zip(masters, plain.get_weights()):
+        np.testing.assert_array_equal(master, full)
+    weights = sharded.get_weights()
+    assert weights[0].dtype == np.dtype(dtype) if dtype == "float16" else str(weights[0].dtype) == "bfloat16"
+    assert np.abs(masters[0] - weights[0].astype("float32")).max() > 0  # the masters keep more digits

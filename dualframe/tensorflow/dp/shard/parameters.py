@@ -28,7 +28,6 @@ from dualframe.errors import StrategyError
 from dualframe.tensorflow.dp.shard import layers as sharded_layers
 from dualframe.tensorflow.collectives import hvd
 from dualframe.tensorflow.dp.gradients import SHARD_SCOPE, collective_scope, named
-from dualframe.tensorflow.dp.shard.slices import check_master_dtypes
 
 
 def shard_model(optimizer: Any, model: keras.Model, root_rank: int = 0) -> keras.Model:
@@ -39,7 +38,7 @@ def shard_model(optimizer: Any, model: keras.Model, root_rank: int = 0) -> keras
 
     Raises:
         StrategyError: the optimizer is not ``shard="parameters"`` or already holds a model, the model is
-            not built or has float16/bfloat16 trainable variables, Keras cannot rebuild it from its config,
+            not built, Keras cannot rebuild it from its config,
             a variable is shared by two layers, or the ranks' models differ.
     """
     process_set = optimizer.reduction.process_set
@@ -54,7 +53,6 @@ def shard_model(optimizer: Any, model: keras.Model, root_rank: int = 0) -> keras
         raise StrategyError(f"build the model before shard_model (call it on a batch or give an Input) "
                             f"(model {model.name!r} is not built)")
     check_root_rank(root_rank, process_set.size())
-    check_master_dtypes(model.trainable_variables)
     clone = storage_free_clone(model)
     shapes = [tuple(v.shape) for v in model.trainable_variables]
     if [tuple(v.shape) for v in clone.trainable_variables] != shapes:
@@ -157,7 +155,7 @@ def _get_weights(optimizer: Any) -> List[np.ndarray]:
     zero = optimizer._zero
     values = {id(v): value for v, value in zip(zero.model.trainable_variables, gather(optimizer))}
     values.update({id(v): h for v, h in zip(zero.model.non_trainable_variables, zero.replicated)})
-    return [np.asarray(values[id(v)]) for v in zero.model.weights]
+    return [np.asarray(values[id(v)]).astype(str(v.dtype)) for v in zero.model.weights]  # float16: the master cast
 
 
 def _set_weights(optimizer: Any, weights: Sequence[Any]) -> None:
