@@ -255,7 +255,9 @@ class DistributedPipeline(StageView, nn.Module):
         # A graph stage (GraphPipelineStage) walks one work, a rank of virtual stages one per stage it holds.
         work: Any = works if len(works) > 1 else works[self.role.index]
         if self.sharded is not None:
-            self.sharded.begin_step()  # every block's allgather started; each block's first forward waits for it
+            # Every block's allgather started: a chain's layers wait each for its own at its first forward; a
+            # graph stage's nodes may read a module's weights without calling it, so it waits for all now.
+            self.sharded.begin_step(wait=self.graph is not None)
             self.meter.track(self.stage.parameters())  # gathered into new storage: not activations
         with torch.set_grad_enabled(train), self.meter.counting():
             record = self.role.step(actions, micro_inputs, work, train)

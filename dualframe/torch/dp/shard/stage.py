@@ -70,11 +70,18 @@ class StageShardedOptimizer(ParameterShardedOptimizer):
             self._gather.wait(block)  # started by begin_step (or now, if the walk did not start it)
         return hook
 
-    def begin_step(self) -> None:
-        """Start allgathering every block of the stage (a block still gathered is left as it is)."""
+    def begin_step(self, wait: bool = False) -> None:
+        """Start allgathering every block of the stage (a block still gathered is left as it is).
+
+        Args:
+            wait: wait for them all now, not at each block's first forward: for a stage whose code may read
+                a block's parameters without calling its module (a captured graph's ``get_attr``).
+        """
         assert self._gather is not None
         for block in self._blocks:
             self._gather.start(block)
+        if wait:
+            self._gather.gathered_all()
 
     def end_forward(self) -> None:
         """After an inference walk: free every block (no backward will reduce and free them)."""
