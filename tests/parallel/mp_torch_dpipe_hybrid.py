@@ -134,6 +134,11 @@ def test_zero3_hybrid_equals_one_process_and_holds_half_between_steps(name, sche
     monkeypatch.undo()
     slots = len(optimizer._slots)  # one gather and one reduction of each bucket per step, whatever the chunks
     assert (len(gathers), len(reduces)) == (slots * STEPS, slots * STEPS)
+    x = batches(8, 1)[0][0][pipe.replica * 8:(pipe.replica + 1) * 8]
+    out = pipe(x)  # inference: gathered for the walk, freed after
+    assert all(p.untyped_storage().nbytes() == 0 for p in pipe.parameters())
+    if pipe.is_last:
+        torch.testing.assert_close(out, reference(x).detach(), atol=1e-5, rtol=0)
     full = optimizer.state_dict()  # the unsharded optimizer's format (a collective of the stage's replicas)
     own = dict(reference.named_parameters())
     for i, p in enumerate(stage):
