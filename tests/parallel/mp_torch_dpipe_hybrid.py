@@ -149,6 +149,29 @@ def test_zero3_hybrid_equals_one_process_and_holds_half_between_steps(name, sche
         torch.testing.assert_close(merged[key], value, atol=1e-5, rtol=0)
 
 
+def test_zero3_hybrid_with_backward_passes_per_step_equals_the_unsharded_hybrid():
+    """Two train_steps per step: the stage stays gathered across both, each bucket reduced once after the second."""
+    weights = {}
+    for shard in (None, "parameters"):
+        pipe = DistributedPipeline(make_model(), balance=[3, 2], chunks=2, schedule="1f1b", loss_fn=nn.MSELoss(),
+                                   data_parallel=2)
+        optimizer = pipe.distributed_optimizer(OPTIMIZERS["adam"](pipe.parameters()), shard=shard,
+                                               backward_passes_per_step=2)
+        reduces, reduce_bucket = [], getattr(optimizer, "_reduce_bucket", None)
+        if shard is not None:
+            optimizer._reduce_bucket = lambda slot: reduces.append(1) or reduce_bucket(slot)
+        for x, y in batches(9):
+            optimizer.zero_grad()
+            for part in (slice(0, 8), slice(8, 16)):  # each replica's rows of each of the two passes
+                rows = slice(part.start + pipe.replica * 4, part.start + pipe.replica * 4 + 4)
+                pipe.train_step(x[rows], y[rows])
+            optimizer.step()
+        assert shard is None or len(reduces) == len(optimizer._slots) * STEPS
+        weights[shard] = pipe.state_dict()
+    for key, value in weights[None].items():
+        torch.testing.assert_close(weights["parameters"][key], value, atol=1e-5, rtol=0, msg=key)
+
+
 def test_zero3_hybrid_refusals_before_any_message():
     """(Virtual stages run no replicas yet: dualframe.dp.zero3.check_stage_sharding refuses them, its doctest.)"""
     pipe = DistributedPipeline(make_model(), balance=[3, 2], chunks=4, loss_fn=nn.MSELoss(), data_parallel=2)
