@@ -179,6 +179,9 @@ def test_zero3_hybrid_refusals_before_any_message():
         pipe.distributed_optimizer(torch.optim.SGD(pipe.parameters(), lr=0.2), shard="parameters", keep_gathered=1)
     with pytest.raises(StrategyError, match="model= is the stage itself"):
         pipe.distributed_optimizer(torch.optim.SGD(pipe.parameters(), lr=0.2), shard="parameters", model=pipe)
+    pipe.distributed_optimizer(torch.optim.SGD(pipe.parameters(), lr=0.2), shard="parameters")
+    with pytest.raises(StrategyError, match="sharded by its shard='parameters' optimizer already"):
+        pipe.distributed_optimizer(torch.optim.SGD(pipe.parameters(), lr=0.2))
 
 
 RESUME_STEPS, SAVE_AFTER = 4, 2

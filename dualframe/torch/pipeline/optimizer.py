@@ -18,8 +18,12 @@ def check_stage_optimizer(pipe: "DistributedPipeline", shard: str, kwargs: Any) 
 
     Raises:
         StrategyError: ``shard=`` with tied weights; ``shard="parameters"`` with a schedule holding several
-            stages per rank, or with ``model=`` (the stage is the model).
+            stages per rank, or with ``model=`` (the stage is the model); a second optimizer after one with
+            ``shard="parameters"`` (the stage's parameters hold no values between its steps).
     """
+    if pipe.sharded is not None:
+        raise StrategyError("this pipeline's stage is sharded by its shard='parameters' optimizer already (its "
+                            "parameters hold no values between steps); make one optimizer per pipeline")
     if pipe.tied.plan.tied and shard != "none":
         raise StrategyError(f"shard={kwargs['shard']!r} cannot keep the copies of this model's tied weights "
                             f"({', '.join(w.key for w in pipe.tied.plan.tied)}) equal yet; leave shard out")
