@@ -15,7 +15,7 @@ import numpy as np
 import tensorflow as tf
 
 from dualframe.errors import BalanceError, StrategyError
-from dualframe.pipeline.action import splits_backward
+from dualframe.pipeline.action import fusable, splits_backward
 from dualframe.pipeline.schedule import Action
 from dualframe.pipeline.stage import StageView, open_stage
 from dualframe.pipeline.walk import StepRecord
@@ -25,13 +25,14 @@ from dualframe.pipeline.link import check_transport
 from dualframe.tensorflow.backend import BACKEND
 from dualframe.tensorflow.collectives import hvd
 from dualframe.tensorflow.dp.optimizer import DistributedOptimizer
-from dualframe.tensorflow.pipeline.work import StageFunctions, TFStageWork, fusable
+from dualframe.tensorflow.pipeline.work import StageFunctions, TFStageWork
 from dualframe.tensorflow.pipeline.recompute import StageRecompute
 from dualframe.pipeline.graph import GraphSplit, stage_count
 from dualframe.tensorflow.graph.capture import KerasGraph, capture
 from dualframe.tensorflow.graph.masks import chain_mask_crossing
 from dualframe.tensorflow.pipeline.graph import process_stages
-from dualframe.tensorflow.pipeline.graph_work import GraphStageFunction, TFGraphStageWork
+from dualframe.tensorflow.pipeline.compiled import GraphStageFunction
+from dualframe.tensorflow.pipeline.graph_work import TFGraphStageWork
 from dualframe.tensorflow.pipeline.fit import KerasFit, keras_loss
 from dualframe.tensorflow.pipeline.virtual_work import VirtualStageWorks, stage_actions
 from dualframe.tensorflow.pipeline.xla import use_xla
@@ -124,9 +125,10 @@ class DistributedPipeline(KerasFit, StageView):
             or ``"except_last"`` (every micro-batch but the last): such a micro-batch's forward runs without a
             tape, keeping only its input, and again under a tape when its backward starts (the same Dropout
             masks; moving statistics updated once). Results equal those without it.
-        virtual_stages: stages each rank holds (a Sequential or a list of layers): ``balance`` then lists all
-            ``ranks x virtual_stages`` stages and the schedule places them (``held_stages``). ``fit`` and stage
-            checkpoints take one stage per rank yet (they refuse by name).
+        virtual_stages: stages each rank holds: ``balance`` (a functional model: or ``split_points``, ``stages``)
+            then describes all ``ranks x virtual_stages`` stages and the schedule places them (``held_stages``).
+            ``fit``, stage checkpoints and a functional model's weights read by several stages take one stage
+            per rank yet (they refuse by name).
 
     Raises:
         BalanceError, ChunksError, ScheduleError, StrategyError: bad arguments, on every rank, before
@@ -166,17 +168,17 @@ class DistributedPipeline(KerasFit, StageView):
                                      timeout, world, checkpoint, virtual_stages)
             ranges = layout.ranges
             _refuse_masks_crossing(all_layers, ranges)
-        elif virtual_count(virtual_stages) > 1:
-            raise StrategyError(f"virtual_stages={virtual_stages} cuts a keras.Sequential or a list of layers by "
-                                f"balance; a functional model's graph split holds one stage per rank; use "
-                                f"virtual_stages=1 there")
         else:  # a functional model: one GraphStage per stage, the same cut on every rank
             n = stage_count(split_points, balance, stages)
             layout = layout_pipeline(n, [1] * n, chunks, schedule, loss_fn, devices, data_parallel, timeout, world,
-                                     checkpoint)
+                                     checkpoint, virtual_stages)
             self.split, all_layers = process_stages(captured, split_points=split_points, balance=balance,
                                                     stages=stages)
             tied = find_layer_tied(captured, self.split)  # variables several stages read: each holds a copy
+            if tied and layout.virtual_stages > 1:
+                raise StrategyError(f"layer weights read by several stages ({tied[0].key!r}: stages "
+                                    f"{list(tied[0].stages)}) with virtual_stages={layout.virtual_stages} are not "
+                                    "available yet; use virtual_stages=1 or a cut where one stage reads them")
             ranges = [range(k, k + 1) for k in range(len(all_layers))]
         self.chunks, self.schedule, self.grid, self.checkpoint = chunks, layout.schedule, layout.grid, layout.checkpoint
         self.loss_fn, self.timeout = loss_fn, timeout
@@ -205,10 +207,12 @@ class DistributedPipeline(KerasFit, StageView):
         self._stage_functions = {held: StageFunctions([all_layers[k] for k in ranges[held]], held == 0, loss_fn,
                                                       jit_compile) for held in self.held_stages} \
             if len(self.held_stages) > 1 else {}
-        self._graph_function = (None if self.split is None or self.captured is None else GraphStageFunction(
-            self.layers[0], self.split, j, self.captured, loss_fn, jit_compile))
+        #: A graph's compiled passes, per stage this rank holds.
+        self._graph_functions = {} if self.split is None or self.captured is None else {
+            held: GraphStageFunction(all_layers[held], self.split, held, self.captured, loss_fn, jit_compile)
+            for held in self.held_stages}
         # A graph stage calls its own layers and its copies of tied ones: the Keras layers whose state a replay needs.
-        called = self.layers if self.split is None else self.layers[0].layers + self.layers[0].tied
+        called = self.layers if self.split is None else [c for stage in self.layers for c in stage.layers + stage.tied]
         self._recompute = StageRecompute(called, layout.recomputed) if layout.recomputed else None
         self.gradients: List[Optional[tf.Tensor]] = []
         self.peak_live = 0
@@ -217,6 +221,11 @@ class DistributedPipeline(KerasFit, StageView):
         self.batch_weights = True
         self._batched_actions = (batched_weights(layout.actions)[j] if forwards_first(layout.actions)
                                  and not splits_backward(layout.actions[j]) else None)
+
+    @property
+    def _graph_function(self) -> Optional[GraphStageFunction]:
+        """The compiled passes of this rank's own stage (``stage_index``) of a graph."""
+        return self._graph_functions.get(self.stage_index)
 
     @property
     def all_layers(self) -> List[Any]:
@@ -313,11 +322,14 @@ class DistributedPipeline(KerasFit, StageView):
         micro-batch's layer inputs until the end, GPipe's memory; and not with checkpointing, whose point
         is to keep no more than their inputs.
         """
-        return (train and self._batched_actions is not None and self.batch_weights and self._functions is not None
-                and self._recompute is None and self._functions.batches_weights())
+        if not (train and self._batched_actions is not None and self.batch_weights and self._recompute is None):
+            return False
+        if self._graph_functions:
+            passes = [f.passes for f in self._graph_functions.values()]
+            return all(p.splittable() and p.reruns_cheaply() and p.batchable() for p in passes)
+        return self._functions is not None and self._functions.batches_weights()
 
-    def _run_graph(self, actions: Sequence[Action], inputs: Any, targets: Any,
-                   train: bool) -> Tuple[TFGraphStageWork, StepRecord]:
+    def _run_graph(self, actions: Sequence[Action], inputs: Any, targets: Any, train: bool) -> Tuple[Any, StepRecord]:
         assert self.split is not None and self.captured is not None
         values: Dict[str, Any] = {}
         if self.is_first and inputs is not None:
@@ -328,11 +340,21 @@ class DistributedPipeline(KerasFit, StageView):
         parts = {name: tf.split(value, sizes) for name, value in values.items()}
         micro_inputs = [{name: part[i] for name, part in parts.items()} for i in range(len(sizes))] if values else []
         micro_targets = tf.split(targets, sizes) if train and targets is not None else []
-        work: Any = TFGraphStageWork(self.layers[0], self.split, self.stage_index, self.captured,
-                                self.loss_fn if train else None, micro_targets, [s / sum(sizes) for s in sizes],
-                                self.device, self._graph_function, split_backward=splits_backward(actions),
-                                recompute=self._recompute)
-        return work, self.role.step(actions, micro_inputs, work, train)
+        batch_weights = self._batches_weights(actions, train)
+        if batch_weights:  # W actions send nothing: each stage decides alone
+            assert self._batched_actions is not None
+            actions = self._batched_actions
+        last = len(self.role.layout.ranges) - 1
+        works: Dict[int, Any] = {j: TFGraphStageWork(
+            self._all_layers[j], self.split, j, self.captured, self.loss_fn if train else None,
+            micro_targets if j == last else [], [s / sum(sizes) for s in sizes], self.device, function,
+            split_backward=splits_backward(actions), recompute=self._recompute,
+            fused=fusable(stage_actions(actions, j) if len(self.held_stages) > 1 else actions),
+            batch_weights=batch_weights) for j, function in self._graph_functions.items()}
+        if len(works) == 1:
+            work = works[self.stage_index]
+            return work, self.role.step(actions, micro_inputs, work, train)
+        return VirtualStageWorks(works, last), self.role.step(actions, micro_inputs, works, train)
 
     def train_step(self, inputs: Any, targets: Any) -> float:
         """Run one mini-batch forward and backward through the pipeline; the stage's gradients land in ``gradients``.

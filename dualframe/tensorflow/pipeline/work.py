@@ -6,62 +6,18 @@ from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Tu
 
 import tensorflow as tf
 
+from dualframe.pipeline.action import fusable  # noqa: F401 (which micro-batches the last stage fuses)
 from dualframe.pipeline.schedule import deferred_weights  # noqa: F401 (the W order batch_weights runs)
 from dualframe.tensorflow.pipeline.backward import SplitFunctions, reruns_cheaply, splittable
+from dualframe.tensorflow.pipeline.compiled import CompiledPass as _Compiled, Gradients, dense as _dense, summed as _summed
 from dualframe.tensorflow.pipeline.recompute import StageRecompute
 
-Gradients = List[Optional[tf.Tensor]]
 _LOG = logging.getLogger(__name__)
 _WARNED: List[bool] = []  # the no-split warning, once per process
 
 
 def _stage_variables(layers: Sequence[Any]) -> List[tf.Variable]:
     return [v for layer in layers for v in layer.trainable_weights]
-
-
-def _dense(gradients: Sequence[Any]) -> Gradients:
-    # IndexedSlices (embeddings) made dense, so a step's micro-batches sum with one add.
-    return [None if g is None else tf.convert_to_tensor(g) for g in gradients]
-
-
-def _summed(sums: Optional[Sequence[Any]], gradients: Gradients) -> Gradients:
-    """``sums + gradients`` term by term (None: a variable not connected to the loss); ``sums`` None: the first."""
-    if sums is None:
-        return list(gradients)
-    return [a if b is None else b if a is None else a + b for a, b in zip(sums, gradients)]
-
-
-class _Compiled:
-    """A ``tf.function`` compiled with XLA where XLA compiles it, else a plain one, decided at its first call.
-
-    XLA's kernels keep their speed per row at micro-batch sizes where TensorFlow's own CPU matmul
-    slows down (here 1.4x per row at 256 rows against 2048, docs/benchmarks.md), so micro-batching
-    costs little. A stage whose ops XLA cannot compile (strings, some dynamic shapes) falls back to a
-    plain ``tf.function`` once, with a log line; XLA compiles before running, so nothing ran twice.
-    """
-
-    def __init__(self, python: Callable[..., Any], jit_compile: bool) -> None:
-        self.python, self.jit_compile = python, jit_compile
-        self.function = tf.function(python, jit_compile=jit_compile or None, reduce_retracing=True)
-        self._proven = not jit_compile
-
-    def __call__(self, *args: Any) -> Any:
-        if self._proven:
-            return self.function(*args)
-        try:
-            result = self.function(*args)
-        except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError, tf.errors.InternalError) as error:
-            _LOG.info("XLA could not compile %s (%s); running it as a plain tf.function",
-                      getattr(self.python, "__name__", "a stage function"), error.message.strip().splitlines()[0])
-            self.jit_compile = False
-            self.function = tf.function(self.python, reduce_retracing=True)
-            result = self.function(*args)
-        self._proven = True
-        return result
-
-    def tracing_count(self) -> int:
-        """How many times the function traced so far (the same after every step once the shapes were seen)."""
-        return int(self.function.experimental_get_tracing_count())
 
 
 class StageFunctions:
@@ -150,17 +106,6 @@ class StageFunctions:
         if not self.first and input_gradient is None:
             input_gradient = tf.zeros_like(x)
         return loss, _summed(sums, gradients), input_gradient
-
-
-def fusable(plan: Sequence[Any]) -> List[int]:
-    """Micro-batches whose backward directly follows their forward in ``plan`` (Actions or ``"F3"``-like strings).
-
-    Example:
-        >>> fusable(["F0", "F1", "B1", "B0"]), fusable(["F0", "B0", "F1", "B1"])
-        ([1], [0, 1])
-    """
-    tags = [str(action) for action in plan]
-    return [int(a[1:]) for a, b in zip(tags, tags[1:]) if a[0] == "F" and b == "B" + a[1:]]
 
 
 class TFStageWork:
