@@ -28,7 +28,7 @@ median of the per-round ratios):
   4. ZB-H1 against 1F1B at chunks=8 in their own interleaved rounds (both compiled with XLA): throughput
      zb-h1 / 1f1b, each one's measured bubble beside its theory ((n-1)/(m+n-1) and (n-1)/(3m+n-1)) and
      the computing seconds per stage (ZB-H1's B re-runs each layer from its kept input, so it may compute
-     more: ``dualframe.tensorflow.pipeline.backward``), and the micro-batches each holds at once.
+     more: ``dualframe.tensorflow.pipeline.graph_backward``), and the micro-batches each holds at once.
   Part 1 also times GPipe with each micro-batch's weight gradient in its own backward (``W per
   micro-batch``, as before GPipe batched its W passes: ``dualframe.pipeline.schedule.batched_weights``), and prints
   chunks=8 / that in the same rounds; and chunks=1 the same way (``chunks=1 one backward``: each stage

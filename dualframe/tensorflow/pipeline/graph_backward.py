@@ -1,7 +1,8 @@
 """A Keras graph stage's backward in two passes, for zero-bubble schedules: the inputs' gradients now, the weights' later.
 
-The graph twin of ``dualframe.tensorflow.pipeline.backward`` (a list of layers), node by node instead of
-layer by layer. A graph stage runs a range of the functional model's nodes (``distributed_graph.GraphStage``);
+TensorFlow cannot keep a tape across two compiled (XLA) calls, and the tape's gradient of a compiled call
+runs that call's whole backward whatever was asked, so a persistent tape gives no split; the passes work
+node by node instead (a chain's node is one layer). A graph stage runs a range of the functional model's nodes (``distributed_graph.GraphStage``);
 a node is one call of a layer (or a Keras op) on named values, and may read values made by earlier
 nodes of the stage, values received from earlier stages, and model inputs. For the same reason as
 there (a tape cannot live across two compiled calls, and a tape over a compiled call runs its whole
@@ -91,12 +92,14 @@ class GraphSplitPasses:
     def splittable(self) -> bool:
         """Whether re-running each node from its kept inputs gives the forward's values (no layer with state).
 
+        A layer not built yet (a chain's first step) has no weights to split yet: not splittable either.
+
         Example:
             >>> GraphSplitPasses(stage, split, 1, captured, None).splittable()   # doctest: +SKIP
             True
         """
-        return not any(getattr(self.captured.calls[k].operation, "non_trainable_variables", None)  # type: ignore[union-attr]
-                       for k in self.nodes)
+        operations = [self.captured.calls[k].operation for k in self.nodes]  # type: ignore[union-attr]
+        return all(getattr(op, "built", True) and not getattr(op, "non_trainable_variables", None) for op in operations)
 
     def reruns_cheaply(self) -> bool:
         """Whether each node that owns weights owns them itself (a ``Dense``), none through sublayers (a block).
