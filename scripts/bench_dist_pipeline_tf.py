@@ -80,7 +80,7 @@ def memory_line(model, schedule, x, y, chunks, width):
     step(x, y)
     step(x, y)
     rows = -(-len(x) // chunks)
-    mib = pipe.peak_live * rows * width * 4 * len(pipe.layers) / 2**20
+    mib = pipe.peak_live * rows * width * 4 * sum(len(stage.layers) for stage in pipe.layers) / 2**20
     peaks = hvd.allgather_object((pipe.peak_live, mib))
     return (f"peak micro-batches held per rank, {schedule}, chunks={chunks}: "
             + ", ".join(f"rank {r} {held} (at most {m:.1f} MiB of layer outputs)" for r, (held, m) in enumerate(peaks)))
