@@ -18,7 +18,8 @@ import tensorflow as tf
 from dualframe.errors import BalanceError, StrategyError
 from dualframe.pipeline.action import fusable, splits_backward
 from dualframe.pipeline.schedule import Action
-from dualframe.pipeline.stage import StageView, open_stage
+from dualframe.pipeline.stage import open_stage
+from dualframe.pipeline.stage_view import StageView
 from dualframe.pipeline.walk import StepRecord
 from dualframe.pipeline.layout import layout_pipeline
 from dualframe.pipeline.schedule import batched_weights, forwards_first
