@@ -2,9 +2,14 @@
 import numpy as np
 import pytest
 import keras
+import tensorflow as tf
 
 import dualframe
 import dualframe.tensorflow.keras as hvd
+from dualframe.plan import Hardware, Training, advise
+from dualframe.plan.profile import Shared
+from dualframe.tensorflow.dp.shard import parameters as sharded_parameters
+from dualframe.tensorflow.plan.probe import profile_model
 
 hvd.init()
 
@@ -64,6 +69,12 @@ def test_set_weights_and_the_refusals():
     with pytest.raises(dualframe.StrategyError, match="cannot be re-cut"):
         opt.reshard()
     assert hvd.DistributedOptimizer.from_config(opt.get_config()).shard == "parameters"
+    # Keras's own LossScaleOptimizer around it would decide each rank's skip alone: refused when fit traces.
+    scaled = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), shard="parameters")
+    wrapped = scaled.shard_model(model(1))
+    wrapped.compile(optimizer=keras.optimizers.LossScaleOptimizer(scaled), loss="mse")
+    with pytest.raises(dualframe.StrategyError, match="needs hvd.DistributedOptimizer to make the LossScaleOptimizer"):
+        wrapped.fit(x, y, batch_size=6, verbose=0)
 
 
 def test_embeddings_of_token_ids_frozen_and_trained_equal_plain():
@@ -87,3 +98,103 @@ def test_embeddings_of_token_ids_frozen_and_trained_equal_plain():
     for a, b in zip(sharded.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(a, b, atol=1e-6)
     assert np.abs(plain.get_weights()[1] - embedded().get_weights()[1]).max() > 1e-3  # the trained one moved
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_mixed_policy_gathers_the_float32_masters_and_keeps_the_state_exact(policy):
+    """Eager (no fused kernels): the slices' gradients equal the plain model's bit for bit, in float32; a
+    frozen kernel and batch-norm statistics read in the compute dtype are not written back rounded to it."""
+    def mixed():
+        keras.utils.set_random_seed(4)
+        inputs = keras.Input((5,))
+        hidden = keras.layers.BatchNormalization()(keras.layers.Dense(8, activation="tanh")(inputs))
+        frozen = keras.layers.Dense(8, trainable=False)(keras.layers.Add()([hidden, keras.layers.Dense(8)(hidden)]))
+        return keras.Model(inputs, keras.layers.Dense(1)(frozen))
+
+    keras.mixed_precision.set_dtype_policy(policy)
+    try:
+        x, y = data()
+        opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), shard="parameters")
+        sharded, plain = opt.shard_model(mixed()), mixed()
+        gradients = []
+        for model, wrt in ((sharded, opt.parameter_slices()), (plain, plain.trainable_variables)):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(tf.cast(model(x, training=True), "float32") - y))
+            gradients.append(tape.gradient(loss, wrt))
+        sharded_opt = getattr(opt, "inner_optimizer", opt)  # mixed_float16: inside a ShardedLossScaleOptimizer
+        for a, b in zip(sharded_opt._zero.unflatten(gradients[0]), gradients[1]):
+            assert a.dtype == b.dtype == tf.float32
+            np.testing.assert_array_equal(a, b)
+        assert all(s.dtype == "float32" for s in opt.parameter_slices())
+        for a, b in zip(sharded.get_weights(), plain.get_weights()):  # the moving statistics moved alike
+            np.testing.assert_array_equal(a, b)
+    finally:
+        keras.mixed_precision.set_dtype_policy("float32")
+
+
+def test_the_plan_offers_zero3_for_a_layer_called_twice_and_not_for_a_layer_two_models_share():
+    """``dualframe plan``'s Keras probe lists a variable held by two top-level layers as shared (counted once),
+    and the advisor then leaves out the ZeRO-3 row, which shard_model would refuse; one layer called twice
+    holds its variables once: offered, and equal to the plain model."""
+    def twice():
+        keras.utils.set_random_seed(5)
+        inputs = keras.Input((5,))
+        dense = keras.layers.Dense(5, activation="tanh")
+        return keras.Model(inputs, keras.layers.Dense(1)(dense(dense(inputs))))
+
+    def nested():
+        keras.utils.set_random_seed(6)
+        inputs = keras.Input((5,))
+        shared = keras.layers.Dense(5)
+        inner = keras.Model(inputs, keras.layers.Dense(1)(shared(inputs)))
+        return keras.Model(inputs, inner(keras.Sequential([shared])(inputs)))
+
+    hardware, zero3 = Hardware(memory_per_device=1e9, devices_per_node=2), "data parallel + sharded parameters"
+    offered = profile_model(twice(), (5,))
+    assert offered.shared == () and offered.parameters == 5 * 5 + 5 + 5 + 1
+    assert zero3 in [o.kind for o in advise(offered, Training(8), hardware).options]
+    x, y = data()
+    opt = hvd.DistributedOptimizer(keras.optimizers.Adam(0.05), shard="parameters")
+    sharded, plain = opt.shard_model(twice()), twice()
+    sharded.compile(optimizer=opt, loss="mse")
+    plain.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+    for m in (sharded, plain):
+        m.fit(x, y, batch_size=6, shuffle=False, verbose=0)
+    for a, b in zip(sharded.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+    refused = profile_model(nested(), (5,))
+    assert refused.shared == (Shared(5 * 5, (0, 1)), Shared(5, (0, 1))) and refused.parameters == 5 * 5 + 5 + 5 + 1
+    assert zero3 not in [o.kind for o in advise(refused, Training(8), hardware).options]
+    with pytest.raises(dualframe.StrategyError, match="shared between nested models"):
+        hvd.DistributedOptimizer(keras.optimizers.SGD(), shard="parameters").shard_model(nested())
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_low_precision_variables_step_through_fp32_master_slices(dtype):
+    """Layers with dtype='float16' (variables in float16): the slices are float32 masters, and two eager SGD
+    steps equal, bit for bit, the same layers with dtype='mixed_float16' (float32 variables) from equal values."""
+    def layered(policy):
+        keras.utils.set_random_seed(7)
+        inputs = keras.Input((5,))
+        hidden = keras.layers.Dense(8, activation="tanh", dtype=policy)(inputs)
+        return keras.Model(inputs, keras.layers.Dense(1)(keras.layers.Dense(8, dtype=policy)(hidden)))
+
+    x, y = data()
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.5, momentum=0.9), shard="parameters")
+    sharded, plain = opt.shard_model(layered(dtype)), layered(f"mixed_{dtype}")
+    plain.set_weights(sharded.get_weights())
+    plain_opt = keras.optimizers.SGD(0.5, momentum=0.9)
+    for model, step, wrt in ((sharded, opt, opt.parameter_slices()), (plain, plain_opt, plain.trainable_variables)):
+        for _ in range(2):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(tf.cast(model(x, training=True), "float32") - y))
+            step.apply(tape.gradient(loss, wrt), wrt)
+    assert [str(v.dtype) for v in sharded.trainable_variables[:2]] == [dtype, dtype]
+    assert all(s.dtype == "float32" for s in opt.parameter_slices())
+    masters = [np.asarray(v) for v in sharded_parameters.gather(opt)]
+    for master, full in zip(masters, plain.get_weights()):
+        np.testing.assert_array_equal(master, full)
+    weights = sharded.get_weights()
+    assert weights[0].dtype == np.dtype(dtype) if dtype == "float16" else str(weights[0].dtype) == "bfloat16"
+    assert np.abs(masters[0] - weights[0].astype("float32")).max() > 0  # the masters keep more digits

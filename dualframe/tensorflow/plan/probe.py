@@ -22,7 +22,7 @@ import tensorflow as tf  # noqa: E402
 
 from dualframe.plan.hardware import nvidia_smi_memory  # noqa: E402
 from dualframe.pipeline.units import block_units  # noqa: E402
-from dualframe.plan.profile import LayerProfile, ModelProfile, Value  # noqa: E402
+from dualframe.plan.profile import LayerProfile, ModelProfile, Shared, Value  # noqa: E402
 from dualframe.plan.units import merge_units  # noqa: E402
 
 #: The trace uses a batch of this many rows and divides, so per-sample figures are exact.
@@ -156,13 +156,13 @@ def profile_model(model: Any, input_shape: Sequence[int], input_dtype: str = "fl
     saved, operations = _saved_by_gradients(graph), graph.get_operations()
     order = sorted(range(len(layers)), key=lambda index: marks.get(index, (0, 0, 0.0))[0])  # as they ran
     profiles = []
-    for index in order:
-        layer = layers[index]
+    counts, shared = _weights([layers[index] for index in order])
+    for index, (trainable, frozen) in zip(order, counts):
         start, stop, output = marks.get(index, (0, 0, 0.0))
         kept = [_elements(t) / PROBE_BATCH for op in operations[start:stop] if op.type not in _NOT_ACTIVATIONS
                 for t in op.outputs if t.name in saved]
-        profiles.append(LayerProfile(layer.name, _count(layer.trainable_weights), _count(layer.non_trainable_weights),
-                                     sum(kept), output / PROBE_BATCH, max(kept + [output / PROBE_BATCH])))
+        profiles.append(LayerProfile(layers[index].name, trainable, frozen, sum(kept), output / PROBE_BATCH,
+                                     max(kept + [output / PROBE_BATCH])))
     elements = float(tf.TensorShape(list(input_shape)).num_elements() or 0) * len(tf.nest.flatten(spec))
     inputs_kept = any(op.type == "Placeholder" and op.outputs[0].name in saved and op.outputs[0].dtype.is_floating
                       for op in operations)
@@ -174,7 +174,8 @@ def profile_model(model: Any, input_shape: Sequence[int], input_dtype: str = "fl
     values = _values(operations, [marks.get(index, (0, 0, 0.0))[:2] for index in order])
     if isinstance(model, keras.Sequential) or len(layers) == 1:
         values = []  # a chain: the core derives its values from the outputs
-    profile = ModelProfile("keras", source, tuple(input_shape), profiles, elements, dtype, values=values)
+    profile = ModelProfile("keras", source, tuple(input_shape), profiles, elements, dtype, values=values,
+                           shared=shared)
     ran = [layers[index] for index in order]
     return merge_units(profile, block_units([layer.name for layer in ran], _blocks(model, ran)))
 
@@ -206,6 +207,29 @@ def _values(operations: Sequence[Any], ranges: Sequence[Tuple[int, int]]) -> Lis
 
 def _count(weights: Sequence[Any]) -> int:
     return int(sum(int(tf.TensorShape(w.shape).num_elements() or 0) for w in weights))
+
+
+def _weights(ran: Sequence[Any]) -> Tuple[List[Tuple[int, int]], List[Shared]]:
+    """(trainable, frozen) elements per layer in run order, each variable at its first holder, and the shared ones.
+
+    A variable several top-level layers hold (a head reading the embedding's matrix, a layer inside two
+    nested models) is counted once and listed as shared: ZeRO-3 frees each layer's values after its
+    call, so the plan does not offer it for such a model. One layer called twice holds its variables once.
+    """
+    holders: Dict[Tuple[int, int], List[int]] = {}  # (kind: 0 trainable / 1 frozen, id) -> positions
+    sizes: Dict[Tuple[int, int], int] = {}
+    for position, layer in enumerate(ran):
+        for kind, weights in enumerate((layer.trainable_weights, layer.non_trainable_weights)):
+            for variable in weights:
+                holders.setdefault((kind, id(variable)), []).append(position)
+                sizes[(kind, id(variable))] = _count([variable])
+    counts = [[0, 0] for _ in ran]
+    shared = []
+    for (kind, key), held in holders.items():
+        counts[held[0]][kind] += sizes[(kind, key)]
+        if kind == 0 and len(held) > 1:
+            shared.append(Shared(sizes[(kind, key)], tuple(held)))
+    return [(trainable, frozen) for trainable, frozen in counts], shared
 
 
 def visible_devices() -> List[Dict[str, Any]]:

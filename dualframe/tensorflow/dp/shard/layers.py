@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import keras
 import numpy as np
 import tensorflow as tf
+from keras.src.backend.common import global_state
 from keras.src.backend.common.variables import AutocastScope, get_autocast_scope
 
 from dualframe.dp.shard import ShardLayout
@@ -144,13 +145,30 @@ class _Unit:
             autocast: Any = None) -> Any:
         """The original call on ``values`` and ``stats``; ``autocast``: the forward's autocast scope, for the backward."""
         layer = self.layer
-        mapping = list(zip(layer.trainable_variables, values)) + list(zip(layer.non_trainable_variables, stats))
         # The backward's recomputation runs outside the layer's __call__, which entered the mixed policy's
         # autocast scope (float32 values read as float16): it enters the forward's scope again.
         cast = AutocastScope(autocast.dtype) if autocast is not None else contextlib.nullcontext()
-        with cast, keras.StatelessScope(state_mapping=mapping, initialize_variables=False) as scope:
+        mapping = list(zip(layer.trainable_variables, values)) + list(zip(layer.non_trainable_variables, stats))
+        with _StoredDtypes():  # the scope casts each value to its variable's dtype: a float16 one's master included
+            scope = keras.StatelessScope(state_mapping=mapping, initialize_variables=False)
+        with cast, scope:
             outputs = self.call(*args, **kwargs)
         return outputs, [scope.get_current_value(v) for v in layer.non_trainable_variables]
+
+
+class _StoredDtypes:
+    """No autocast scope: variables read, and report their dtype, as stored.
+
+    Inside a layer's ``__call__`` under a mixed policy a variable reads (and its ``dtype`` reads) as
+    the compute dtype; ``AutocastScope(None)`` stops the cast but makes ``dtype`` read as floatx.
+    """
+
+    def __enter__(self) -> None:
+        self.outer = get_autocast_scope()
+        global_state.set_global_attribute("autocast_scope", None)
+
+    def __exit__(self, *exc: Any) -> None:
+        global_state.set_global_attribute("autocast_scope", self.outer)
 
 
 def _differentiable(value: Any) -> bool:
@@ -160,8 +178,11 @@ def _differentiable(value: Any) -> bool:
 def _gathered_call(unit: _Unit, *args: Any, **kwargs: Any) -> Any:
     flat_args = tf.nest.flatten(args)
     where = [i for i, a in enumerate(flat_args) if _differentiable(a)]
-    stats = [tf.convert_to_tensor(h) for h in unit.holders]
-    slices = [tf.convert_to_tensor(unit.optimizer._zero.slices[b]) for b in unit.buckets]
+    # Read as stored (float32 under a mixed policy), not in the autocast scope of the layer's __call__: the
+    # gather carries the masters and the layer casts what it reads, so the gradient comes back float32.
+    with _StoredDtypes():
+        stats = [tf.convert_to_tensor(h) for h in unit.holders]
+        slices = [tf.convert_to_tensor(unit.optimizer._zero.slices[b]) for b in unit.buckets]
     if not where and not slices:  # nothing to differentiate (a frozen embedding of token ids): just map the state
         outputs, updated = unit.run([], stats, args, kwargs)
         for holder, value in zip(unit.holders, updated):

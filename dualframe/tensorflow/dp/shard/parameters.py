@@ -38,8 +38,8 @@ def shard_model(optimizer: Any, model: keras.Model, root_rank: int = 0) -> keras
 
     Raises:
         StrategyError: the optimizer is not ``shard="parameters"`` or already holds a model, the model is
-            not built, Keras cannot rebuild it from its config, a variable is shared by two layers, or
-            the ranks' models differ.
+            not built, Keras cannot rebuild it from its config,
+            a variable is shared by two layers, or the ranks' models differ.
     """
     process_set = optimizer.reduction.process_set
     if getattr(optimizer, "shard", None) != "parameters":
@@ -116,17 +116,38 @@ def gather(optimizer: Any) -> List[tf.Tensor]:
 def _train_step(optimizer: Any, data: Any) -> Dict[str, Any]:
     """Keras's train step, differentiating with respect to the slices (each layer's backward reduces its share)."""
     model = optimizer._zero.model
+    stepper = _stepper(optimizer, model)
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     with tf.GradientTape() as tape:
         y_pred = model(x, training=True)
         loss = model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
+        scaled = stepper.scale_loss(loss)
     first = next(t for t in tf.nest.flatten(x) if t is not None)
     for metric in model.metrics:
         if metric.name == "loss":  # Keras's loss tracker, which fit reports
             metric.update_state(loss, sample_weight=tf.shape(first)[0])
     slices = optimizer.parameter_slices()
-    optimizer.apply(tape.gradient(loss, slices), slices)
+    stepper.apply(tape.gradient(scaled, slices), slices)
     return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)  # type: ignore[no-any-return]
+
+
+def _stepper(optimizer: Any, model: keras.Model) -> Any:
+    """What fit steps with: the compiled ``ShardedLossScaleOptimizer`` around ``optimizer``, else ``optimizer``.
+
+    Raises:
+        StrategyError: Keras's own LossScaleOptimizer wraps it (compile adds one under ``mixed_float16``
+            to an optimizer made before the policy was set): its skip decision would be each rank's own.
+    """
+    compiled, guard = getattr(model, "optimizer", None), optimizer._zero.guard
+    if getattr(compiled, "inner_optimizer", None) is not optimizer:
+        return optimizer
+    if guard is None:  # no ShardedLossScaleOptimizer installed its guard
+        raise StrategyError(
+            f"shard='parameters' under loss scaling needs hvd.DistributedOptimizer to make the LossScaleOptimizer "
+            f"(compiled: Keras's {type(compiled).__name__} around the sharded optimizer, which would skip steps "
+            f"on some ranks only): set the mixed_float16 policy before hvd.DistributedOptimizer(..., "
+            f"shard='parameters'), or pass it keras.optimizers.LossScaleOptimizer(optimizer)")
+    return compiled
 
 
 def _get_weights(optimizer: Any) -> List[np.ndarray]:
@@ -134,7 +155,7 @@ def _get_weights(optimizer: Any) -> List[np.ndarray]:
     zero = optimizer._zero
     values = {id(v): value for v, value in zip(zero.model.trainable_variables, gather(optimizer))}
     values.update({id(v): h for v, h in zip(zero.model.non_trainable_variables, zero.replicated)})
-    return [np.asarray(values[id(v)]) for v in zero.model.weights]
+    return [np.asarray(values[id(v)]).astype(str(v.dtype)) for v in zero.model.weights]  # float16: the master cast
 
 
 def _set_weights(optimizer: Any, weights: Sequence[Any]) -> None:

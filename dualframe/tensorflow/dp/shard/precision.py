@@ -1,7 +1,9 @@
 """Loss scaling for the Keras sharded optimizer: ``ShardedLossScaleOptimizer``, one skip decision for every rank.
 
 ``hvd.DistributedOptimizer(keras.optimizers.LossScaleOptimizer(opt), shard=...)`` (or any optimizer
-with ``shard=`` under the ``mixed_float16`` policy) returns it. The fp32 master slices of float16 or
+with ``shard=`` under the ``mixed_float16`` policy) returns it; with ``shard="parameters"`` its
+``shard_model`` and ``parameter_slices`` are the sharded optimizer's, and ``fit`` scales the loss
+through it (``dp/shard/parameters.py``). The fp32 master slices of float16 or
 bfloat16 variables are in ``dp/shard/slices.py``; the rules in ``dualframe.dp.precision``.
 """
 from __future__ import annotations
@@ -51,6 +53,29 @@ class ShardedLossScaleOptimizer(KerasTwoNames, keras.optimizers.LossScaleOptimiz
                          name=name or f"loss_scale_{inner_optimizer.name}", **kwargs)
         inner_optimizer._zero.guard = self._guard  # an untracked holder: no tracking cycle
 
+    def build(self, var_list: Sequence[Any]) -> None:
+        """The scale's variables; ZeRO-3 (built on the model by ``shard_model``): on the slices, inner left as is."""
+        if self.inner_optimizer.shard != "parameters":
+            super().build(var_list)
+            return
+        self.step_counter = self.add_variable((), "zeros", "int", name="step_counter")
+        self.dynamic_scale = self.add_variable((), keras.initializers.Constant(self.initial_scale), "float32",
+                                               name="dynamic_scale")
+        keras.optimizers.Optimizer.build(self, self.inner_optimizer.parameter_slices())
+
+    def shard_model(self, model: keras.Model, root_rank: int = 0) -> keras.Model:
+        """ZeRO-3: the sharded optimizer's :meth:`~ShardedOptimizer.shard_model`; compile the result with this optimizer.
+
+        Builds this optimizer too, so a traced GradientTape loop's ``scale_loss`` reads the scale variable.
+        """
+        sharded = self.inner_optimizer.shard_model(model, root_rank)
+        self.build(self.parameter_slices())
+        return sharded
+
+    def parameter_slices(self) -> List[Any]:
+        """ZeRO-3: what a GradientTape loop differentiates ``scale_loss(loss)`` by and applies to."""
+        return self.inner_optimizer.parameter_slices()
+
     def apply(self, grads: Sequence[Any], trainable_variables: Optional[Sequence[Any]] = None) -> None:
         """Hand the scaled gradients to the sharded optimizer, which reduces them and calls back :meth:`_guard`."""
         if not self.built:
@@ -80,9 +105,6 @@ class ShardedLossScaleOptimizer(KerasTwoNames, keras.optimizers.LossScaleOptimiz
 def sharded_loss_scale(optimizer: keras.optimizers.Optimizer, name: Optional[str] = None,
                        **kwargs: Any) -> ShardedLossScaleOptimizer:
     """From DistributedOptimizer's arguments with ``shard=``: keep a LossScaleOptimizer's settings, or add Keras's defaults."""
-    if kwargs.get("shard") == "parameters":
-        raise StrategyError("loss scaling (a LossScaleOptimizer, or the mixed_float16 policy) is not supported yet "
-                            "with shard='parameters'; use shard='optimizer' or 'gradients', or mixed_bfloat16")
     initial_scale, growth = 2.0 ** 15, 2000
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         check_wrappable(optimizer)

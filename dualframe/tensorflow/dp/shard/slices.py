@@ -65,6 +65,24 @@ def inner_copy(optimizer: keras.optimizers.Optimizer) -> Tuple[keras.optimizers.
     return type(optimizer).from_config(config), (None if clip is None else float(clip))
 
 
+def check_master_dtypes(variables: Sequence[Any]) -> None:
+    """Refuse float16 and bfloat16 trainable variables for ZeRO-1/2, which write the slices back into them.
+
+    A slice written back into a float16 variable and read from it again next step would lose the fp32
+    master's digits; ZeRO-3's slices are the only copy, so it keeps them in float32 (the torch adapter
+    keeps fp32 master slices in every mode).
+    """
+    low = [v for v in variables if master_dtype(str(v.dtype)) != str(v.dtype)]
+    if low:
+        dtype = str(low[0].dtype)
+        named = ", ".join(f"{v.path} ({v.dtype})" for v in low[:3]) + (f" and {len(low) - 3} more" if len(low) > 3 else "")
+        raise StrategyError(
+            f"shard='optimizer' and 'gradients' in Keras keep no fp32 master slices of float16 or bfloat16 "
+            f"variables: {named}. Use shard='parameters' (fp32 master slices), or for {dtype} compute the "
+            f"mixed_{dtype} policy (float32 variables: keras.mixed_precision.set_dtype_policy('mixed_{dtype}') "
+            f"before building the model, or the layer's dtype='mixed_{dtype}'), or shard=None")
+
+
 class ShardedState:
     """The inner optimizer, the slice variables and the layout: a plain holder the Keras tracker does not walk."""
 
@@ -98,14 +116,13 @@ class ShardedState:
 
         ``values`` (one per variable) are read instead of the variables (ZeRO-3: the model holds none).
         """
+        if self.model is None:  # ZeRO-1/2 write the slices back into the variables: no master then
+            check_master_dtypes(variables)
         self.layout, self.variables, self.rank = layout, variables, rank
         self.slices = []
         for b, bucket in enumerate(layout.buckets):
-            dtype = variables[bucket.tensors[0]].dtype if bucket.tensors else "float32"
-            if master_dtype(str(dtype)) != str(dtype):  # fp32 master slices: the torch adapter has them, Keras not yet
-                raise StrategyError(
-                    f"shard= with {dtype} variables (dtype policy {str(dtype)!r}) is not supported yet in Keras; use the "
-                    f"mixed_{dtype} policy (float32 variables, {dtype} compute), or shard=None")
+            # ZeRO-3's slices are the only copy: fp32 masters of float16/bfloat16 variables.
+            dtype = master_dtype(str(variables[bucket.tensors[0]].dtype)) if bucket.tensors else "float32"
             # ZeRO-3's slices are what a tape differentiates (through each layer's gather): trainable there.
             self.slices.append(keras.Variable(tf.zeros([bucket.shard], dtype=dtype), trainable=self.model is not None,
                                               name=f"{SLICE_NAME}{b}"))
@@ -149,7 +166,7 @@ class ShardedState:
             for t in bucket.tensors:
                 grad, variable = grads[t], self.variables[t]
                 grad = tf.zeros(variable.shape, variable.dtype) if grad is None else tf.convert_to_tensor(grad)
-                parts.append(tf.reshape(grad, [-1]))
+                parts.append(tf.cast(tf.reshape(grad, [-1]), self.slices[b].dtype))
             flats.append(self._pad(parts, bucket.padded - bucket.length, self.slices[b].dtype))
         return flats
 
@@ -167,7 +184,8 @@ class ShardedState:
         out: List[tf.Tensor] = []
         for b in self._chosen(buckets):
             bucket, pieces = self.layout.buckets[b], self.layout.buckets[b].pieces(self.rank)
-            parts = [tf.reshape(tensors[p.tensor], [-1])[p.start:p.start + p.length] for p in pieces]
+            parts = [tf.cast(tf.reshape(tensors[p.tensor], [-1])[p.start:p.start + p.length], self.slices[b].dtype)
+                     for p in pieces]
             owned = sum(p.length for p in pieces)
             out.append(self._pad(parts, bucket.shard - owned, self.slices[b].dtype))
         return out
