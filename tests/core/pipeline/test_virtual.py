@@ -175,6 +175,11 @@ def test_a_layout_of_virtual_stages_places_them_and_refuses_what_it_cannot_run()
     with pytest.raises(StrategyError, match=r"virtual_stages=2 runs one pipeline, not data-parallel replicas of it yet "
                                             r"\(processes: 4, ranks per pipeline: 2\); launch with -np 2"):
         layout_pipeline(8, [2] * 4, chunks=4, schedule="zb-v", world=4, virtual_stages=2)
+    with pytest.raises(StrategyError, match=r"checkpoint='always' with virtual_stages=2 is not available"):
+        layout_pipeline(8, [2] * 4, chunks=4, schedule="zb-v", world=2, virtual_stages=2, checkpoint="always")
+    taken = layout_pipeline(8, [2] * 4, chunks=4, schedule="zb-v", world=2, virtual_stages=2,
+                            checkpoint="except_last", virtual_checkpoint=True)  # torch: each held stage recomputes
+    assert taken.recomputed == frozenset({0, 1, 2})
     with pytest.raises(BalanceError, match=r"balance must describe ranks x virtual_stages stages, at least 2 ranks "
                                            r"\(balance: 2 stages, virtual_stages: 2\); give 4 entries"):
         layout_pipeline(8, [4, 4], chunks=4, schedule="zb-v", world=1, virtual_stages=2)
