@@ -51,7 +51,8 @@ def _layout(module: nn.Module, balance: Sequence[int], chunks: int, schedule: st
     if not isinstance(module, nn.Sequential):
         raise StrategyError(f"DistributedPipeline splits an nn.Sequential (module: {type(module).__name__})")
     return layout_pipeline(len(module), balance, chunks, schedule, loss_fn, devices, data_parallel, timeout,
-                           BACKEND.collectives.world_size(), checkpoint, virtual_stages, virtual_checkpoint=True)
+                           BACKEND.collectives.world_size(), checkpoint, virtual_stages,
+                           virtual_checkpoint=True, virtual_replicas=True)
 
 
 class DistributedPipeline(StageView, nn.Module):
@@ -125,7 +126,7 @@ class DistributedPipeline(StageView, nn.Module):
             n = stage_count(split_points, balance, stages)
             layout = layout_pipeline(n, [1] * n, chunks, schedule, loss_fn, devices, data_parallel, timeout,
                                      BACKEND.collectives.world_size(), checkpoint, virtual_count(virtual_stages),
-                                     virtual_checkpoint=True)
+                                     virtual_checkpoint=True, virtual_replicas=True)
             self.graph = GraphPart(module, split_points=split_points, balance=balance, stages=stages, sample=sample,
                                    leaves=leaves)
         else:
@@ -209,8 +210,12 @@ class DistributedPipeline(StageView, nn.Module):
         after the replicas' average (``shard=`` is refused there).
 
         Raises:
-            StrategyError: ``shard=`` with tied weights, ``shard="parameters"`` (on every rank alike).
+            StrategyError: ``shard=`` with tied weights, ``shard="parameters"`` (with virtual stages by that name;
+                on every rank alike).
         """
+        if str(kwargs.get("shard") or "none").lower() == "parameters" and len(self.held_stages) > 1:
+            raise StrategyError(f"shard='parameters' (ZeRO-3) with virtual_stages={len(self.held_stages)} is not "
+                                f"available yet; use shard='gradients' (ZeRO-2) there, or virtual_stages=1")
         if str(kwargs.get("shard") or "none").lower() == "parameters":
             raise StrategyError("shard='parameters' (ZeRO-3) among a pipeline stage's replicas is not available yet; "
                                 "use shard='gradients' (ZeRO-2) there, or shard='parameters' without a pipeline")

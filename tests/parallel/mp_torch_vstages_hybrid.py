@@ -1,0 +1,72 @@
+"""Virtual stages with replicas on 4 processes: 2 replicas x 2 ranks x 2 stages per rank, against one process.
+
+Each rank holds two stages of its replica's pipeline; the ranks at the same position of the two replicas
+hold the same stages and average their gradients (the position's process set), so the weights equal one
+process training the whole model on the global batch.
+"""
+# np: 4
+# timeout: 400
+import copy
+
+import horovod.torch as horovod
+import pytest
+import torch
+from torch import nn
+
+import dualframe.torch as hvd
+from dualframe.errors import StrategyError
+from dualframe.pipeline.layout import pipeline_process_sets
+from dualframe.torch.pipeline.distributed import DistributedPipeline
+
+STEPS, GLOBAL_BATCH = 3, 16
+HELD = {"interleaved-1f1b": [[0, 2], [1, 3]], "zb-v": [[0, 3], [1, 2]]}  # by position in the pipeline
+
+
+def make_model():
+    torch.manual_seed(4)
+    return nn.Sequential(nn.Linear(5, 12), nn.Tanh(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 12), nn.Tanh(),
+                         nn.Linear(12, 2))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def started():
+    hvd.init(process_sets=pipeline_process_sets(4, 2))  # already started by the launch's first file: a no-op
+    assert hvd.size() == 4
+
+
+@pytest.mark.parametrize("schedule, shard, checkpoint", [("interleaved-1f1b", None, "never"),
+                                                        ("zb-v", None, "always"), ("zb-v", "gradients", "never")])
+def test_virtual_stages_with_replicas_equal_one_process_on_the_global_batch(schedule, shard, checkpoint):
+    model = make_model()
+    generator = torch.Generator().manual_seed(6)
+    data = [(torch.randn(GLOBAL_BATCH, 5, generator=generator), torch.randn(GLOBAL_BATCH, 2, generator=generator))
+            for _ in range(STEPS)]
+    reference = copy.deepcopy(model)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.2, momentum=0.9)
+    pipe = DistributedPipeline(copy.deepcopy(model), balance=[2, 2, 2, 1], chunks=4, schedule=schedule,
+                               loss_fn=nn.MSELoss(), data_parallel=2, virtual_stages=2, checkpoint=checkpoint)
+    assert (pipe.replica, pipe.stage_index) == divmod(hvd.rank(), 2)
+    assert sorted(pipe.held_stages) == HELD[schedule][pipe.stage_index]
+    with pytest.raises(StrategyError, match=r"shard='parameters' \(ZeRO-3\) with virtual_stages=2 is not available"):
+        pipe.distributed_optimizer(torch.optim.SGD(pipe.parameters(), lr=0.2), shard="parameters")
+    optimizer = pipe.distributed_optimizer(torch.optim.SGD(pipe.parameters(), lr=0.2, momentum=0.9), shard=shard)
+    rows = GLOBAL_BATCH // 2
+    for step, (x, y) in enumerate(data):
+        ref_optimizer.zero_grad()
+        expected = nn.functional.mse_loss(reference(x), y)
+        expected.backward()
+        ref_optimizer.step()
+        mine = slice(pipe.replica * rows, (pipe.replica + 1) * rows)  # each replica its half of the global batch
+        optimizer.zero_grad()
+        loss = pipe.train_step(x[mine] if pipe.is_first else None, y[mine] if pipe.is_last else None)
+        optimizer.step()
+        assert loss == pytest.approx(expected.item(), abs=1e-5), f"step {step}"
+    merged = {}
+    for replica, part in horovod.allgather_object((pipe.replica, pipe.state_dict())):
+        if replica == 0:
+            merged.update(part)
+    assert sorted(merged) == sorted(reference.state_dict())
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(merged[key], value, atol=1e-5, rtol=0, msg=key)
+    for key, value in pipe.state_dict().items():  # both replicas of a position hold the same weights
+        torch.testing.assert_close(value, reference.state_dict()[key], atol=1e-5, rtol=0, msg=key)
