@@ -205,6 +205,9 @@ class StageCodec(Protocol):
     def rng_bytes(self) -> bytes:
         """This process's RNG states, serialised (gathered over the stage's replicas)."""
 
+    def collect(self) -> None:
+        """Take the stage's state now, on every rank (a stage sharded among its replicas gathers it: a collective)."""
+
     def encode(self, header: Dict[str, Any], rngs: List[bytes]) -> bytes:
         """The stage's file: its tensors, ``header`` (step, epoch, data_position, extra, stage, stages), ``rngs``."""
 

@@ -53,6 +53,7 @@ torch mpirun     2 torch_examples/model_split_resnet.py
 tf    mpirun     2 tf_examples/model_split_resnet.py
 torch mpirun     2 torch_examples/pipeline_processes.py
 torch mpirun     4 torch_examples/hybrid.py
+torch mpirun     4 torch_examples/hybrid.py --shard parameters
 tf    mpirun     2 tf_examples/pipeline_processes.py
 torch single     1 torch_examples/transformer_split.py
 torch mpirun     2 torch_examples/transformer_split.py

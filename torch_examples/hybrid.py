@@ -1,6 +1,7 @@
 """Hybrid data x pipeline parallelism: replicas of a 2-stage process pipeline, gradients averaged per stage.
 
     mpirun -np 4 python torch_examples/hybrid.py                # 2 replicas x 2 stages
+    mpirun -np 4 python torch_examples/hybrid.py --shard parameters   # each replica 1/2 of its stage (ZeRO-3)
     horovodrun -np 2 -H localhost:2 --gloo python torch_examples/hybrid.py   # 1 replica x 2 stages
 """
 import argparse
@@ -23,6 +24,9 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=512)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--shard", default="none", choices=["none", "optimizer", "gradients", "parameters"],
+                        help="shard among each stage's replicas: optimizer state (ZeRO-1), + gradients (ZeRO-2), "
+                             "+ parameters between steps (ZeRO-3)")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -33,8 +37,9 @@ def main() -> None:
                           nn.Linear(args.width, args.width), nn.ReLU(), nn.Linear(args.width, 1))
     pipe = hvd.DistributedPipeline(model, [4, 3], chunks=args.chunks, schedule=args.schedule,  # dualframe:
                                    loss_fn=nn.MSELoss(), data_parallel=replicas)
-    # dualframe: averages each stage's gradients among that stage's replicas only
-    optimizer = pipe.distributed_optimizer(torch.optim.SGD(pipe.parameters(), lr=0.01))
+    # dualframe: averages each stage's gradients among that stage's replicas only (and shards among them)
+    optimizer = pipe.distributed_optimizer(torch.optim.SGD(pipe.parameters(), lr=0.01, momentum=0.9),
+                                           shard=None if args.shard == "none" else args.shard)
 
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(args.global_batch, args.width, generator=generator)

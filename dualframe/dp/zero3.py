@@ -99,6 +99,31 @@ def check_unshared(holders: Mapping[str, Sequence[str]]) -> None:
                 f"may belong to one module only ({name} is also {also}); untie it, or use shard='gradients'")
 
 
+#: The process-pipeline schedules whose stages can shard their parameters among their replicas (one stage per rank).
+STAGE_SCHEDULES = ("gpipe", "1f1b", "zb-h1")
+
+
+def check_stage_sharding(schedule: str, virtual_stages: int) -> None:
+    """Refuse ``shard="parameters"`` among a pipeline stage's replicas where a rank would hold several stages.
+
+    A stage holds its gathered parameters from the step's first forward to its last backward, and
+    its gradients are reduced once per step: a rank holding several stages (``virtual_stages`` > 1,
+    the schedules ``interleaved-1f1b`` and ``zb-v``) is refused, the same on every rank, by name.
+
+    Example:
+        >>> check_stage_sharding("1f1b", 1)
+        >>> check_stage_sharding("zb-v", 2)
+        Traceback (most recent call last):
+        ...
+        dualframe.errors.StrategyError: shard='parameters' among a pipeline stage's replicas runs one stage per rank with schedule 'gpipe', '1f1b' or 'zb-h1' (schedule: 'zb-v', virtual_stages: 2); use one of those, or shard='gradients'
+    """
+    if schedule not in STAGE_SCHEDULES or virtual_stages != 1:
+        raise StrategyError(
+            f"shard='parameters' among a pipeline stage's replicas runs one stage per rank with schedule "
+            f"{', '.join(repr(s) for s in STAGE_SCHEDULES[:-1])} or {STAGE_SCHEDULES[-1]!r} (schedule: {schedule!r}, "
+            f"virtual_stages: {virtual_stages}); use one of those, or shard='gradients'")
+
+
 @dataclass(frozen=True)
 class Block:
     """One block: its path, the parameters it gathers (indices into the plan's list), their cut among ranks."""

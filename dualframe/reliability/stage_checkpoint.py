@@ -200,6 +200,7 @@ def save_stage(backend: "Backend[Any]", codec: StageCodec, directory: str, part:
     folder.filename(step)  # validates step
     check_json_values(epoch=epoch, data_position=data_position, extra=extra)
     collectives = backend.collectives
+    codec.collect()  # on every rank: only the writer encodes, but a sharded stage gathers among its replicas
     mine = codec.rng_bytes()
     rngs = collectives.gather_bytes(mine, f"{NAME}.rng", part.stage_process_set) \
         if part.stage_process_set is not None else [mine]

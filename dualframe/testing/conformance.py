@@ -174,6 +174,9 @@ class _JSONCodec:
     def rng_bytes(self) -> bytes:
         return json.dumps(self.rng).encode()
 
+    def collect(self) -> None:
+        """Nothing to gather: the weights are this process's."""
+
     def encode(self, header: Dict[str, Any], rngs: List[bytes]) -> bytes:
         return json.dumps({"header": header, "rng": [json.loads(r) for r in rngs], "weights": self.weights}).encode()
 

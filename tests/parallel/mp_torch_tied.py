@@ -114,8 +114,9 @@ def test_copies_start_equal_and_load_from_the_model_keys():
     pipe = DistributedPipeline(model, loss_fn=mse, split_points=["mid"])
     root = horovod.broadcast(pipe.state_dict()["first.weight"], 0, name="root_copy")
     torch.testing.assert_close(pipe.state_dict()["last.weight"], root, atol=0, rtol=0)
-    with pytest.raises(StrategyError, match=r"shard='optimizer' cannot keep the copies of .*first.weight"):
-        pipe.distributed_optimizer(torch.optim.SGD(pipe.parameters(), lr=0.1), shard="optimizer")
+    for shard in ("optimizer", "parameters"):
+        with pytest.raises(StrategyError, match=rf"shard='{shard}' cannot keep the copies of .*first.weight"):
+            pipe.distributed_optimizer(torch.optim.SGD(pipe.parameters(), lr=0.1), shard=shard)
     fresh = shared_ends(False).state_dict()
     pipe.load_state_dict(fresh)  # strict: the stage's keys, the tied one under either of its names
     for key, value in pipe.state_dict().items():

@@ -8,15 +8,14 @@ process training the whole model on the global batch.
 # timeout: 400
 import copy
 
-import horovod.torch as horovod
 import pytest
 import torch
 from torch import nn
 
 import dualframe.torch as hvd
 from dualframe.errors import StrategyError
-from dualframe.pipeline.layout import pipeline_process_sets
 from dualframe.torch.pipeline.distributed import DistributedPipeline
+from mp_torch_dpipe_hybrid import merged_state, reference_step, replica_step, started  # noqa: F401 (the launch's)
 
 STEPS, GLOBAL_BATCH = 3, 16
 HELD = {"interleaved-1f1b": [[0, 2], [1, 3]], "zb-v": [[0, 3], [1, 2]]}  # by position in the pipeline
@@ -26,12 +25,6 @@ def make_model():
     torch.manual_seed(4)
     return nn.Sequential(nn.Linear(5, 12), nn.Tanh(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 12), nn.Tanh(),
                          nn.Linear(12, 2))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def started():
-    hvd.init(process_sets=pipeline_process_sets(4, 2))  # already started by the launch's first file: a no-op
-    assert hvd.size() == 4
 
 
 @pytest.mark.parametrize("schedule, shard, checkpoint", [("interleaved-1f1b", None, "never"),
@@ -47,24 +40,14 @@ def test_virtual_stages_with_replicas_equal_one_process_on_the_global_batch(sche
                                loss_fn=nn.MSELoss(), data_parallel=2, virtual_stages=2, checkpoint=checkpoint)
     assert (pipe.replica, pipe.stage_index) == divmod(hvd.rank(), 2)
     assert sorted(pipe.held_stages) == HELD[schedule][pipe.stage_index]
-    with pytest.raises(StrategyError, match=r"shard='parameters' \(ZeRO-3\) with virtual_stages=2 is not available"):
+    with pytest.raises(StrategyError, match=r"shard='parameters' among a pipeline stage's replicas runs one stage "
+                                            rf"per rank .*\(schedule: '{schedule}', virtual_stages: 2\)"):
         pipe.distributed_optimizer(torch.optim.SGD(pipe.parameters(), lr=0.2), shard="parameters")
     optimizer = pipe.distributed_optimizer(torch.optim.SGD(pipe.parameters(), lr=0.2, momentum=0.9), shard=shard)
-    rows = GLOBAL_BATCH // 2
     for step, (x, y) in enumerate(data):
-        ref_optimizer.zero_grad()
-        expected = nn.functional.mse_loss(reference(x), y)
-        expected.backward()
-        ref_optimizer.step()
-        mine = slice(pipe.replica * rows, (pipe.replica + 1) * rows)  # each replica its half of the global batch
-        optimizer.zero_grad()
-        loss = pipe.train_step(x[mine] if pipe.is_first else None, y[mine] if pipe.is_last else None)
-        optimizer.step()
-        assert loss == pytest.approx(expected.item(), abs=1e-5), f"step {step}"
-    merged = {}
-    for replica, part in horovod.allgather_object((pipe.replica, pipe.state_dict())):
-        if replica == 0:
-            merged.update(part)
+        expected = reference_step(reference, ref_optimizer, x, y)
+        assert replica_step(pipe, optimizer, x, y) == pytest.approx(expected, abs=1e-5), f"step {step}"
+    merged = merged_state(pipe)
     assert sorted(merged) == sorted(reference.state_dict())
     for key, value in reference.state_dict().items():
         torch.testing.assert_close(merged[key], value, atol=1e-5, rtol=0, msg=key)

@@ -90,6 +90,9 @@ class KerasStageCodec:
     def rng_bytes(self) -> bytes:
         return json.dumps(rng_state()).encode()
 
+    def collect(self) -> None:
+        """Nothing to gather: a Keras stage's variables are whole on every replica."""
+
     def encode(self, header: Dict[str, Any], rngs: List[bytes]) -> bytes:
         optimizer = self.optimizer
         optimizer_variables = list(optimizer.variables) if optimizer is not None and optimizer.built else []

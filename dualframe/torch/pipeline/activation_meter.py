@@ -37,6 +37,10 @@ class ActivationMeter:
             del self._held[key]
             self.live_bytes -= key[1]
 
+    def track(self, parameters: Iterable[torch.Tensor]) -> None:
+        """Take ``parameters``' storages as the parameters' from now on (ZeRO-3 gathers them into new storage)."""
+        self._parameter_storages = {p.untyped_storage().data_ptr() for p in parameters}
+
     def reset_peak(self) -> None:
         """Start a new peak from what is alive now."""
         self.peak_bytes = self.live_bytes

@@ -15,6 +15,7 @@ from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Sequence, T
 
 import torch
 from torch import nn
+from torch.nn.modules.module import _IncompatibleKeys as IncompatibleKeys
 
 from dualframe.errors import StrategyError
 from dualframe.pipeline.graph import stage_count
@@ -34,6 +35,8 @@ from dualframe.torch.pipeline.graph_work import TorchGraphStageWork
 from dualframe.torch.split.loss import model_loss
 from dualframe.torch.split.model_parallel import is_graph_split
 from dualframe.torch.pipeline.backward import SplitBackward
+from dualframe.torch.dp.shard.stage import StageShardedOptimizer
+from dualframe.torch.pipeline.optimizer import stage_optimizer
 from dualframe.torch.pipeline.recompute import StageRecompute
 from dualframe.torch.split.tied import TiedCopies, find_stage_tied, model_state_dict, stage_part, tensor_names
 
@@ -171,6 +174,8 @@ class DistributedPipeline(StageView, nn.Module):
         # Activation checkpointing: one recompute per held stage (its random states and buffers its own).
         self.recomputes = {j: StageRecompute(self.stage if single else self.held_stages[j], layout.recomputed,
                                              self.device) for j in self._stage_calls} if layout.recomputed else {}
+        #: The stage's ZeRO-3 optimizer (``distributed_optimizer(..., shard="parameters")``): gathered once per step.
+        self.sharded: Optional[StageShardedOptimizer] = None
 
     def _stage_module(self, module: nn.Module, layout: StageLayout, j: int) -> nn.Module:
         """Stage ``j``'s module, referencing the model's own parameters (every stage is built, to find tied ones)."""
@@ -187,8 +192,16 @@ class DistributedPipeline(StageView, nn.Module):
     def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:  # type: ignore[override]
         """The local stage's tensors under the full model's keys: the stages' dicts merge into the model's.
 
-        A tied weight appears under every name the model has for it, in each stage holding a copy.
+        A tied weight appears under every name the model has for it, in each stage holding a copy. With
+        ``shard="parameters"`` every replica of the stage calls it (the stage is gathered, then copied).
         """
+        if self.sharded is None:
+            return self._state_dict(*args, **kwargs)
+        with self.sharded.gathered():
+            return OrderedDict((key, value.detach().clone() if isinstance(value, torch.Tensor) else value)
+                               for key, value in self._state_dict(*args, **kwargs).items())
+
+    def _state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
         if self._keys is None:
             return model_state_dict(self.stage, self._names, *args, **kwargs)
         own = self.stage.state_dict(*args, **kwargs)
@@ -197,6 +210,11 @@ class DistributedPipeline(StageView, nn.Module):
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """Load this stage's part of the full model's ``state_dict`` (other stages' keys are ignored)."""
+        if self.sharded is not None:  # each replica keeps its slices of the full tensors (no communication)
+            with self.sharded.listing():
+                part = stage_part(self.stage, self._names, state_dict)
+            self.sharded.load_model_state_dict(part)
+            return IncompatibleKeys([], [])
         part = stage_part(self.stage, self._names, state_dict)
         return self.stage.load_state_dict(part, strict=strict, assign=assign)
 
@@ -207,29 +225,16 @@ class DistributedPipeline(StageView, nn.Module):
         ``chunks`` micro-batch backwards of a step as one (``backward_passes_per_step`` multiplies);
         with a single replica, the optimizer itself. Extra arguments (``compression``, ``op`` ...)
         pass through. A model with tied weights: their holders' gradients are summed in its ``step``,
-        after the replicas' average (``shard=`` is refused there).
+        after the replicas' average (``shard=`` is refused there). ``shard="parameters"`` (ZeRO-3,
+        schedules ``gpipe``, ``1f1b``, ``zb-h1``): each replica keeps 1/R of the stage's parameters,
+        gradients and optimizer state between steps; the stage is gathered once per step
+        (``dualframe.torch.dp.shard.stage``); ``state_dict()`` is then a collective of the stage's replicas.
 
         Raises:
-            StrategyError: ``shard=`` with tied weights, ``shard="parameters"`` (with virtual stages by that name;
-                on every rank alike).
+            StrategyError: ``shard=`` with tied weights; ``shard="parameters"`` with virtual stages, ``model=`` or
+                ``keep_gathered=`` (on every rank alike, before any message).
         """
-        if str(kwargs.get("shard") or "none").lower() == "parameters" and len(self.held_stages) > 1:
-            raise StrategyError(f"shard='parameters' (ZeRO-3) with virtual_stages={len(self.held_stages)} is not "
-                                f"available yet; use shard='gradients' (ZeRO-2) there, or virtual_stages=1")
-        if str(kwargs.get("shard") or "none").lower() == "parameters":
-            raise StrategyError("shard='parameters' (ZeRO-3) among a pipeline stage's replicas is not available yet; "
-                                "use shard='gradients' (ZeRO-2) there, or shard='parameters' without a pipeline")
-        if self.tied.plan.tied and str(kwargs.get("shard") or "none").lower() != "none":
-            raise StrategyError(f"shard={kwargs['shard']!r} cannot keep the copies of this model's tied weights "
-                                f"({', '.join(w.key for w in self.tied.plan.tied)}) equal yet; leave shard out")
-        if self.stage_process_set is None:
-            return optimizer
-        self.tied.before_step(optimizer)  # after the replicas' average, before the update
-        from dualframe.torch.dp.optimizer import DistributedOptimizer as wrapper
-
-        passes = self.chunks * kwargs.pop("backward_passes_per_step", 1)
-        return wrapper(optimizer, named_parameters=self.named_parameters(),
-                       backward_passes_per_step=passes, process_set=self.stage_process_set, **kwargs)
+        return stage_optimizer(self, optimizer, **kwargs)
 
     def _run(self, actions: Sequence[Action], inputs: Any, targets: Optional[torch.Tensor],
              train: bool, keywords: Dict[str, Any]) -> Tuple[Any, StepRecord]:
@@ -254,8 +259,15 @@ class DistributedPipeline(StageView, nn.Module):
         works = self._works(loss_fn, micro_targets, weights)
         # A graph stage (GraphPipelineStage) walks one work, a rank of virtual stages one per stage it holds.
         work: Any = works if len(works) > 1 else works[self.role.index]
+        if self.sharded is not None:
+            # Every block's allgather started: a chain's layers wait each for its own at its first forward; a
+            # graph stage's nodes may read a module's weights without calling it, so it waits for all now.
+            self.sharded.begin_step(wait=self.graph is not None)
+            self.meter.track(self.stage.parameters())  # gathered into new storage: not activations
         with torch.set_grad_enabled(train), self.meter.counting():
             record = self.role.step(actions, micro_inputs, work, train)
+        if self.sharded is not None and not train:
+            self.sharded.end_forward()
         last = len(self.role.layout.ranges) - 1
         return works.get(last, works[min(works)]), record
 

@@ -43,14 +43,21 @@ class TorchStageCodec:
     def __init__(self, pipe: DistributedPipeline, optimizer: Optional[torch.optim.Optimizer],
                  map_location: Any = "cpu") -> None:
         self.pipe, self.optimizer, self.map_location = pipe, optimizer, map_location
+        self._states: Optional[Tuple[Dict[str, Any], Any]] = None
+
+    def collect(self) -> None:
+        """Take the stage's and its optimizer's state dicts now, on every rank: sharded among the stage's
+        replicas (``shard=``), each is a collective of theirs, though only the stage's first rank writes."""
+        self._states = (self.pipe.state_dict(), self.optimizer.state_dict() if self.optimizer is not None else None)
 
     def rng_bytes(self) -> bytes:
         return to_bytes(rng_state())
 
     def encode(self, header: Dict[str, Any], rngs: List[bytes]) -> bytes:
+        assert self._states is not None, "save_stage calls collect() on every rank first"
+        model, optimizer = self._states
         content = dict(header, format=FORMAT, data_position=json.dumps(header["data_position"]),
-                       extra=json.dumps(header["extra"]), model=self.pipe.state_dict(),
-                       optimizer=self.optimizer.state_dict() if self.optimizer is not None else None,
+                       extra=json.dumps(header["extra"]), model=model, optimizer=optimizer,
                        rng=[from_bytes(blob) for blob in rngs])
         return to_bytes(content)
 

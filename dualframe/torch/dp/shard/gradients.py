@@ -58,7 +58,11 @@ class SliceGradients:
             return
         slot.ready += 1
         if slot.ready == len(slot.members):
-            self._reduce_bucket(slot)
+            self._bucket_ready(slot)
+
+    def _bucket_ready(self, slot: Slot) -> None:
+        """Every gradient of ``slot`` is accumulated for this step: reduce it (a pipeline's ZeRO-3 also frees)."""
+        self._reduce_bucket(slot)
 
     def _reduce_bucket(self, slot: Slot) -> None:
         bucket = slot.bucket
