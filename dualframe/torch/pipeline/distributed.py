@@ -101,7 +101,8 @@ class DistributedPipeline(StageView, nn.Module):
             the recomputed graph lives from B to W; with ``virtual_stages``, each held stage recomputes its
             own (``pipe.recomputes``). Results equal those without it.
         virtual_stages: stages each rank holds: ``balance`` (or ``split_points``, ``stages``) then describes all
-            ``ranks x virtual_stages`` stages, and the schedule places them (``pipe.held_stages``).
+            ``ranks x virtual_stages`` stages, and the schedule places them (``pipe.held_stages``); with
+            ``data_parallel`` replicas, each rank's stages are averaged among the replicas of its position.
 
     Raises:
         BalanceError, ChunksError, ScheduleError, StrategyError: bad arguments, on every rank, before
