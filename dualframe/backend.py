@@ -13,7 +13,7 @@ The seams, by who crosses them:
 * ``BatchOps``: cutting a batch into micro-batches and joining outputs (process pipelines).
 * ``Placement``: the framework's device for a stage (process pipelines).
 * ``Wire``, ``Waiter``, ``PointToPoint``: a pipeline link's messages (``dualframe.pipeline.link``).
-* ``StageWork``: a stage's forward and backward on one micro-batch (``dualframe.pipeline.walk``).
+* a stage's forward and backward on one micro-batch: ``dualframe.pipeline.graph_walk.GraphStageWork``.
 * ``StageCodec``: a stage checkpoint's file format (``dualframe.reliability.stage_checkpoint``).
 * ``PlanProbe``: measuring a model for the planner (``dualframe.plan.probe``).
 """
@@ -153,26 +153,6 @@ class PointToPoint(Waiter[T], Protocol[T]):
         """Start receiving into ``buffer`` from rank ``source``; return a handle whose result is the buffer."""
 
 
-class StageWork(Protocol[T]):
-    """The stage's computation on one micro-batch (the framework's part of ``dualframe.pipeline.walk``)."""
-
-    def forward(self, i: int, x: T) -> Optional[T]:
-        """Run the stage on micro-batch i's input; return what goes to the next stage (None on the last)."""
-
-    def backward(self, i: int, grad: Optional[T]) -> Optional[T]:
-        """Backward of micro-batch i from its output's gradient (None on the last stage: from the loss).
-
-        Returns the gradient of the stage's input (None on the first stage). With a split backward
-        (the schedule has W actions) it computes only that; the weights' gradient waits for ``weight``."""
-
-
-class SplitStageWork(StageWork[T], Protocol):
-    """A ``StageWork`` that can split its backward, for zero-bubble schedules (``W`` actions)."""
-
-    def weight(self, i: int) -> None:
-        """The weights' gradient of micro-batch i (W i), after its backward computed the input's."""
-
-
 class StagePart(Protocol):
     """What a stage checkpoint reads of a process pipeline (both adapters' ``DistributedPipeline``)."""
 
@@ -254,7 +234,7 @@ class Backend(Protocol[T]):
     caster: TensorCaster[T]
     batches: BatchOps[T]
     placement: Placement
-    #: Whether the adapter's process pipelines run a split backward (``W`` actions: ``SplitStageWork``).
+    #: Whether the adapter's process pipelines run a split backward (``W`` actions: ``graph_walk.SplitGraphStageWork``).
     split_backward: bool
 
     def wire(self, device: Any) -> Wire[T]:
@@ -276,7 +256,7 @@ class AdapterBackend(Generic[T]):
         collectives, caster, batches, placement: the adapter's implementations of those protocols.
         wire: makes the pipeline ``Wire`` for a device; ``point_to_point``, ``process_sets``: the
             adapter's functions behind those members.
-        split_backward: the adapter's stage work runs zero-bubble schedules' ``W`` (``SplitStageWork``);
+        split_backward: the adapter's stage work runs zero-bubble schedules' ``W`` (``SplitGraphStageWork``);
             False: ``open_stage`` refuses such a schedule before any communication.
 
     Example:

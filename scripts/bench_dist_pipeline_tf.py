@@ -28,7 +28,7 @@ median of the per-round ratios):
   4. ZB-H1 against 1F1B at chunks=8 in their own interleaved rounds (both compiled with XLA): throughput
      zb-h1 / 1f1b, each one's measured bubble beside its theory ((n-1)/(m+n-1) and (n-1)/(3m+n-1)) and
      the computing seconds per stage (ZB-H1's B re-runs each layer from its kept input, so it may compute
-     more: ``dualframe.tensorflow.pipeline.backward``), and the micro-batches each holds at once.
+     more: ``dualframe.tensorflow.pipeline.graph_backward``), and the micro-batches each holds at once.
   Part 1 also times GPipe with each micro-batch's weight gradient in its own backward (``W per
   micro-batch``, as before GPipe batched its W passes: ``dualframe.pipeline.schedule.batched_weights``), and prints
   chunks=8 / that in the same rounds; and chunks=1 the same way (``chunks=1 one backward``: each stage
@@ -80,7 +80,7 @@ def memory_line(model, schedule, x, y, chunks, width):
     step(x, y)
     step(x, y)
     rows = -(-len(x) // chunks)
-    mib = pipe.peak_live * rows * width * 4 * len(pipe.layers) / 2**20
+    mib = pipe.peak_live * rows * width * 4 * sum(len(stage.layers) for stage in pipe.layers) / 2**20
     peaks = hvd.allgather_object((pipe.peak_live, mib))
     return (f"peak micro-batches held per rank, {schedule}, chunks={chunks}: "
             + ", ".join(f"rank {r} {held} (at most {m:.1f} MiB of layer outputs)" for r, (held, m) in enumerate(peaks)))

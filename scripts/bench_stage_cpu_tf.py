@@ -4,8 +4,9 @@
 
 One thread; ``time.process_time`` per step (holds under load from other processes). Arms, each with XLA
 on and off: ``unsplit``: ``compile`` + ``train_on_batch`` of half the model's layers (one stage's worth);
-``first c=1`` / ``first c=8``: the first stage's ``TFStageWork`` forward and backward of every micro-batch
-(GPipe's order) as ``DistributedPipeline`` runs them; ``last c=1`` / ``last c=8``: the last stage's.
+``first c=1`` / ``first c=8``: the first stage's ``TFGraphStageWork`` forward and backward of every micro-batch
+(GPipe's order) as ``DistributedPipeline`` runs a chain's stage (a graph stage; messages packed and unpacked
+as they cross); ``last c=1`` / ``last c=8``: the last stage's.
 Models as in ``scripts/bench_vs_unsplit.py``, half of them: 6 x (Dense(512), ReLU) at batch 2048, or 2
 ``keras_hub.layers.TransformerEncoder`` blocks (dim 128, length 64, batch 64).
 """
@@ -53,30 +54,41 @@ def stage_arm(model_name, jit, x, y, first, chunks, split_blocks=False):
     import keras
     import tensorflow as tf
 
-    from dualframe.pipeline.action import Action
+    from dualframe.pipeline.action import Action, fusable
+    from dualframe.pipeline.graph_walk import edge_values
     from dualframe.pipeline.schedule import deferred_weights
-    from dualframe.tensorflow.pipeline.work import StageFunctions, TFStageWork, fusable
-    from dualframe.tensorflow.pipeline.backward import splittable
+    from dualframe.tensorflow.graph.capture import capture
+    from dualframe.tensorflow.pipeline.compiled import GraphStageFunction
+    from dualframe.tensorflow.pipeline.graph import process_stages
+    from dualframe.tensorflow.pipeline.graph_work import TFGraphStageWork, pack
     from dualframe.tensorflow.pipeline.xla import use_xla
     layers, shape, batch = make_layers(model_name)
     keras.Sequential([keras.Input(shape)] + layers)  # builds them
     use = use_xla(jit, layers, "/CPU:0")
-    loss = keras.losses.get("mse")  # every stage gets it in training (forward keeps its tape)
-    functions = StageFunctions(layers, first, loss, use)
+    loss = keras.losses.get("mse")
+    # The stage as DistributedPipeline holds it: stage 0 (first) or 1 (last) of a chain cut as a graph.
+    other = keras.layers.Identity()
+    chain = layers + [other] if first else [other] + layers
+    captured = capture(chain)
+    split, stages = process_stages(captured, balance=[len(layers), 1] if first else [1, len(layers)])
+    j = 0 if first else 1
+    function = GraphStageFunction(stages[j], split, j, captured, loss, use)
     plan = [Action.parse(f"F{i}") for i in range(chunks)] + [Action.parse(f"B{i}") for i in reversed(range(chunks))]
-    batched = splittable(layers) if split_blocks else functions.batches_weights()  # as DistributedPipeline's GPipe
-    if batched:
+    passes = function.passes
+    batched = passes.splittable() and (split_blocks or (passes.reruns_cheaply() and passes.batchable()))
+    if batched:  # as DistributedPipeline's GPipe
         plan = deferred_weights(plan)
     xs, ys = tf.split(tf.constant(x), chunks), tf.split(tf.constant(y), chunks)
-    grads = [tf.ones_like(part) * 1e-3 for part in xs]
+    names = edge_values(split, 0, 1)
+    received = [{-1: {split.graph.inputs[0]: part}} if first else {0: pack([part], names)} for part in xs]
+    grads = [{1: pack([tf.ones_like(part) * 1e-3], names)} if first else {} for part in xs]
 
     def step():
-        work = TFStageWork(layers, first, not first, loss, list(ys),
-                           [1 / chunks] * chunks, "/CPU:0", functions, fusable(plan), split=batched,
-                           batch_weights=batched)
+        work = TFGraphStageWork(stages[j], split, j, captured, loss, [] if first else list(ys), [1 / chunks] * chunks,
+                                "/CPU:0", function, split_backward=batched, fused=fusable(plan), batch_weights=batched)
         for action in plan:
             if action.kind == "F":
-                work.forward(action.micro, xs[action.micro])
+                work.forward(action.micro, received[action.micro])
             elif action.kind == "B":
                 work.backward(action.micro, grads[action.micro])
             else:

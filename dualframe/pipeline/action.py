@@ -82,3 +82,17 @@ def splits_backward(actions: Sequence[Action]) -> bool:
         (True, False)
     """
     return any(action.kind == WEIGHT for action in actions)
+
+
+def fusable(actions: Sequence[Action]) -> List[int]:
+    """Micro-batches whose backward directly follows their forward in one stage's ``actions``.
+
+    The last stage needs no gradient from a neighbour, so such a micro-batch's forward, loss and backward
+    may run as one call (all of them under 1F1B, the last one under GPipe).
+
+    Example:
+        >>> fusable([Action.parse(t) for t in "F0 F1 B1 B0".split()]), fusable([Action.parse(t) for t in "F0 B0 F1 B1".split()])
+        ([1], [0, 1])
+    """
+    return [a.micro for a, b in zip(actions, actions[1:])
+            if a.kind == FORWARD and b.kind == BACKWARD and b.micro == a.micro and b.stage == a.stage]

@@ -2,19 +2,21 @@
 
 Both adapters' ``DistributedPipeline`` keep one ``PipelineStage``: it knows which replica and stage
 this rank holds, its actions, its neighbours and process sets, and runs a step the same way on
-every framework: agree on the batch (``stage_runner.step_agreement``), walk the actions over a
-``StageLink``, reduce the loss. The adapter supplies the ``Wire`` and the stage's work on tensors.
+every framework: agree on the batch (``walk.step_agreement``), walk the actions along the model's
+graph edges (``graph_walk.GraphPipelineStage``, ``virtual_stage.VirtualGraphStage``: a chain's edges run
+j - 1 -> j), reduce the loss. The adapter supplies the ``Wire`` and the stage's work on tensors.
 """
 from __future__ import annotations
 
 import itertools
-from typing import Any, Dict, Generic, List, Mapping, Optional, Sequence, Tuple, TypeVar, Union
+from typing import Any, Dict, Generic, List, Optional, Sequence, Tuple, TypeVar
 
-from dualframe.backend import Backend, PointToPoint, StageWork, Wire
+from dualframe.backend import Backend, PointToPoint, Wire
 from dualframe.errors import ScheduleError
 from dualframe.pipeline.action import FORWARD, Action, splits_backward
+from dualframe.pipeline.graph import GraphSplit
 from dualframe.pipeline.link import StageLink, control_tag
-from dualframe.pipeline.walk import RecordBook, StepRecord, pipeline_bubble, read_agreement, step_agreement, walk
+from dualframe.pipeline.walk import RecordBook, StepRecord, pipeline_bubble, read_agreement, step_agreement
 from dualframe.pipeline.layout import DTYPE_NAMES, StageLayout, pipeline_process_sets
 
 T = TypeVar("T")
@@ -61,7 +63,7 @@ class PipelineStage(Generic[T]):
     Example:
         >>> stage = PipelineStage(layout, wire, hvd.rank(), sets, "dpipe0")        # doctest: +SKIP
         >>> sizes = stage.agree(x, y, train=True)                                   # doctest: +SKIP
-        >>> record = stage.step(stage.actions, micro_inputs, work, train=True)      # doctest: +SKIP
+        >>> record = stage.step(stage.actions, micro_inputs, work, train=True)  # a GraphPipelineStage  # doctest: +SKIP
         >>> loss = stage.mean_loss(work.loss_sum)                                   # doctest: +SKIP
     """
 
@@ -138,14 +140,13 @@ class PipelineStage(Generic[T]):
         micro_targets = split(targets, sizes) if self.is_last and train and targets is not None else []
         return micro_inputs, micro_targets
 
-    def step(self, actions: Sequence[Action], micro_inputs: Sequence[T],
-             work: "Union[StageWork[T], Mapping[int, StageWork[T]]]", train: bool) -> StepRecord:
-        """Walk ``actions`` on the agreed batch, exchanging messages with the neighbours; keep its record."""
-        self.link.begin(self._key, backward=train, chunks=self.layout.chunks)
-        record = walk(actions, self.index, self.stages, micro_inputs, work, self.link)
-        self.link.finish()
-        self.records.add(record)
-        return record
+    def step(self, actions: Sequence[Action], micro_inputs: Sequence[Any], work: Any, train: bool) -> StepRecord:
+        """Walk ``actions`` on the agreed batch along the model's edges; keep its record.
+
+        The walk is the graph walk's: ``graph_walk.GraphPipelineStage`` (one stage) and
+        ``virtual_stage.VirtualGraphStage`` (several) are what ``open_stage`` opens.
+        """
+        raise NotImplementedError("open_stage opens a GraphPipelineStage or a VirtualGraphStage, which walk")
 
     def mean_loss(self, loss_sum: float) -> float:
         """The step's mean loss (the last stage's ``loss_sum``, averaged over replicas) on every rank of the pipeline.
@@ -217,8 +218,8 @@ class PipelineStage(Generic[T]):
 _IDS = itertools.count()
 
 
-def open_stage(backend: "Backend[T]", layout: StageLayout, step_names: bool = True,
-               split: Any = None, transport: Optional[str] = None, tied: Sequence[Any] = ()) -> "PipelineStage[T]":
+def open_stage(backend: "Backend[T]", layout: StageLayout, step_names: bool = True, *,
+               split: GraphSplit, transport: Optional[str] = None, tied: Sequence[Any] = ()) -> "PipelineStage[T]":
     """This rank's stage of a checked pipeline layout, opened over ``backend``: the first communication.
 
     Declares (or finds) the pipeline's process sets, places the stage on its device, agrees on the
@@ -229,14 +230,14 @@ def open_stage(backend: "Backend[T]", layout: StageLayout, step_names: bool = Tr
         backend: the adapter's ``Backend``.
         layout: ``layout_pipeline``'s checked arguments (every rank checked them before this call).
         step_names: see ``StageLink`` (TensorFlow passes False).
-        split: a graph's ``GraphSplit``: a ``GraphPipelineStage`` whose values go along the graph's
-            edges, each edge's pair of ranks with a process set too; None: a chain of stages.
+        split: the model's ``GraphSplit`` (a chain's: ``graph.chain_split``): the stage's values go along
+            its edges, each edge's pair of ranks with a process set too.
         transport: the pipeline's checked ``transport=`` (``link.check_transport``); None reads
             ``DUALFRAME_PIPELINE_TRANSPORT``.
         tied: the model's ``tied.TiedWeight``s: their holders' groups are declared with the pipeline's sets.
 
     Example:
-        >>> role = open_stage(BACKEND, layout_pipeline(4, [2, 2], 4, world_size=2))  # doctest: +SKIP
+        >>> role = open_stage(BACKEND, layout_pipeline(4, [2, 2], 4, world_size=2), split=chain_split(2))  # doctest: +SKIP
         >>> role.index, role.device                                                  # doctest: +SKIP
     """
     if not backend.split_backward and any(splits_backward(actions) for actions in layout.actions):
@@ -246,7 +247,7 @@ def open_stage(backend: "Backend[T]", layout: StageLayout, step_names: bool = Tr
     grid = layout.grid
     world = grid.replicas * grid.stages
     needed = pipeline_process_sets(world, grid.stages)
-    if split is not None and layout.virtual_stages == 1:  # a value skipping stages goes straight to its reader
+    if layout.virtual_stages == 1:  # a value skipping stages goes straight to its reader
         from dualframe.pipeline.graph_walk import edge_process_sets
 
         needed += [g for g in edge_process_sets(split, grid.pipeline_groups) if g not in needed and len(g) < world]
@@ -262,139 +263,38 @@ def open_stage(backend: "Backend[T]", layout: StageLayout, step_names: bool = Tr
     device = backend.placement.device(layout.devices[j] if layout.devices else None)
     prefix = f"dpipe{next(_IDS)}"
     # Virtual stages number each link's messages in its own block: MPI's tag bound must reach the last.
-    blocks = len(_stage_pairs(layout, split))
-    tag_chunks = layout.chunks if layout.virtual_stages == 1 else blocks * (layout.chunks + 1)
-    direct = backend.point_to_point(device, tag_chunks, prefix, transport)  # None: messages go as Horovod broadcasts
-    if layout.virtual_stages > 1:
-        from dualframe.pipeline.virtual_stage import VirtualGraphStage, VirtualPipelineStage
-
-        if split is not None:
-            return VirtualGraphStage(layout, backend.wire(device), rank, sets, prefix, step_names, direct, device,
-                                     backend, split=split)
-        return VirtualPipelineStage(layout, backend.wire(device), rank, sets, prefix, step_names, direct, device,
-                                    backend)
-    if split is not None:
-        from dualframe.pipeline.graph_walk import GraphPipelineStage
-
-        return GraphPipelineStage(layout, backend.wire(device), rank, sets, prefix, step_names, direct, device,
-                                  backend, split=split)
-    return PipelineStage(layout, backend.wire(device), rank, sets, prefix, step_names, direct, device, backend)
-
-
-def _stage_pairs(layout: StageLayout, split: Any = None) -> List[Tuple[int, int]]:
-    """The (p, c) stage pairs that exchange messages: a chain's neighbours, a graph split's edges."""
-    if split is None:
-        return [(j, j + 1) for j in range(len(layout.ranges) - 1)]
     from dualframe.pipeline.graph_walk import edge_pairs
 
-    return edge_pairs(split)
+    blocks = len(edge_pairs(split))
+    tag_chunks = layout.chunks if layout.virtual_stages == 1 else blocks * (layout.chunks + 1)
+    direct = backend.point_to_point(device, tag_chunks, prefix, transport)  # None: messages go as Horovod broadcasts
+    wire = backend.wire(device)
+    if layout.virtual_stages > 1:
+        from dualframe.pipeline.virtual_stage import VirtualGraphStage
+
+        return VirtualGraphStage(layout, wire, rank, sets, prefix, step_names, direct, device, backend, split=split)
+    from dualframe.pipeline.graph_walk import GraphPipelineStage
+
+    return GraphPipelineStage(layout, wire, rank, sets, prefix, step_names, direct, device, backend, split=split)
 
 
-def virtual_process_sets(layout: StageLayout, split: Any = None) -> List[List[int]]:
-    """The two-rank groups of every link between stages on different ranks (a graph's edges), in every replica.
+def virtual_process_sets(layout: StageLayout, split: GraphSplit) -> List[List[int]]:
+    """The two-rank groups of every edge between stages on different ranks, in every replica.
 
     Example:
+        >>> from dualframe.pipeline.graph import chain_split
         >>> from dualframe.pipeline.layout import layout_pipeline
-        >>> virtual_process_sets(layout_pipeline(6, [1] * 6, 3, "interleaved-1f1b", world=3, virtual_stages=2))
+        >>> virtual_process_sets(layout_pipeline(6, [1] * 6, 3, "interleaved-1f1b", world=3, virtual_stages=2),
+        ...                      chain_split(6))
         [[0, 1], [1, 2], [0, 2]]
     """
+    from dualframe.pipeline.graph_walk import edge_pairs
+
     groups: List[List[int]] = []
     for ranks in layout.grid.pipeline_groups:
-        for p, c in _stage_pairs(layout, split):
+        for p, c in edge_pairs(split):
             a, b = layout.placement[p], layout.placement[c]
             pair = sorted((ranks[a], ranks[b]))
             if a != b and pair not in groups:
                 groups.append(pair)
     return groups
-
-
-class StageView:
-    """What both adapters' ``DistributedPipeline`` show of their ``PipelineStage`` (``self.role``): read-only facts.
-
-    Example:
-        >>> class DistributedPipeline(StageView):                       # doctest: +SKIP
-        ...     def __init__(self, ...): self.role = PipelineStage(...)
-        >>> pipe.stage_index, pipe.is_last, pipe.timing()                 # doctest: +SKIP
-    """
-
-    role: "PipelineStage[Any]"
-
-    @property
-    def replica(self) -> int:
-        """The pipeline replica this rank belongs to."""
-        return self.role.replica
-
-    @property
-    def stage_index(self) -> int:
-        """j: the stage this rank holds (with virtual stages: its position in the pipeline, ``held_stages`` its stages)."""
-        return self.role.index
-
-    @property
-    def stages(self) -> int:
-        """n: stages per pipeline."""
-        return self.role.stages
-
-    @property
-    def actions(self) -> List[Action]:
-        """This stage's actions in one training step."""
-        return self.role.actions
-
-    @property
-    def is_first(self) -> bool:
-        """True on the rank holding stage 0 (it reads the inputs)."""
-        return self.role.is_first
-
-    @property
-    def is_last(self) -> bool:
-        """True on the rank holding the last stage (it reads the targets and computes the loss)."""
-        return self.role.is_last
-
-    @property
-    def records(self) -> RecordBook:
-        """The last steps' records on this stage (timing, measured bubble)."""
-        return self.role.records
-
-    @property
-    def pipeline_ranks(self) -> List[int]:
-        """This pipeline's ranks, in stage order."""
-        return self.role.pipeline_ranks
-
-    @property
-    def transport(self) -> str:
-        """How this pipeline's messages travel: "mpi" or "zmq" (point-to-point), or "horovod" (broadcasts)."""
-        return self.role.direct.name if self.role.direct is not None else "horovod"
-
-    @property
-    def stage_ranks(self) -> List[int]:
-        """The ranks holding this stage (one per replica)."""
-        return self.role.stage_ranks
-
-    @property
-    def pipeline_set(self) -> Any:
-        """The Horovod process set of this pipeline."""
-        return self.role.pipeline_set
-
-    @property
-    def stage_process_set(self) -> Any:
-        """The Horovod process set of this stage's replicas (None with a single replica)."""
-        return self.role.stage_process_set
-
-    def timing(self) -> str:
-        """One line for this stage: mean step seconds, computing seconds and idle share (the bubble)."""
-        return self.role.timing()
-
-    def timing_facts(self) -> TimingFacts:
-        """What ``timing_report`` needs from this rank: (replica, ``timing()``, mean busy s, mean step s)."""
-        book = self.records
-        return self.replica, self.timing(), book.mean_busy(), book.mean_wall()
-
-    def timings(self) -> List[str]:
-        """Every rank's ``timing()`` line in rank order, then each replica's pipeline bubble, on every rank.
-
-        A collective: call it on every rank.
-        """
-        backend = self.role.backend
-        if backend is None:
-            raise ValueError("timings() needs a stage opened with open_stage (it gathers over the backend)")
-        name = f"{self.role.link.prefix}.timings"
-        return timing_report(backend.collectives.allgather_object(self.timing_facts(), name=name))

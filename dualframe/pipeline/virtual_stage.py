@@ -1,26 +1,23 @@
 """One rank's several stages of a process pipeline (virtual stages), framework-neutral: their links and their step.
 
 With ``virtual_stages`` v > 1 the rank at position r of a pipeline holds the stages the schedule places
-there (``StageLayout.held``), and each of its actions names its stage (``2F3``). Every boundary between
-stage b and b + 1 that touches this rank gets its own link: a two-rank ``StageLink`` numbering its
-point-to-point messages in its own block (``link.virtual_tag_offset``), or, where both stages live on
-this rank (ZB-V's turn at the bottom of its V), a hand-over in memory. ``BoundaryLinks`` routes a
-stage-named message to its boundary, so the walk is the one-stage walk (``dualframe.pipeline.walk``).
-A graph split (``VirtualGraphStage``) gets one such link per edge (p, c) instead, walked action by action
-with the graph walk's step (``graph_walk.graph_action``).
+there (``StageLayout.held``), and each of its actions names its stage (``2F3``). Every edge (p, c) of the
+model's graph split that touches this rank's stages (a chain's: (j - 1, j)) gets its own link: a two-rank
+``StageLink`` numbering its point-to-point messages in its own block (``link.virtual_tag_offset``), or,
+where both stages live on this rank (ZB-V's turn at the bottom of its V), a hand-over in memory. Each
+action is walked with the graph walk's step (``graph_walk.graph_action``) on its stage's edges and work.
 """
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, Generic, List, Mapping, Sequence, TypeVar, Union, cast
+from typing import Any, Dict, Generic, List, Mapping, Sequence, TypeVar, Union
 
-from dualframe.backend import StageWork
 from dualframe.pipeline.action import FORWARD, Action
 from dualframe.pipeline.graph import GraphSplit
 from dualframe.pipeline.graph_walk import GraphStageWork, edge_pairs, graph_action, stage_edges
 from dualframe.pipeline.link import StageLink, virtual_tag_offset
 from dualframe.pipeline.stage import PipelineStage
-from dualframe.pipeline.walk import StageLinks, StepRecord, walk
+from dualframe.pipeline.walk import StepRecord
 
 T = TypeVar("T")
 
@@ -52,57 +49,29 @@ class LocalLink(Generic[T]):
         self._held.clear()
 
 
-def boundary(action: Action, receiving: bool) -> int:
-    """The boundary (b: between stage b and b + 1) over which ``action`` receives or sends its message.
+class VirtualGraphStage(PipelineStage[T]):
+    """A rank holding several stages (``layout.held``) of a graph split: one link per edge (p, c) touching them.
 
-    Example:
-        >>> boundary(Action("F", 0, 2), receiving=True), boundary(Action("F", 0, 2), receiving=False)
-        (1, 2)
-        >>> boundary(Action("B", 0, 2), receiving=True), boundary(Action("B", 0, 2), receiving=False)
-        (2, 1)
-    """
-    j = action.on(0)
-    if action.kind == FORWARD:
-        return j - 1 if receiving else j
-    return j if receiving else j - 1
-
-
-class BoundaryLinks(Generic[T]):
-    """The core's ``StageLinks`` for stage-named messages: ``2F3`` goes over its boundary's link as ``F3``."""
-
-    def __init__(self, links: "Mapping[int, StageLinks[T]]") -> None:
-        self.links = links
-
-    def receive(self, tag: str) -> T:
-        """Wait for ``tag`` on the link of the boundary it arrives over."""
-        action = Action.parse(tag)
-        return self.links[boundary(action, True)].receive(f"{action.kind}{action.micro}")
-
-    def send(self, tag: str, tensor: T) -> None:
-        """Send ``tensor`` as ``tag`` over the link of the boundary it leaves by."""
-        action = Action.parse(tag)
-        self.links[boundary(action, False)].send(f"{action.kind}{action.micro}", tensor)
-
-
-class VirtualPipelineStage(PipelineStage[T]):
-    """A ``PipelineStage`` whose rank holds several stages (``layout.held``), one link per boundary it touches.
-
+    Each edge gets its own link (``_pair_link``, numbered by the edge's place in ``edge_pairs``), so the
+    walk of one action is the graph walk's (``graph_walk.graph_action``) with that stage's edges and work.
     The base class's neighbour link names the step's agreement and loss; no activation travels on it.
 
     Example:
-        >>> role = open_stage(BACKEND, layout_pipeline(8, [2] * 4, 4, "zb-v", world=2, virtual_stages=2))  # doctest: +SKIP
-        >>> role.held, role.is_first, role.is_last                                                        # doctest: +SKIP
+        >>> role = open_stage(BACKEND, layout, split=split)  # a layout of virtual_stages=2     # doctest: +SKIP
+        >>> role.held, role.is_first, role.is_last                                              # doctest: +SKIP
         ([0, 3], True, True)
+        >>> record = role.step(role.actions, micro_inputs, works, train=True)  # works: {j: ...}  # doctest: +SKIP
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, split: GraphSplit, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        layout, ranks = self.layout, self.pipeline_ranks
+        layout = self.layout
         self.held: List[int] = layout.held(self.index)
         self.total = len(layout.ranges)
-        self.loss_rank = ranks[layout.placement[-1]]
-        self.boundary_links = {b: self._pair_link(b, b + 1, b, f"v{b}") for b in range(self.total - 1)
-                               if self.index in (layout.placement[b], layout.placement[b + 1])}
+        self.loss_rank = self.pipeline_ranks[layout.placement[-1]]
+        self.edges = {j: stage_edges(split, j) for j in self.held}
+        self.edge_links = {(p, c): self._pair_link(p, c, k, f"e{p}_{c}") for k, (p, c) in enumerate(edge_pairs(split))
+                           if layout.placement[p] == self.index or layout.placement[c] == self.index}
 
     def _pair_link(self, p: int, c: int, block: int, name: str) -> "Union[StageLink[T], LocalLink[T]]":
         """The link from stage p to stage c (one of them here): in memory on one rank, else a two-rank link.
@@ -132,40 +101,9 @@ class VirtualPipelineStage(PipelineStage[T]):
         return [Action(FORWARD, i, j) for j in self.held for i in range(chunks)]
 
     def step(self, actions: Sequence[Action], micro_inputs: Sequence[T],
-             work: "Union[StageWork[T], Mapping[int, StageWork[T]]]", train: bool) -> StepRecord:
-        """Walk ``actions`` (each naming its stage; ``work[j]`` runs stage j) over the boundaries' links."""
-        links: List[Any] = [self.link, *self.boundary_links.values()]
-        for link in links:
-            link.begin(self._key, backward=train, chunks=self.layout.chunks)
-        record = walk(actions, self.index, self.total, micro_inputs, work, BoundaryLinks(self.boundary_links))
-        for link in links:
-            link.finish()
-        self.records.add(record)
-        return record
-
-
-class VirtualGraphStage(VirtualPipelineStage[T]):
-    """A rank holding several stages of a graph split: one link per edge (p, c) touching its stages.
-
-    Each edge gets its own link (``_pair_link``, numbered by the edge's place in ``edge_pairs``), so the
-    walk of one action is the graph walk's (``graph_walk.graph_action``) with that stage's edges and work.
-
-    Example:
-        >>> role = open_stage(BACKEND, layout, split=split)  # a layout of virtual_stages=2     # doctest: +SKIP
-        >>> record = role.step(role.actions, micro_inputs, works, train=True)  # works: {j: ...}  # doctest: +SKIP
-    """
-
-    def __init__(self, *args: Any, split: GraphSplit, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.boundary_links = {}
-        self.edges = {j: stage_edges(split, j) for j in self.held}
-        self.edge_links = {(p, c): self._pair_link(p, c, k, f"e{p}_{c}") for k, (p, c) in enumerate(edge_pairs(split))
-                           if self.layout.placement[p] == self.index or self.layout.placement[c] == self.index}
-
-    def step(self, actions: Sequence[Action], micro_inputs: Sequence[T],
-             work: "Union[StageWork[T], Mapping[int, StageWork[T]]]", train: bool) -> StepRecord:
+             work: "Mapping[int, GraphStageWork[T]]", train: bool) -> StepRecord:
         """Walk ``actions`` (each naming its stage; ``work[j]`` runs stage j's nodes) along the edges' links."""
-        works = cast("Mapping[int, GraphStageWork[T]]", work)
+        works = work
         links: List[Any] = [self.link, *self.edge_links.values()]
         for link in links:
             link.begin(self._key, backward=train, chunks=self.layout.chunks)

@@ -1,24 +1,19 @@
-"""Walking one pipeline stage's action list: the executor both adapters share, framework-neutral.
+"""What one pipeline stage's step leaves behind and agrees on, framework-neutral: its record, timing and agreement.
 
-A stage process runs its list from ``dualframe.pipeline.schedule`` in order. ``F i`` takes micro-batch i
-(from the inputs on the first stage, from the previous stage otherwise), runs the stage and sends
-the output on; ``B i`` takes the output's gradient (from the next stage; the last stage starts from
-its loss), runs backward and sends the input's gradient back; ``W i`` (zero-bubble schedules, whose
-``B i`` computes only the input's gradient) computes the weights' gradient and sends nothing. The framework supplies the work
-(``StageWork``, declared in ``dualframe.backend``) and the transport (``StageLinks``); this module
-only walks and times.
+A stage process runs its list from ``dualframe.pipeline.schedule`` in order along the graph's edges
+(``dualframe.pipeline.graph_walk``; a chain of layers is a graph whose edges run j - 1 -> j). This module
+holds what every walk shares: the messages' ``StageLinks`` protocol, each step's ``StepRecord`` and the
+``RecordBook`` of the last ones, the pipeline's bubble, and the step agreement checked before any
+micro-batch moves.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
-from typing import Callable, List, Mapping, Optional, Protocol, Sequence, Tuple, TypeVar, Union, cast
+from typing import List, Optional, Protocol, Sequence, Tuple, TypeVar
 
-from dualframe.backend import SplitStageWork, StageWork
 from dualframe.errors import ChunksError, StrategyError
 from dualframe.pipeline.layout import MAX_DIMS
 from dualframe.pipeline.microbatch import micro_batch_sizes
-from dualframe.pipeline.action import FORWARD, WEIGHT, Action
 
 T = TypeVar("T")
 
@@ -61,56 +56,6 @@ class StepRecord:
     def bubble(self) -> float:
         """Share of the step this stage was idle (waiting): ``1 - busy / wall``."""
         return 1.0 - self.busy / self.wall if self.wall > 0 else 0.0
-
-
-def walk(
-    actions: Sequence[Action],
-    stage: int,
-    stages: int,
-    inputs: Sequence[T],
-    work: "Union[StageWork[T], Mapping[int, StageWork[T]]]",
-    links: "StageLinks[T]",
-    clock: Callable[[], float] = time.perf_counter,
-) -> StepRecord:
-    """Run stage ``stage``'s actions in order, exchanging messages with its neighbours.
-
-    Args:
-        actions: this stage's actions, e.g. ``rank_schedule("1f1b", n, m)[j]``; with virtual stages, this
-            rank's, each naming its stage (the message tags then name it too: ``2F3``).
-        stage: j, this stage's index (of actions naming none); ``stages``: n, all the pipeline's stages.
-        inputs: the micro-batches (read on the first stage only).
-        work: the framework's forward/backward of this stage; with virtual stages, per stage j.
-        links: the transport to the neighbours.
-        clock: the time source for the record.
-
-    Returns:
-        The StepRecord of this step on this stage.
-    """
-    n = stages
-    record = StepRecord(start=clock())
-    for action in actions:
-        i, tag, j = action.micro, str(action), action.on(stage)
-        w = work[j] if isinstance(work, Mapping) else work
-        if action.kind == FORWARD:
-            x = inputs[i] if j == 0 else links.receive(tag)
-            begin = clock()
-            y = w.forward(i, x)
-            record.actions.append((tag, begin, clock()))
-            if j < n - 1 and y is not None:
-                links.send(tag, y)
-        elif action.kind == WEIGHT:
-            begin = clock()
-            cast("SplitStageWork[T]", w).weight(i)  # lists with W come with a SplitStageWork
-            record.actions.append((tag, begin, clock()))
-        else:
-            grad = links.receive(tag) if j < n - 1 else None
-            begin = clock()
-            grad_input = w.backward(i, grad)
-            record.actions.append((tag, begin, clock()))
-            if j > 0 and grad_input is not None:
-                links.send(tag, grad_input)
-    record.end = clock()
-    return record
 
 
 class RecordBook:

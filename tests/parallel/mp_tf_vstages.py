@@ -1,4 +1,5 @@
-"""Keras DistributedPipeline with virtual stages on 2 processes (2 x 2 stages), interleaved 1F1B and ZB-V, against one process.
+"""Keras DistributedPipeline with virtual stages on 2 processes (2 x 2 stages), interleaved 1F1B and ZB-V, against one process:
+a list of layers and a functional model (its graph split).
 # timeout: 400
 """
 import keras
@@ -41,8 +42,8 @@ def test_bad_combinations_are_refused_on_every_rank_before_communication():
         DistributedPipeline(model, BALANCE, chunks=5, schedule="interleaved-1f1b", loss_fn="mse", virtual_stages=2)
     with pytest.raises(BalanceError, match=r"balance must describe ranks x virtual_stages stages.*\(balance: 3 stages"):
         DistributedPipeline(model, [3, 2, 2], chunks=4, schedule="zb-v", loss_fn="mse", virtual_stages=2)
-    with pytest.raises(StrategyError, match=r"virtual_stages=2 cuts a keras.Sequential or a list of layers by balance"):
-        functional = keras.Model(model.inputs, model.outputs)
+    functional = keras.Model(model.inputs, model.outputs)
+    with pytest.raises(BalanceError, match=r"balance must describe ranks x virtual_stages stages.*\(balance: 2 stages"):
         DistributedPipeline(functional, split_points=[functional.layers[3].name], chunks=4, schedule="zb-v",
                             loss_fn="mse", virtual_stages=2)
 
@@ -59,6 +60,31 @@ def test_training_equals_one_process(schedule, chunks):
     train_pipeline(pipe, keras.optimizers.SGD(0.1, momentum=0.9), data, expected_losses)
     assert_weights(pipe.gather_weights(), expected_weights)
     assert [tag for tag, _, _ in pipe.records.records[-1].actions] == [str(a) for a in pipe.actions]
+
+
+def deep_functional(seed=5):
+    """``deep_mlp`` as a functional model, cut before each Dense but the first: four stages of one Dense each."""
+    model = deep_mlp(seed)
+    functional = keras.Model(model.inputs, model.outputs)
+    return functional, [functional.layers[k].name for k in (3, 5, 7)]
+
+
+@pytest.mark.parametrize("chunks", [4, 8])
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zb-v"])
+def test_functional_model_with_virtual_stages_equals_one_process(schedule, chunks):
+    """A functional model's graph split into ranks x 2 stages: its edges' links, the schedule's placement."""
+    data = batches(STEPS, BATCH)
+    expected_losses, expected_weights = one_process(deep_mlp(), data, keras.optimizers.SGD(0.1, momentum=0.9))
+    model, split_points = deep_functional()
+    pipe = DistributedPipeline(model, split_points=split_points, chunks=chunks, schedule=schedule, loss_fn="mse",
+                               virtual_stages=2)
+    assert pipe.held_stages == HELD[schedule][hvd.rank()]
+    assert len(pipe.trainable_variables) == 4 and set(pipe._graph_functions) == set(pipe.held_stages)
+    train_pipeline(pipe, keras.optimizers.SGD(0.1, momentum=0.9), data, expected_losses)
+    assert_weights(pipe.gather_weights(), expected_weights)
+    assert [tag for tag, _, _ in pipe.records.records[-1].actions] == [str(a) for a in pipe.actions]
+    other, _ = deep_functional(seed=99)
+    check_set_weights_and_inference(pipe, other, rows=8)
 
 
 def test_inference_set_weights_and_the_refusals_of_fit_and_checkpoints(tmp_path):

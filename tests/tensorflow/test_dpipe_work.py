@@ -1,29 +1,75 @@
-"""One Keras pipeline stage's work (dualframe.tensorflow.pipeline.work), in one process: the last stage's compiled
-forward+loss+backward against one tape over the whole batch, and against the taped path."""
+"""One Keras pipeline stage's work on a chain of layers (dualframe.tensorflow.pipeline.graph_work), in one process:
+the last stage's compiled forward+loss+backward against one tape over the whole batch and against the taped path,
+ZB-H1's split passes and GPipe's batched W, each stage a graph stage of a chain (edges j - 1 -> j)."""
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from dualframe.pipeline.schedule import rank_schedule
-from dualframe.tensorflow.pipeline.work import StageFunctions, TFStageWork, deferred_weights, fusable
+from dualframe.pipeline.action import fusable
+from dualframe.pipeline.graph_walk import edge_values
+from dualframe.pipeline.schedule import deferred_weights, rank_schedule
+from dualframe.tensorflow.graph.capture import capture
+from dualframe.tensorflow.pipeline.compiled import GraphStageFunction
+from dualframe.tensorflow.pipeline.graph import process_stages
+from dualframe.tensorflow.pipeline.graph_work import TFGraphStageWork, pack, unpack
 
 SIZES = [3, 3, 2, 2]  # 10 rows in 4 micro-batches
 
 
-def run_step(layers, functions, x, y, first, schedule):
+class ChainStage:
+    """``layers`` as stage j of a chain cut as a graph: a pass-through stage before it unless first, after it unless last.
+
+    ``function`` (the compiled passes) is made at the first ``work`` after the layers are built, and kept.
+    """
+
+    def __init__(self, layers, first, last, loss=None):
+        self.layers, self.first, self.last = list(layers), first, last
+        self.loss = loss or keras.losses.MeanSquaredError()
+        before, after = [] if first else [keras.layers.Identity()], [] if last else [keras.layers.Identity()]
+        self.captured = capture(before + self.layers + after)
+        balance = [1] * len(before) + [len(self.layers)] + [1] * len(after)
+        self.split, stages = process_stages(self.captured, balance=balance)
+        self.j, self.function = len(before), None
+        self.stage = stages[self.j]
+
+    def compiled(self):
+        if self.function is None and all(layer.built for layer in self.layers):
+            self.function = GraphStageFunction(self.stage, self.split, self.j, self.captured, self.loss)
+        return self.function
+
+    def work(self, targets, weights, fused=(), split_backward=False, batch_weights=False):
+        return TFGraphStageWork(self.stage, self.split, self.j, self.captured, self.loss, targets if self.last else [],
+                                weights, "/CPU:0", self.compiled(), split_backward=split_backward, fused=fused,
+                                batch_weights=batch_weights)
+
+    def forward(self, work, i, x):
+        """F i from the previous stage's output ``x`` (the inputs on the first): the output sent on, None on the last."""
+        j = self.j
+        received = {-1: {self.split.graph.inputs[0]: x}} if self.first else {j - 1: pack([x], edge_values(self.split, j - 1, j))}
+        sent = work.forward(i, received)
+        return None if self.last else unpack(sent[j + 1])[0]
+
+    def backward(self, work, i, grad):
+        """B i from the output's gradient (None on the last): the input's gradient, None on the first."""
+        j = self.j
+        grads = {} if self.last else {j + 1: pack([grad], edge_values(self.split, j, j + 1))}
+        back = work.backward(i, grads)
+        return None if self.first else unpack(back[j - 1])[0]
+
+
+def run_step(stage, x, y, schedule):
     """One training step of a last stage over SIZES micro-batches, in the order of ``schedule``'s last stage;
     micro-batches whose backward follows their forward are fused. Returns the work and the input gradients."""
     plan = rank_schedule("gpipe" if schedule == "taped" else schedule, 2, len(SIZES))[1]
     xs, ys = tf.split(x, SIZES), tf.split(y, SIZES)
-    work = TFStageWork(layers, first, True, keras.losses.MeanSquaredError(), ys, [s / sum(SIZES) for s in SIZES],
-                       "/CPU:0", functions, fusable(plan) if schedule != "taped" else ())
+    work = stage.work(ys, [s / sum(SIZES) for s in SIZES], fusable(plan) if schedule != "taped" else ())
     input_grads = [None] * len(SIZES)
     for action in plan:
         if action.kind == "F":
-            assert work.forward(action.micro, xs[action.micro]) is None
+            assert stage.forward(work, action.micro, xs[action.micro]) is None
         else:
-            input_grads[action.micro] = work.backward(action.micro, None)
+            input_grads[action.micro] = stage.backward(work, action.micro, None)
     return work, input_grads
 
 
@@ -57,12 +103,12 @@ def test_last_stage_equals_one_tape_over_the_batch(schedule):
     rng = np.random.RandomState(0)
     x, y = tf.constant(rng.randn(10, 5).astype("float32")), tf.constant(rng.randn(10, 3).astype("float32"))
     layers = dense_stage()
-    functions = StageFunctions(layers, first=False, loss_fn=keras.losses.MeanSquaredError())
-    eager, _ = run_step(layers, functions, x, y, first=False, schedule=schedule)  # unbuilt: the eager path builds them
-    assert not eager.functions and functions.ready()
-    work, input_grads = run_step(layers, functions, x, y, first=False, schedule=schedule)
-    # 1F1B's last stage holds one micro-batch (its input gradient) at a time, GPipe's all four.
-    assert work.functions is functions and work.peak_live == (1 if schedule == "1f1b" else 4)
+    stage = ChainStage(layers, first=False, last=True)
+    eager, _ = run_step(stage, x, y, schedule)  # unbuilt: the eager path builds them
+    assert eager.function is None and stage.compiled() is not None
+    work, input_grads = run_step(stage, x, y, schedule)
+    # 1F1B's last stage holds one micro-batch (its input gradients) at a time, GPipe's all four.
+    assert work.function is stage.function and work.peak_live == (1 if schedule == "1f1b" else 4)
     loss, expected = whole_batch(layers, x, y, first=False)
     assert work.loss_sum == pytest.approx(loss, abs=1e-6)
     for got, want in zip(work.gradients + [tf.concat(input_grads, 0)], expected):
@@ -78,8 +124,7 @@ def test_embedding_gradients_summed_dense_in_the_compiled_step():
               keras.layers.Flatten()] + dense_stage(4)
     model = keras.Sequential([keras.Input((2,), dtype="int64")] + layers)
     assert model.built
-    functions = StageFunctions(layers, first=True, loss_fn=keras.losses.MeanSquaredError())
-    work, input_grads = run_step(layers, functions, ids, y, first=True, schedule="1f1b")
+    work, input_grads = run_step(ChainStage(layers, first=True, last=True), ids, y, "1f1b")
     assert input_grads == [None] * 4
     _, expected = whole_batch(layers, ids, y, first=True)
     assert isinstance(work.gradients[0], tf.Tensor)  # IndexedSlices made dense
@@ -101,7 +146,7 @@ def test_batch_norm_and_dropout_fused_as_taped():
     results = []
     for schedule in ("1f1b", "taped"):
         layers = stage()
-        work, input_grads = run_step(layers, StageFunctions(layers, False, keras.losses.MeanSquaredError()), x, y, False, schedule)
+        work, input_grads = run_step(ChainStage(layers, False, True), x, y, schedule)
         results.append((work.gradients + input_grads, layers[1].moving_mean.numpy()))
     (fused_grads, fused_mean), (taped_grads, taped_mean) = results
     assert not np.allclose(fused_mean, 0.0)
@@ -112,7 +157,7 @@ def test_batch_norm_and_dropout_fused_as_taped():
     keras.utils.set_random_seed(6)
     drop = [keras.layers.Dropout(0.5), keras.layers.Dense(3, use_bias=False, kernel_initializer="ones")]
     keras.Sequential([keras.Input((5,))] + drop)
-    work, input_grads = run_step(drop, StageFunctions(drop, False, keras.losses.MeanSquaredError()), x, y, False, "1f1b")
+    work, input_grads = run_step(ChainStage(drop, False, True), x, y, "1f1b")
     grads = tf.concat(input_grads, 0).numpy()
     assert 0 < (grads == 0).sum() < grads.size
     # The forward used the same mask: the loss and kernel gradient of x masked where the backward saw zeros.
@@ -124,18 +169,17 @@ def test_batch_norm_and_dropout_fused_as_taped():
     np.testing.assert_allclose(work.gradients[0].numpy(), tape.gradient(loss, kernel).numpy(), atol=1e-5, rtol=0)
 
 
-def stage_step(layers, functions, x, y, first, last, schedule):
+def stage_step(stage, x, y, schedule):
     """One step of stage 0 (first) or 1 (last) of 2 over SIZES micro-batches, gradients from the next stage all ones."""
-    plan = rank_schedule(schedule, 2, len(SIZES))[1 if last else 0]
+    plan = rank_schedule(schedule, 2, len(SIZES))[1 if stage.last else 0]
     xs, ys = tf.split(x, SIZES), tf.split(y, SIZES)
-    work = TFStageWork(layers, first, last, keras.losses.MeanSquaredError(), ys, [s / sum(SIZES) for s in SIZES],
-                       "/CPU:0", functions, fusable(plan))
+    work = stage.work(ys, [s / sum(SIZES) for s in SIZES], fusable(plan))
     outputs = {}
     for action in plan:
         if action.kind == "F":
-            outputs[action.micro] = work.forward(action.micro, xs[action.micro])
+            outputs[action.micro] = stage.forward(work, action.micro, xs[action.micro])
         else:
-            work.backward(action.micro, None if last else tf.ones_like(outputs[action.micro]))
+            stage.backward(work, action.micro, None if stage.last else tf.ones_like(outputs[action.micro]))
     return work
 
 
@@ -147,12 +191,13 @@ def test_no_retracing_after_the_first_step(schedule, last):
     x, y = tf.constant(rng.randn(10, 5).astype("float32")), tf.constant(rng.randn(10, 3).astype("float32"))
     layers = dense_stage(8)
     keras.Sequential([keras.Input((5,))] + layers)
-    functions = StageFunctions(layers, first=not last, loss_fn=keras.losses.MeanSquaredError())
-    first_step = stage_step(layers, functions, x, y, not last, last, schedule)
+    stage = ChainStage(layers, first=not last, last=last)
+    first_step = stage_step(stage, x, y, schedule)
+    functions = stage.function
     counts = functions.tracing_counts()
-    assert sum(counts.values()) > 0 and functions.forward.jit_compile
+    assert sum(counts.values()) > 0 and functions.call.jit_compile
     for _ in range(3):
-        work = stage_step(layers, functions, x, y, not last, last, schedule)
+        work = stage_step(stage, x, y, schedule)
         assert functions.tracing_counts() == counts
     for got, want in zip(work.gradients, first_step.gradients):  # same weights, same batch: same sums
         np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-6, rtol=0)
@@ -174,9 +219,9 @@ def test_stage_xla_cannot_compile_runs_as_plain_tf_function():
     x, y = tf.constant(rng.randn(10, 5).astype("float32")), tf.constant(rng.randn(10, 3).astype("float32"))
     layers = [HostCall()] + dense_stage(10)
     keras.Sequential([keras.Input((5,))] + layers)
-    functions = StageFunctions(layers, first=False, loss_fn=keras.losses.MeanSquaredError())
-    work, input_grads = run_step(layers, functions, x, y, first=False, schedule="1f1b")
-    assert not functions.last_step.jit_compile
+    stage = ChainStage(layers, first=False, last=True)
+    work, input_grads = run_step(stage, x, y, "1f1b")
+    assert not stage.function.last_step.jit_compile
     doubled = [keras.layers.Lambda(lambda v: v * 2.0)] + layers[1:]
     loss, expected = whole_batch(doubled, x, y, first=False)
     assert work.loss_sum == pytest.approx(loss, abs=1e-6)
@@ -184,22 +229,21 @@ def test_stage_xla_cannot_compile_runs_as_plain_tf_function():
         np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-6, rtol=0)
 
 
-def any_step(layers, functions, x, y, first, last, schedule, grad_seed=3, plan=None, batch_weights=False):
-    """One step of stage 0 or 1 of 2 in ``schedule``'s order (or ``plan``), W actions included; the next
-    stage's gradients fixed random. Returns the work and the input gradients per micro-batch."""
-    plan = plan or rank_schedule(schedule, 2, len(SIZES))[1 if last else 0]
+def any_step(stage, x, y, schedule, grad_seed=3, plan=None, batch_weights=False):
+    """One step of ``stage`` (as stage 0 or 1 of 2) in ``schedule``'s order (or ``plan``), W actions included; the
+    next stage's gradients fixed random. Returns the work and the input gradients per micro-batch."""
+    plan = plan or rank_schedule(schedule, 2, len(SIZES))[1 if stage.last else 0]
     xs, ys = tf.split(x, SIZES), tf.split(y, SIZES)
-    work = TFStageWork(layers, first, last, keras.losses.MeanSquaredError(), ys, [s / sum(SIZES) for s in SIZES],
-                       "/CPU:0", functions, fusable(plan), split=any(a.kind == "W" for a in plan),
-                       batch_weights=batch_weights)
+    work = stage.work(ys, [s / sum(SIZES) for s in SIZES], fusable(plan), split_backward=any(a.kind == "W" for a in plan),
+                      batch_weights=batch_weights)
     outputs, input_grads = {}, {}
     for action in plan:
         i = action.micro
         if action.kind == "F":
-            outputs[i] = work.forward(i, xs[i])
+            outputs[i] = stage.forward(work, i, xs[i])
         elif action.kind == "B":
-            upstream = None if last else tf.random.stateless_normal(tf.shape(outputs[i]), (grad_seed, i))
-            input_grads[i] = work.backward(i, upstream)
+            upstream = None if stage.last else tf.random.stateless_normal(tf.shape(outputs[i]), (grad_seed, i))
+            input_grads[i] = stage.backward(work, i, upstream)
         else:
             work.weight(i)
     return work, [input_grads[i] for i in range(len(SIZES))]
@@ -219,11 +263,11 @@ def test_zb_h1_b_then_w_equals_the_full_backward(first, last):
     x, y = tf.constant(rng.randn(10, 5).astype("float32")), tf.constant(rng.randn(10, 3).astype("float32"))
     layers = split_stage()
     keras.Sequential([keras.Input((5,))] + layers)
-    functions = StageFunctions(layers, first=first, loss_fn=keras.losses.MeanSquaredError())
-    full, full_inputs = any_step(layers, functions, x, y, first, last, "1f1b")
+    stage = ChainStage(layers, first=first, last=last)
+    full, full_inputs = any_step(stage, x, y, "1f1b")
     for _ in range(2):  # the second step runs the compiled split passes (the first builds nothing here: built)
-        split, split_inputs = any_step(layers, functions, x, y, first, last, "zb-h1")
-        assert split.split_passes and split.functions is functions and not split._pending
+        split, split_inputs = any_step(stage, x, y, "zb-h1")
+        assert split.split_passes and split.function is stage.function and not split._pending
         assert split.loss_sum == pytest.approx(full.loss_sum, abs=1e-6)
         for got, want in zip(split.gradients, full.gradients):
             np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-5, rtol=0)
@@ -241,10 +285,10 @@ def test_zb_h1_equals_one_tape_over_the_batch():
     x, y = tf.constant(rng.randn(10, 5).astype("float32")), tf.constant(rng.randn(10, 3).astype("float32"))
     layers = split_stage(9)
     keras.Sequential([keras.Input((5,))] + layers)
-    functions = StageFunctions(layers, first=False, loss_fn=keras.losses.MeanSquaredError())
+    stage = ChainStage(layers, first=False, last=True)
     loss, want = whole_batch(layers, x, y, first=False)
-    for _ in range(2):  # eager (unbuilt functions: taped, W adds) then compiled split passes
-        work, input_grads = any_step(layers, functions, x, y, False, True, "zb-h1")
+    for _ in range(2):  # compiled split passes, twice
+        work, input_grads = any_step(stage, x, y, "zb-h1")
         assert work.loss_sum == pytest.approx(loss, abs=1e-5)
         for got, expected in zip(work.gradients + [tf.concat(input_grads, 0)], want):
             np.testing.assert_allclose(got.numpy(), expected.numpy(), atol=1e-5, rtol=0)
@@ -262,8 +306,7 @@ def test_zb_h1_stage_with_state_runs_the_full_backward_in_b(last):
         keras.utils.set_random_seed(5)
         layers = [keras.layers.Dense(6), keras.layers.BatchNormalization(), keras.layers.Dense(3)]
         keras.Sequential([keras.Input((5,))] + layers)
-        functions = StageFunctions(layers, first=False, loss_fn=keras.losses.MeanSquaredError())
-        work, input_grads = any_step(layers, functions, x, y, False, last, schedule)
+        work, input_grads = any_step(ChainStage(layers, False, last), x, y, schedule)
         assert not work.split_passes
         results.append((work.gradients, input_grads, layers[1].moving_mean.numpy()))
     (g1, i1, m1), (g2, i2, m2) = results
@@ -272,10 +315,10 @@ def test_zb_h1_stage_with_state_runs_the_full_backward_in_b(last):
         np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-5, rtol=0)
 
 
-def gpipe_batched_step(layers, functions, x, y, first, last, grad_seed=3):
+def gpipe_batched_step(stage, x, y, grad_seed=3):
     """One GPipe step of stage 0 or 1 of 2 with the W passes batched after the last B (``deferred_weights``)."""
-    plan = deferred_weights(rank_schedule("gpipe", 2, len(SIZES))[1 if last else 0])
-    return any_step(layers, functions, x, y, first, last, "gpipe", grad_seed, plan=plan, batch_weights=True)
+    plan = deferred_weights(rank_schedule("gpipe", 2, len(SIZES))[1 if stage.last else 0])
+    return any_step(stage, x, y, "gpipe", grad_seed, plan=plan, batch_weights=True)
 
 
 def test_deferred_weights_appends_a_w_per_b():
@@ -290,10 +333,11 @@ def test_gpipe_batched_weights_equal_the_full_backward(first, last):
     x, y = tf.constant(rng.randn(10, 5).astype("float32")), tf.constant(rng.randn(10, 3).astype("float32"))
     layers = split_stage(15)
     keras.Sequential([keras.Input((5,))] + layers)
-    functions = StageFunctions(layers, first=first, loss_fn=keras.losses.MeanSquaredError())
-    full, full_inputs = any_step(layers, functions, x, y, first, last, "gpipe")
+    stage = ChainStage(layers, first=first, last=last)
+    full, full_inputs = any_step(stage, x, y, "gpipe")
+    functions = stage.function
     for step in range(3):
-        batched, batched_inputs = gpipe_batched_step(layers, functions, x, y, first, last)
+        batched, batched_inputs = gpipe_batched_step(stage, x, y)
         assert batched.batch_weights and not batched._pending and not batched._weights_due
         assert batched.peak_live == len(SIZES)
         assert batched.loss_sum == pytest.approx(full.loss_sum, abs=1e-6)
@@ -317,10 +361,9 @@ def test_gpipe_batched_weights_keep_the_taped_path_for_a_stage_with_state():
     keras.utils.set_random_seed(5)
     layers = [keras.layers.Dense(6), keras.layers.BatchNormalization(), keras.layers.Dense(3)]
     keras.Sequential([keras.Input((5,))] + layers)
-    functions = StageFunctions(layers, first=False, loss_fn=keras.losses.MeanSquaredError())
-    work = TFStageWork(layers, False, False, keras.losses.MeanSquaredError(), [], [0.5, 0.5], "/CPU:0", functions,
-                       split=False, batch_weights=True)
-    assert not functions.splittable() and not work.batch_weights
+    stage = ChainStage(layers, first=False, last=False)
+    work = stage.work([], [0.5, 0.5], split_backward=True, batch_weights=True)
+    assert not stage.function.passes.splittable() and not work.batch_weights
 
 
 class _Block(keras.layers.Layer):
@@ -340,7 +383,7 @@ def test_gpipe_batches_weights_only_where_layers_rerun_cheaply():
     blocks = [keras.layers.Dense(5), _Block()]
     for layers in (dense, blocks):
         keras.Sequential([keras.Input((5,))] + layers)
-    dense_functions = StageFunctions(dense, first=False, loss_fn=keras.losses.MeanSquaredError())
-    block_functions = StageFunctions(blocks, first=False, loss_fn=keras.losses.MeanSquaredError())
-    assert dense_functions.splittable() and dense_functions.batches_weights()
-    assert block_functions.splittable() and not block_functions.batches_weights()
+    dense_passes = ChainStage(dense, first=False, last=False).compiled().passes
+    block_passes = ChainStage(blocks, first=False, last=False).compiled().passes
+    assert dense_passes.splittable() and dense_passes.reruns_cheaply() and dense_passes.batchable()
+    assert block_passes.splittable() and not block_passes.reruns_cheaply()

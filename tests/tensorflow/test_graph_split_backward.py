@@ -12,7 +12,8 @@ import tensorflow as tf
 
 from dualframe.pipeline.clock import clock_table
 from dualframe.pipeline.microbatch import micro_batch_sizes
-from dualframe.pipeline.schedule import rank_schedule
+from dualframe.pipeline.action import fusable
+from dualframe.pipeline.schedule import batched_weights, rank_schedule
 from dualframe.tensorflow.pipeline.graph import process_stages
 from dualframe.tensorflow.graph.capture import capture
 from dualframe.tensorflow.pipeline.graph_work import GraphStageFunction, TFGraphStageWork
@@ -30,8 +31,12 @@ def side_output(seed=2):
     return keras.Model(x, [aux, out])
 
 
-def clock_walk(model, balance, inputs, chunks, schedule, compiled):
-    """The stages of ``model`` stepped in ``schedule``'s clock order: loss, gradients in model order, the works."""
+def clock_walk(model, balance, inputs, chunks, schedule, compiled, fused=False, batch_weights=False):
+    """The stages of ``model`` stepped in ``schedule``'s clock order: loss, gradients in model order, the works.
+
+    ``fused``: the last stage runs F and B of each micro-batch its list runs back to back in one call;
+    ``batch_weights``: GPipe's lists with a W per B after the last B (``batched_weights``), run as one pass.
+    """
     captured = capture(model)
     split, stages = process_stages(captured, balance=balance)
     rows = tf.nest.flatten(inputs)[0].shape[0]
@@ -39,9 +44,11 @@ def clock_walk(model, balance, inputs, chunks, schedule, compiled):
     micro = rows_of(dict(zip(split.graph.inputs, captured.flat_inputs(inputs))), sizes)
     loss = lambda _, out: loss_of(out)  # noqa: E731
     lists = rank_schedule(schedule, len(stages), chunks)
+    lists = batched_weights(lists) if batch_weights else lists
     works = [TFGraphStageWork(stage, split, j, captured, loss, [None] * chunks, [s / rows for s in sizes],
                               function=GraphStageFunction(stage, split, j, captured, loss) if compiled else None,
-                              split_backward=any(a.kind == "W" for a in lists[j]))
+                              split_backward=any(a.kind == "W" for a in lists[j]),
+                              fused=fusable(lists[j]) if fused else (), batch_weights=batch_weights)
              for j, stage in enumerate(stages)]
     forward, backward = {}, {}
     for row in clock_table(lists):
@@ -97,6 +104,31 @@ def test_zb_h1_b_then_w_equals_one_tape_over_the_model(make, balance, x, compile
     assert max(work.peak_live for work in works) <= len(works) + 1, [w.peak_live for w in works]
     if compiled:
         assert works[0].function.forward_kept.jit_compile and works[0].function.weight_pass.jit_compile
+
+
+@pytest.mark.parametrize("make, balance, x", [
+    (lambda: resnet(bn=False), [3, 1, 11], tf.random.normal((9, 8, 8, 3), seed=6)),  # skips over stage 1
+    (lambda: encoder(blocks=2), [10, 10], None),           # attention, a bool mask crossing, two outputs
+    (side_output, [4, 1], tf.random.normal((9, 4), seed=8)),  # an output made on stage 0, read by the loss only
+])
+@pytest.mark.parametrize("schedule, batch", [("gpipe", True), ("gpipe", False), ("1f1b", False)],
+                         ids=["gpipe-batched-w", "gpipe", "1f1b"])
+def test_fused_last_stage_and_gpipe_batched_weights_equal_one_tape(make, balance, x, schedule, batch):
+    """The last stage's F+loss+B in one call (its fusable micro-batches) and GPipe's W passes as one over the rows."""
+    model = make()
+    x = encoder_batch(9) if x is None else x
+    want_loss, want_grads = reference(model, x, 4)
+    counts = None
+    for _ in range(2):  # twice: the compiled passes' traces are reused
+        loss, grads, works = clock_walk(model, balance, x, 4, schedule, True, fused=True, batch_weights=batch)
+        np.testing.assert_allclose(loss, want_loss, atol=1e-5, rtol=0)
+        for variable, got, want in zip(model.trainable_variables, grads, want_grads):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0, err_msg=variable.path)
+        assert counts is None or [w.function.tracing_counts() for w in works] == counts
+        counts = [w.function.tracing_counts() for w in works]
+    assert (counts[-1]["last_step"] > 0) == (not batch), counts[-1]  # split passes replace the fused step
+    assert all((c["batched_weight_pass"] == 1) == batch for c in counts), counts
+    assert [w.batch_weights for w in works] == [batch] * len(works)
 
 
 def test_a_stage_with_batch_norm_runs_the_full_backward_in_b_and_keeps_the_statistics():

@@ -2,9 +2,10 @@
 
 The TensorFlow twin of ``dualframe.torch.DistributedPipeline``, built on the same core: arguments
 checked by ``dualframe.pipeline.layout``, per-rank action lists from ``dualframe.pipeline.schedule``, the
-walk, timing and per-step agreement from ``dualframe.pipeline.walk``. The framework parts are the
-stage's GradientTape work (``pipeline_work``; a functional model: ``graph_stage_work``, walked along the
-graph's edges by ``dualframe.pipeline.graph_walk`` as torch's is) and the Horovod transport (``pipeline_transport``).
+graph walk along a split's edges (``dualframe.pipeline.graph_walk``), timing and per-step agreement. A
+chain (a ``keras.Sequential`` or a list of layers) is a graph whose edges are (j - 1, j): one node per
+layer (``graph.capture``), cut by ``balance``; chains and functional models take one walk and one stage
+work (``graph_work.TFGraphStageWork`` over the compiled passes of ``compiled``) and the transport of ``link``.
 """
 from __future__ import annotations
 
@@ -15,28 +16,29 @@ import numpy as np
 import tensorflow as tf
 
 from dualframe.errors import BalanceError, StrategyError
-from dualframe.pipeline.action import splits_backward
+from dualframe.pipeline.action import fusable, splits_backward
 from dualframe.pipeline.schedule import Action
-from dualframe.pipeline.stage import StageView, open_stage
+from dualframe.pipeline.stage import open_stage
+from dualframe.pipeline.stage_view import StageView
 from dualframe.pipeline.walk import StepRecord
 from dualframe.pipeline.layout import layout_pipeline
-from dualframe.pipeline.schedule import batched_weights, forwards_first, virtual_count
+from dualframe.pipeline.schedule import batched_weights, forwards_first
 from dualframe.pipeline.link import check_transport
 from dualframe.tensorflow.backend import BACKEND
 from dualframe.tensorflow.collectives import hvd
 from dualframe.tensorflow.dp.optimizer import DistributedOptimizer
-from dualframe.tensorflow.pipeline.work import StageFunctions, TFStageWork, fusable
 from dualframe.tensorflow.pipeline.recompute import StageRecompute
 from dualframe.pipeline.graph import GraphSplit, stage_count
 from dualframe.tensorflow.graph.capture import KerasGraph, capture
 from dualframe.tensorflow.graph.masks import chain_mask_crossing
-from dualframe.tensorflow.pipeline.graph import process_stages
-from dualframe.tensorflow.pipeline.graph_work import GraphStageFunction, TFGraphStageWork
+from dualframe.tensorflow.pipeline.graph import GraphStage, process_stages
+from dualframe.tensorflow.pipeline.compiled import GraphStageFunction
+from dualframe.tensorflow.pipeline.graph_work import TFGraphStageWork
 from dualframe.tensorflow.pipeline.fit import KerasFit, keras_loss
 from dualframe.tensorflow.pipeline.virtual_work import VirtualStageWorks, stage_actions
 from dualframe.tensorflow.pipeline.xla import use_xla
 from dualframe.tensorflow.split.tied import TiedVariables, find_layer_tied
-from dualframe.pipeline.tied import TiedPlan, TiedWeight
+from dualframe.pipeline.tied import TiedPlan
 
 
 def _layers_of(layers: Any) -> List[Any]:
@@ -104,7 +106,6 @@ class DistributedPipeline(KerasFit, StageView):
         chunks: micro-batches per mini-batch.
         schedule: ``"gpipe"``, ``"1f1b"`` (at most ``stages`` micro-batches' tapes alive) or ``"zb-h1"``
             (1F1B's memory, the weights' gradients computed in ticks 1F1B leaves idle:
-            ``dualframe.tensorflow.pipeline.backward``; a functional model's stages:
             ``dualframe.tensorflow.pipeline.graph_backward``); with ``virtual_stages`` > 1, ``"interleaved-1f1b"``
             or ``"zb-v"`` (see torch's ``DistributedPipeline``).
         loss_fn: ``loss_fn(targets, outputs)`` in Keras order (``keras.losses.MeanSquaredError()`` or
@@ -124,9 +125,10 @@ class DistributedPipeline(KerasFit, StageView):
             or ``"except_last"`` (every micro-batch but the last): such a micro-batch's forward runs without a
             tape, keeping only its input, and again under a tape when its backward starts (the same Dropout
             masks; moving statistics updated once). Results equal those without it.
-        virtual_stages: stages each rank holds (a Sequential or a list of layers): ``balance`` then lists all
-            ``ranks x virtual_stages`` stages and the schedule places them (``held_stages``). ``fit`` and stage
-            checkpoints take one stage per rank yet (they refuse by name).
+        virtual_stages: stages each rank holds: ``balance`` (a functional model: or ``split_points``, ``stages``)
+            then describes all ``ranks x virtual_stages`` stages and the schedule places them (``held_stages``).
+            ``fit``, stage checkpoints and a functional model's weights read by several stages take one stage
+            per rank yet (they refuse by name).
 
     Raises:
         BalanceError, ChunksError, ScheduleError, StrategyError: bad arguments, on every rank, before
@@ -149,35 +151,32 @@ class DistributedPipeline(KerasFit, StageView):
         transport = check_transport(transport)
         if jit_compile is not None and not isinstance(jit_compile, bool):
             raise StrategyError(f"jit_compile must be None, True or False (jit_compile: {jit_compile!r})")
-        captured = _graph_of(layers)
         loss_fn = keras_loss(loss_fn)
         world = BACKEND.collectives.world_size()
-        tied: List[TiedWeight] = []
-        self.captured = captured
-        self.split: Optional[GraphSplit] = None
-        if captured is None:
+        captured = _graph_of(layers)
+        if captured is None:  # a chain: a graph of one node per layer, cut by balance (edges j - 1 -> j)
             if split_points is not None or stages is not None:
                 raise BalanceError("split_points= and stages= cut a functional keras.Model; a list of layers "
                                    "takes balance=[layers per stage]")
             if balance is None:
                 raise BalanceError("give balance=[layers per stage] to split a list of layers")
-            all_layers: List[Any] = _layers_of(layers)
-            layout = layout_pipeline(len(all_layers), balance, chunks, schedule, loss_fn, devices, data_parallel,
+            chain = _layers_of(layers)
+            layout = layout_pipeline(len(chain), balance, chunks, schedule, loss_fn, devices, data_parallel,
                                      timeout, world, checkpoint, virtual_stages)
-            ranges = layout.ranges
-            _refuse_masks_crossing(all_layers, ranges)
-        elif virtual_count(virtual_stages) > 1:
-            raise StrategyError(f"virtual_stages={virtual_stages} cuts a keras.Sequential or a list of layers by "
-                                f"balance; a functional model's graph split holds one stage per rank; use "
-                                f"virtual_stages=1 there")
+            _refuse_masks_crossing(chain, layout.ranges)
+            captured = capture(layers if isinstance(layers, keras.Sequential) else chain)
         else:  # a functional model: one GraphStage per stage, the same cut on every rank
             n = stage_count(split_points, balance, stages)
             layout = layout_pipeline(n, [1] * n, chunks, schedule, loss_fn, devices, data_parallel, timeout, world,
-                                     checkpoint)
-            self.split, all_layers = process_stages(captured, split_points=split_points, balance=balance,
-                                                    stages=stages)
-            tied = find_layer_tied(captured, self.split)  # variables several stages read: each holds a copy
-            ranges = [range(k, k + 1) for k in range(len(all_layers))]
+                                     checkpoint, virtual_stages)
+        self.captured: KerasGraph = captured
+        self.split: GraphSplit
+        self.split, all_layers = process_stages(captured, split_points=split_points, balance=balance, stages=stages)
+        tied = find_layer_tied(captured, self.split)  # variables several stages read: each holds a copy
+        if tied and layout.virtual_stages > 1:
+            raise StrategyError(f"layer weights read by several stages ({tied[0].key!r}: stages "
+                                f"{list(tied[0].stages)}) with virtual_stages={layout.virtual_stages} are not "
+                                "available yet; use virtual_stages=1 or a cut where one stage reads them")
         self.chunks, self.schedule, self.grid, self.checkpoint = chunks, layout.schedule, layout.grid, layout.checkpoint
         self.loss_fn, self.timeout = loss_fn, timeout
         # From here on, Horovod: every argument above is checked on every rank.
@@ -187,28 +186,22 @@ class DistributedPipeline(KerasFit, StageView):
         j = self.role.index
         #: The stages this rank holds (one, j = stage_index, unless virtual_stages > 1).
         self.held_stages = layout.held(j)
-        self.layer_indices: Sequence[int] = ranges[j] if len(self.held_stages) == 1 else [
-            k for held in self.held_stages for k in ranges[held]]
-        self.layers = [all_layers[index] for index in self.layer_indices]
-        self._stage_ranges = {held: ranges[held] for held in self.held_stages}
+        self.layer_indices: Sequence[int] = self.held_stages
+        self.layers: List[GraphStage] = [all_layers[index] for index in self.layer_indices]
         self._all_layers = all_layers
         #: The model given (saved whole by ``fit``'s checkpoints), None for a list of layers.
         self.keras_model = layers if isinstance(layers, keras.Model) else None
         self.tied = TiedVariables(TiedPlan.build(tied, layout.grid, BACKEND.collectives.rank()), self.trainable_variables,
                                   self.role.sets, self.role.link.prefix, timeout)
         self.tied.broadcast()
-        # One trace per training flag and (relaxed) input shape, kept across steps (see pipeline_work,
-        # graph_stage_work): each micro-batch's pass is one compiled call.
-        jit_compile = use_xla(jit_compile, self.layers, self.device)
-        self._functions = (StageFunctions(self.layers, self.is_first, loss_fn, jit_compile)
-                           if self.split is None and len(self.held_stages) == 1 else None)
-        self._stage_functions = {held: StageFunctions([all_layers[k] for k in ranges[held]], held == 0, loss_fn,
-                                                      jit_compile) for held in self.held_stages} \
-            if len(self.held_stages) > 1 else {}
-        self._graph_function = (None if self.split is None or self.captured is None else GraphStageFunction(
-            self.layers[0], self.split, j, self.captured, loss_fn, jit_compile))
+        # One trace per training flag and (relaxed) input shape, kept across steps (see compiled): each
+        # micro-batch's pass is one compiled call, made once every layer is built (before: eagerly).
+        self._jit_compile = use_xla(jit_compile, self.layers, self.device)
+        #: The compiled passes, per stage this rank holds (empty until the stage's layers are built).
+        self._graph_functions: Dict[int, GraphStageFunction] = {}
+        self._compile_stages()
         # A graph stage calls its own layers and its copies of tied ones: the Keras layers whose state a replay needs.
-        called = self.layers if self.split is None else self.layers[0].layers + self.layers[0].tied
+        called = [c for stage in self.layers for c in stage.layers + stage.tied]
         self._recompute = StageRecompute(called, layout.recomputed) if layout.recomputed else None
         self.gradients: List[Optional[tf.Tensor]] = []
         self.peak_live = 0
@@ -217,6 +210,18 @@ class DistributedPipeline(KerasFit, StageView):
         self.batch_weights = True
         self._batched_actions = (batched_weights(layout.actions)[j] if forwards_first(layout.actions)
                                  and not splits_backward(layout.actions[j]) else None)
+
+    def _compile_stages(self) -> None:
+        """Make the held stages' compiled passes once their layers are built (variables exist only then)."""
+        if not self._graph_functions and all(layer.built for stage in self.layers for layer in stage.layers):
+            self._graph_functions = {held: GraphStageFunction(self._all_layers[held], self.split, held, self.captured,
+                                                              self.loss_fn, self._jit_compile)
+                                     for held in self.held_stages}
+
+    @property
+    def _graph_function(self) -> Optional[GraphStageFunction]:
+        """The compiled passes of this rank's own stage (``stage_index``) of a graph."""
+        return self._graph_functions.get(self.stage_index)
 
     @property
     def all_layers(self) -> List[Any]:
@@ -239,7 +244,7 @@ class DistributedPipeline(KerasFit, StageView):
 
     def set_weights(self, weights: Sequence[Any]) -> None:
         """Take this stage's part of the full model's ``get_weights()`` list (layers must be built)."""
-        if not all(layer.built for layer in self._all_layers):
+        if not all(layer.built for stage in self._all_layers for layer in stage.layers):
             raise StrategyError("set_weights needs the full model built: give the keras.Sequential a keras.Input")
         counts = [len(layer.weights) for layer in self._all_layers]
         if len(weights) != sum(counts):
@@ -247,9 +252,8 @@ class DistributedPipeline(KerasFit, StageView):
         for index, layer in zip(self.layer_indices, self.layers):
             start = sum(counts[:index])
             layer.set_weights(list(weights[start:start + len(layer.weights)]))
-        if self.split is not None:  # this graph stage's copies of tied layers
-            for tied, values in _tied_parts(self._all_layers, self.layers, weights):
-                tied.set_weights(values)
+        for tied, values in _tied_parts(self._all_layers, self.layers, weights):  # this stage's copies of tied layers
+            tied.set_weights(values)
 
     def gather_weights(self) -> List[np.ndarray]:
         """The full model's weights, merged from every stage of this pipeline (a collective: call it on all ranks)."""
@@ -275,50 +279,24 @@ class DistributedPipeline(KerasFit, StageView):
         """``optimizer.apply_gradients`` on the last step's gradients and the stage's variables."""
         optimizer.apply_gradients([(g, v) for g, v in zip(self.gradients, self.trainable_variables) if g is not None])
 
-    def _run(self, actions: Sequence[Action], inputs: Any, targets: Any, train: bool) -> Tuple[Any, StepRecord]:
-        targets = None if targets is None or not self.is_last else tf.convert_to_tensor(targets)
-        if self.split is not None:
-            return self._run_graph(actions, inputs, targets, train)
-        inputs = None if inputs is None or not self.is_first else tf.convert_to_tensor(inputs)
-        sizes = self.role.agree(inputs, targets, train)
-        micro_inputs, micro_targets = self.role.micro_batches(inputs, targets, sizes, train)
-        if self._stage_functions:
-            return self._run_virtual(actions, micro_inputs, micro_targets, [s / sum(sizes) for s in sizes], train)
-        batch_weights = self._batches_weights(actions, train)
-        if batch_weights:  # W actions send nothing: each stage decides alone
-            assert self._batched_actions is not None
-            actions = self._batched_actions
-        work = TFStageWork(self.layers, self.is_first, self.is_last, self.loss_fn if train else None,
-                           micro_targets, [s / sum(sizes) for s in sizes], self.device, self._functions, fusable(actions),
-                           split=splits_backward(actions), batch_weights=batch_weights, recompute=self._recompute)
-        return work, self.role.step(actions, micro_inputs, work, train)
-
-    def _run_virtual(self, actions: Sequence[Action], micro_inputs: Any, micro_targets: Any, weights: List[float],
-                     train: bool) -> Tuple[VirtualStageWorks, StepRecord]:
-        """Walk this rank's stages (virtual stages): one ``TFStageWork`` per stage, over its own functions."""
-        last = len(self.role.layout.ranges) - 1
-        works = {j: TFStageWork([self._all_layers[k] for k in self._stage_ranges[j]], j == 0, j == last,
-                                self.loss_fn if train else None, micro_targets if j == last else [], weights,
-                                self.device, functions, fusable(stage_actions(actions, j)),
-                                split=splits_backward(actions)) for j, functions in self._stage_functions.items()}
-        joined = VirtualStageWorks(works, last)
-        return joined, self.role.step(actions, micro_inputs, works, train)
-
     def _batches_weights(self, actions: Sequence[Action], train: bool) -> bool:
         """Whether this step runs GPipe's W passes as one after its last B (``schedule.batched_weights``).
 
-        Only on a stage whose split passes run (built, no layer with state) and re-run cheaply (no layer
-        owning weights through sublayers, ``split_backward.reruns_cheaply``), and only where every forward
-        runs before any backward (GPipe, ``schedule.forwards_first``): 1F1B would have to keep every
-        micro-batch's layer inputs until the end, GPipe's memory; and not with checkpointing, whose point
-        is to keep no more than their inputs.
+        Only where every forward runs before any backward (GPipe, ``schedule.forwards_first``: 1F1B would
+        have to keep every micro-batch's layer inputs until the end, GPipe's memory), on compiled stages
+        whose split passes run (``splittable``: no layer with state) and re-run cheaply (no node owning
+        weights through sublayers, ``reruns_cheaply``) over rows (``batchable``), and not with
+        checkpointing, whose point is to keep no more than their inputs.
         """
-        return (train and self._batched_actions is not None and self.batch_weights and self._functions is not None
-                and self._recompute is None and self._functions.batches_weights())
+        if not (train and self._batched_actions is not None and self.batch_weights and self._recompute is None
+                and self._graph_functions):
+            return False
+        passes = [f.passes for f in self._graph_functions.values()]
+        return all(p.splittable() and p.reruns_cheaply() and p.batchable() for p in passes)
 
-    def _run_graph(self, actions: Sequence[Action], inputs: Any, targets: Any,
-                   train: bool) -> Tuple[TFGraphStageWork, StepRecord]:
-        assert self.split is not None and self.captured is not None
+    def _run(self, actions: Sequence[Action], inputs: Any, targets: Any, train: bool) -> Tuple[Any, StepRecord]:
+        """One step's walk of this rank's stages (a ``TFGraphStageWork`` each) on the agreed micro-batches."""
+        targets = None if targets is None or not self.is_last else tf.convert_to_tensor(targets)
         values: Dict[str, Any] = {}
         if self.is_first and inputs is not None:
             flat = [tf.convert_to_tensor(v) for v in self.captured.flat_inputs(inputs)]
@@ -328,11 +306,22 @@ class DistributedPipeline(KerasFit, StageView):
         parts = {name: tf.split(value, sizes) for name, value in values.items()}
         micro_inputs = [{name: part[i] for name, part in parts.items()} for i in range(len(sizes))] if values else []
         micro_targets = tf.split(targets, sizes) if train and targets is not None else []
-        work: Any = TFGraphStageWork(self.layers[0], self.split, self.stage_index, self.captured,
-                                self.loss_fn if train else None, micro_targets, [s / sum(sizes) for s in sizes],
-                                self.device, self._graph_function, split_backward=splits_backward(actions),
-                                recompute=self._recompute)
-        return work, self.role.step(actions, micro_inputs, work, train)
+        self._compile_stages()
+        batch_weights = self._batches_weights(actions, train)
+        if batch_weights:  # W actions send nothing: each stage decides alone
+            assert self._batched_actions is not None
+            actions = self._batched_actions
+        last = len(self.role.layout.ranges) - 1
+        works: Dict[int, Any] = {j: TFGraphStageWork(
+            self._all_layers[j], self.split, j, self.captured, self.loss_fn if train else None,
+            micro_targets if j == last else [], [s / sum(sizes) for s in sizes], self.device,
+            self._graph_functions.get(j), split_backward=splits_backward(actions), recompute=self._recompute,
+            fused=fusable(stage_actions(actions, j) if len(self.held_stages) > 1 else actions),
+            batch_weights=batch_weights) for j in self.held_stages}
+        if len(works) == 1:
+            work = works[self.stage_index]
+            return work, self.role.step(actions, micro_inputs, work, train)
+        return VirtualStageWorks(works, last), self.role.step(actions, micro_inputs, works, train)
 
     def train_step(self, inputs: Any, targets: Any) -> float:
         """Run one mini-batch forward and backward through the pipeline; the stage's gradients land in ``gradients``.
@@ -353,6 +342,4 @@ class DistributedPipeline(KerasFit, StageView):
         work, _ = self._run(self.role.forward_actions(self.chunks), inputs, None, train=False)
         if not self.is_last:
             return None
-        if self.captured is None or self.split is None:
-            return BACKEND.batches.concat(work.outputs)
         return self.captured.pack_outputs([BACKEND.batches.concat(list(parts)) for parts in zip(*work.outputs)])

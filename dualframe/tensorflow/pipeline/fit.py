@@ -21,11 +21,10 @@ from dualframe.errors import DataError, StrategyError
 from dualframe.pipeline.fit_plan import check_same
 from dualframe.tensorflow.collectives import hvd
 from dualframe.tensorflow.functions import broadcast_variables
-from dualframe.tensorflow.pipeline.graph_work import GraphStageFunction
+from dualframe.tensorflow.pipeline.compiled import GraphStageFunction
 from dualframe.tensorflow.pipeline.callbacks import (PipelineModel, agree_stop, decides_per_batch, is_reporter,
                                                      rank_callbacks)
 from dualframe.tensorflow.pipeline.data import PipelineData, replica_share, split_validation
-from dualframe.tensorflow.pipeline.work import StageFunctions
 
 
 def _metric(spec: Any) -> keras.metrics.Metric:
@@ -69,12 +68,8 @@ def _use_loss(pipe: Any, loss: Any) -> None:
     if loss is pipe.loss_fn:
         return
     pipe.loss_fn = loss
-    if pipe._functions is not None:
-        pipe._functions = StageFunctions(pipe.layers, pipe.is_first, loss, pipe._functions.forward.jit_compile)
-    old = pipe._graph_function
-    if old is not None:
-        pipe._graph_function = GraphStageFunction(old.stage, old.split, pipe.stage_index, old.captured, loss,
-                                                  old.call.jit_compile)
+    pipe._graph_functions = {j: GraphStageFunction(old.stage, old.split, j, old.captured, loss, old.call.jit_compile)
+                             for j, old in pipe._graph_functions.items()}
 
 
 @dataclass

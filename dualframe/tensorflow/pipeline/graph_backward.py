@@ -1,7 +1,8 @@
 """A Keras graph stage's backward in two passes, for zero-bubble schedules: the inputs' gradients now, the weights' later.
 
-The graph twin of ``dualframe.tensorflow.pipeline.backward`` (a list of layers), node by node instead of
-layer by layer. A graph stage runs a range of the functional model's nodes (``distributed_graph.GraphStage``);
+TensorFlow cannot keep a tape across two compiled (XLA) calls, and the tape's gradient of a compiled call
+runs that call's whole backward whatever was asked, so a persistent tape gives no split; the passes work
+node by node instead (a chain's node is one layer). A graph stage runs a range of the functional model's nodes (``distributed_graph.GraphStage``);
 a node is one call of a layer (or a Keras op) on named values, and may read values made by earlier
 nodes of the stage, values received from earlier stages, and model inputs. For the same reason as
 there (a tape cannot live across two compiled calls, and a tape over a compiled call runs its whole
@@ -52,7 +53,7 @@ def _summed(a: Optional[tf.Tensor], b: Any) -> Optional[tf.Tensor]:
 
 
 class GraphSplitPasses:
-    """The python bodies of one graph stage's split passes (compiled by ``graph_stage_work.GraphStageFunction``).
+    """The python bodies of one graph stage's split passes (compiled by ``compiled.GraphStageFunction``).
 
     Args:
         stage: the ``GraphStage`` (its nodes, its trainable weights in the gradients' order).
@@ -91,12 +92,39 @@ class GraphSplitPasses:
     def splittable(self) -> bool:
         """Whether re-running each node from its kept inputs gives the forward's values (no layer with state).
 
+        A layer not built yet (a chain's first step) has no weights to split yet: not splittable either.
+
         Example:
             >>> GraphSplitPasses(stage, split, 1, captured, None).splittable()   # doctest: +SKIP
             True
         """
-        return not any(getattr(self.captured.calls[k].operation, "non_trainable_variables", None)  # type: ignore[union-attr]
-                       for k in self.nodes)
+        operations = [self.captured.calls[k].operation for k in self.nodes]  # type: ignore[union-attr]
+        return all(getattr(op, "built", True) and not getattr(op, "non_trainable_variables", None) for op in operations)
+
+    def reruns_cheaply(self) -> bool:
+        """Whether each node that owns weights owns them itself (a ``Dense``), none through sublayers (a block).
+
+        B re-runs every node and W every owner: for a ``Dense`` the re-run product is dead code, but a
+        block with weighted sublayers re-runs its whole forward in B and again in W (its weights' gradient
+        needs its whole backward). A ``keras_hub.layers.TransformerEncoder`` stage split so computed 1.5x
+        the taped step (``scripts/bench_stage_cpu_tf.py``), so GPipe does not batch its W passes there.
+        """
+        return not any(inner.trainable_weights for k, _, _ in self.owners
+                       for inner in self.captured.calls[k].operation._flatten_layers(  # type: ignore[union-attr]
+                           include_self=False, recursive=True))
+
+    def batchable(self) -> bool:
+        """Whether W of several micro-batches is one W over their rows: every owner's values batch-first.
+
+        A chain's values are (each layer takes and returns one tensor, batch first); a functional model's
+        must have an unknown first dimension in the model's symbolic specs.
+        """
+        if not self.captured.functional:
+            return True
+        graph = self.captured.graph
+        values = [v for k, _, _ in self.owners for v in graph.nodes[k].inputs + graph.nodes[k].outputs]
+        specs = [self.captured.specs.get(v) for v in values]
+        return all(spec is not None and len(spec.shape) > 0 and spec.shape[0] is None for spec in specs)
 
     def _run(self, values: Dict[str, Any]) -> Dict[str, Any]:
         values = dict(values)
@@ -122,7 +150,7 @@ class GraphSplitPasses:
             outs = [grads.get(v) for v in node.outputs]
             if k in owned:
                 owner_grads[k] = outs
-            wanted = [v for v in node.inputs if kept[v].dtype.is_floating and self._wanted(v)]
+            wanted = [v for v in node.inputs if kept[v].dtype.is_floating and self.wanted(v)]
             if all(g is None for g in outs) or not wanted:
                 continue
             found = self._node_gradients(k, kept, outs, [kept[v] for v in wanted])
@@ -130,7 +158,7 @@ class GraphSplitPasses:
                 grads[v] = _summed(grads.get(v), g)
         return {v: grads.get(v) for v in self.received}, [owner_grads[k] for k, _, _ in self.owners]
 
-    def _wanted(self, value: str) -> bool:
+    def wanted(self, value: str) -> bool:
         """Whether B needs the gradient of ``value``: made in the stage, or received (model inputs never need one)."""
         return value in self.made or value not in self.split.graph.inputs
 
@@ -156,7 +184,7 @@ class GraphSplitPasses:
                         ) -> Tuple[Any, Dict[str, Any], Dict[str, Any], OwnerGradients]:
         """F and B of the last stage in one tape: weighted loss, received values' gradients, owners' inputs and output gradients."""
         assert self.loss_fn is not None
-        sources = [v for v in self.received if values[v].dtype.is_floating and self._wanted(v)]
+        sources = [v for v in self.received if values[v].dtype.is_floating and self.wanted(v)]
         with tf.GradientTape() as tape:
             tape.watch([values[v] for v in sources])
             values = self._run(values)
@@ -190,3 +218,22 @@ class GraphSplitPasses:
             return gradients
         return [a if b is None else b if a is None else a + b for a, b in zip(sums, gradients)]
 
+    def batched_weight_pass(self, inputs: Sequence[Dict[str, Any]], owner_grads: Sequence[OwnerGradients],
+                            sums: Optional[Gradients]) -> Gradients:
+        """W of several micro-batches at once: their owners' inputs and output gradients concatenated by rows.
+
+        A weight's gradient is a sum over rows (``x.T @ dy`` for a ``Dense``), so one pass over the rows of
+        every micro-batch gives the sum of their W passes, as one product of the mini-batch's rows.
+        ``inputs[i]``, ``owner_grads[i]``: micro-batch i's ``owner_inputs`` and B's output gradients; an
+        output whose gradient some micro-batches lack (None) makes the passes run one by one.
+        """
+        mixed = any(len({g is None for g in column}) > 1
+                    for per_owner in zip(*owner_grads) for column in zip(*per_owner))
+        if len(inputs) == 1 or mixed:
+            for one, grads in zip(inputs, owner_grads):
+                sums = self.weight_pass(one, grads, sums)
+            return sums  # type: ignore[return-value]
+        joined = {v: tf.concat([one[v] for one in inputs], 0) for v in inputs[0]}
+        joined_grads = [[None if column[0] is None else tf.concat(list(column), 0) for column in zip(*per_owner)]
+                        for per_owner in zip(*owner_grads)]
+        return self.weight_pass(joined, joined_grads, sums)

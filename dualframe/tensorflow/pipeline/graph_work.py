@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import nullcontext
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Collection, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -19,9 +19,9 @@ from dualframe.pipeline.graph_walk import edge_values, stage_edges
 from dualframe.pipeline import message
 from dualframe.tensorflow.graph.capture import KerasGraph
 from dualframe.tensorflow.pipeline.graph import GraphStage
+from dualframe.tensorflow.pipeline.compiled import Gradients, GraphStageFunction, dense, summed
 from dualframe.tensorflow.pipeline.graph_backward import GraphSplitPasses
 from dualframe.tensorflow.pipeline.link import DTYPES, tf_dtype_code
-from dualframe.tensorflow.pipeline.work import Gradients, _Compiled, _dense, _summed
 from dualframe.tensorflow.pipeline.recompute import StageRecompute
 
 _LOG = logging.getLogger(__name__)
@@ -59,50 +59,6 @@ def unpack(raw: Any) -> List[tf.Tensor]:
                                  .reshape(p.shape)) for p in layout.parts]
 
 
-class GraphStageFunction:
-    """Stage j's nodes (and on the last stage the weighted loss) as one compiled call, made once per pipeline.
-
-    ``call(values, training, target, weight)`` runs the stage on ``values`` (what it reads, by value
-    name) and returns (the values for each later stage, by stage; the weighted loss on the last stage
-    when training, else None; the model's outputs on the last stage when not training, else None).
-    Compiled with XLA where XLA compiles the stage (``pipeline_work._Compiled``); a tape records the
-    call as one op, and its backward is one compiled call too. Traced once per input shape and mode.
-    ``forward_kept``, ``input_pass``, ``last_input_pass`` and ``weight_pass`` are the split backward's F,
-    B, F+B of the last stage and W (``dualframe.tensorflow.pipeline.graph_backward``), compiled alike.
-
-    Example:
-        >>> function = GraphStageFunction(stage, split, 1, captured, keras.losses.get("mse"))        # doctest: +SKIP
-        >>> sent, loss, _ = function.call({"h": h}, True, y, tf.constant(0.5, tf.float64))           # doctest: +SKIP
-    """
-
-    def __init__(self, stage: GraphStage, split: GraphSplit, j: int, captured: KerasGraph,
-                 loss_fn: Optional[Callable[[Any, Any], Any]], jit_compile: bool = True) -> None:
-        self.stage, self.split, self.captured, self.loss_fn = stage, split, captured, loss_fn
-        self.last = j == split.stages - 1
-        self.outgoing = {c: edge_values(split, j, c) for c in stage_edges(split, j).targets}
-        self.call = _Compiled(self._call, jit_compile)
-        self.accumulate = _Compiled(_summed, jit_compile)
-        self.passes = GraphSplitPasses(stage, split, j, captured, loss_fn)
-        self.forward_kept = _Compiled(self.passes.forward_kept, jit_compile)
-        self.input_pass = _Compiled(self.passes.input_pass, jit_compile)
-        self.last_input_pass = _Compiled(self.passes.last_input_pass, jit_compile)
-        self.weight_pass = _Compiled(self.passes.weight_pass, jit_compile)
-
-    def _call(self, values: Dict[str, Any], training: bool, target: Any,
-              weight: Any) -> Tuple[Dict[int, List[Any]], Any, Optional[List[Any]]]:
-        values = dict(values)
-        self.stage.run(values, training)
-        sent = {c: [values[v] for v in names] for c, names in self.outgoing.items()}
-        if not self.last:
-            return sent, None, None
-        flat = [values[v] for v in self.split.graph.outputs]
-        if not training:
-            return sent, None, flat
-        assert self.loss_fn is not None
-        loss = tf.reduce_mean(self.loss_fn(target, self.captured.pack_outputs(flat)))
-        return sent, loss * tf.cast(weight, loss.dtype), None
-
-
 class TFGraphStageWork:
     """Forward and backward of stage j of a graph split on micro-batch i, each micro-batch under its own tape.
 
@@ -122,6 +78,14 @@ class TFGraphStageWork:
     keeping only the values the stage read, and again under a tape at the start of its backward (the
     last stage's F+B of a split backward keep nothing and run as before).
 
+    On the last stage, a micro-batch in ``fused`` (its backward directly follows its forward in the
+    schedule: all with 1F1B, the last one with GPipe) runs forward, loss and backward in one compiled
+    call at forward time (``GraphStageFunction.last_step``), keeping only the received values' gradients
+    until its backward sends them; the others are taped, so that GPipe's backward messages still flow
+    one by one. With ``batch_weights`` too (GPipe with ``schedule.batched_weights``: a W action per
+    micro-batch after the last B), the W actions wait until every micro-batch's has come and run as one
+    ``batched_weight_pass`` over their rows.
+
     Example:
         >>> work = TFGraphStageWork(stage, split, 1, captured, loss, [y0], [1.0])   # doctest: +SKIP
         >>> messages = work.forward(0, {0: message}); work.backward(0, {})          # doctest: +SKIP
@@ -130,10 +94,13 @@ class TFGraphStageWork:
     def __init__(self, stage: GraphStage, split: GraphSplit, j: int, captured: KerasGraph,
                  loss_fn: Optional[Callable[[Any, Any], Any]], targets: Sequence[Any], weights: Sequence[float],
                  device: Optional[str] = None, function: Optional[GraphStageFunction] = None,
-                 split_backward: bool = False, recompute: Optional[StageRecompute] = None) -> None:
+                 split_backward: bool = False, recompute: Optional[StageRecompute] = None,
+                 fused: Collection[int] = (), batch_weights: bool = False) -> None:
         self.stage, self.split, self.j, self.captured, self.device = stage, split, j, captured, device
         self.function, self.recompute = function, recompute
         self.split_backward = split_backward and loss_fn is not None
+        self.last = j == split.stages - 1
+        self.fused = set(fused) if self.last and function is not None and not self.split_backward else set()
         # The compiled passes, or (no function: eager, as the stage's forward) their python bodies.
         self.bodies = function.passes if function is not None else GraphSplitPasses(stage, split, j, captured, loss_fn)
         self.passes: Any = function if function is not None else self.bodies
@@ -144,8 +111,9 @@ class TFGraphStageWork:
                          "re-run in two passes: B runs the whole backward, W only adds it (no zero-bubble gain)")
         # i -> what W i needs: ("sums", the weights' gradients) or ("split", owners' inputs, their output gradients)
         self._pending: Dict[int, Tuple[Any, ...]] = {}
+        self.batch_weights = batch_weights and self.split_passes and function is not None
+        self._weights_due: List[int] = []  # W actions come, waiting for the batched pass
         self.loss_fn, self.targets, self.weights = loss_fn, list(targets), list(weights)
-        self.last = j == split.stages - 1
         edges = stage_edges(split, j)
         self.incoming = {p: edge_values(split, p, j) for p in edges.sources}
         self.outgoing = {c: edge_values(split, j, c) for c in edges.targets}
@@ -162,6 +130,8 @@ class TFGraphStageWork:
         held: Dict[int, List[Any]] = {p: unpack(received[p]) for p in self.incoming}
         if self.split_passes and not (self.recompute is not None and i in self.recompute and not self.last):
             return self._forward_split(i, values, held)
+        if training and i in self.fused:  # keeps nothing a checkpoint would save
+            return self._last_step(i, values, held)
         if not training or self.recompute is None or i not in self.recompute:
             return self._forward_taped(i, values, held, training)
         self.recompute.forward(i)  # checkpointed: no tape, only what the stage read is kept
@@ -193,6 +163,18 @@ class TFGraphStageWork:
             self.loss_sum += float(loss)
         self._keep(i, (tape, held, sent, loss))
         return messages
+
+    def _last_step(self, i: int, values: Dict[str, Any], held: Dict[int, List[Any]]) -> Dict[int, tf.Tensor]:
+        """F and B i of the last stage in one compiled call: the loss, the sums, the received values' gradients kept."""
+        assert self.function is not None
+        for p, names in self.incoming.items():
+            values.update(zip(names, held[p]))
+        with tf.device(self.device):
+            loss, self.gradients, grads = self.function.last_step(
+                values, self.targets[i], tf.constant(self.weights[i], tf.float64), self.gradients or None)
+        self.loss_sum += float(loss)
+        self._keep(i, ("done", held, grads))
+        return {}
 
     def _replay(self, i: int, held: Dict[int, List[Any]], values: Dict[str, Any]) -> Tuple[Any, ...]:
         """A checkpointed micro-batch's forward again, keeping what its backward needs (as F i would have)."""
@@ -292,17 +274,35 @@ class TFGraphStageWork:
 
     def weight(self, i: int) -> None:
         """W i: micro-batch i's weights' gradient added to the step's sums (after its backward)."""
+        if self.batch_weights:
+            self._weights_due.append(i)
+            if len(self._weights_due) == len(self.weights):
+                self._batched_weights()
+            return
         pending = self._pending.pop(i)
         if pending[0] == "sums":
             self._add(pending[1])
             return
         with tf.device(self.device):
-            self.gradients = _dense(self.passes.weight_pass(pending[1], pending[2], self.gradients or None))
+            self.gradients = dense(self.passes.weight_pass(pending[1], pending[2], self.gradients or None))
 
     def _add(self, gradients: Sequence[Any]) -> None:
         """Add one micro-batch's variable gradients to the step's sums (None: not connected to the loss)."""
-        sums, new = self.gradients or None, _dense(gradients)
+        sums, new = self.gradients or None, dense(gradients)
         if sums is not None and self.function is not None:  # one compiled call, not one eager add per variable
             self.gradients = self.function.accumulate(sums, new)
         else:
-            self.gradients = _summed(sums, new)
+            self.gradients = summed(sums, new)
+
+    def _batched_weights(self) -> None:
+        """Every micro-batch's W in one pass over their rows, added to the step's sums."""
+        assert self.function is not None
+        parts = [self._pending.pop(i) for i in sorted(self._weights_due)]
+        self._weights_due = []
+        for part in [p for p in parts if p[0] == "sums"]:  # a micro-batch whose B ran whole
+            self._add(part[1])
+        split = [p for p in parts if p[0] == "split"]
+        if split:
+            with tf.device(self.device):
+                self.gradients = dense(self.function.batched_weight_pass(
+                    [p[1] for p in split], [p[2] for p in split], self.gradients or None))

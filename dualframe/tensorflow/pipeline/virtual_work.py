@@ -1,12 +1,11 @@
-"""A Keras rank's several pipeline stages (virtual stages): one TFStageWork per stage, their results joined."""
+"""A Keras rank's several pipeline stages (virtual stages): one stage work per stage, their results joined."""
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import tensorflow as tf
 
 from dualframe.pipeline.action import Action
-from dualframe.tensorflow.pipeline.work import TFStageWork
 
 
 def stage_actions(actions: Sequence[Action], j: int) -> List[Action]:
@@ -30,7 +29,7 @@ class VirtualStageWorks:
         >>> role.step(actions, micro_inputs, works.works, train=True)  # doctest: +SKIP
     """
 
-    def __init__(self, works: Dict[int, TFStageWork], last: int) -> None:
+    def __init__(self, works: Dict[int, Any], last: int) -> None:
         self.works, self.last = works, last
 
     @property

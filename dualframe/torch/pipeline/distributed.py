@@ -21,7 +21,8 @@ from dualframe.errors import StrategyError
 from dualframe.pipeline.graph import stage_count
 from dualframe.pipeline.action import Action, splits_backward
 from dualframe.pipeline.link import check_transport
-from dualframe.pipeline.stage import StageView, open_stage
+from dualframe.pipeline.stage import open_stage
+from dualframe.pipeline.stage_view import StageView
 from dualframe.pipeline.walk import StepRecord
 from dualframe.pipeline.layout import StageLayout, layout_pipeline
 from dualframe.pipeline.schedule import virtual_count

@@ -4,10 +4,11 @@ import pytest
 
 from dualframe.errors import BalanceError, ChunksError, ScheduleError, StrategyError
 from dualframe.pipeline.action import Action
+from dualframe.pipeline.graph import chain_split
 from dualframe.pipeline.layout import layout_pipeline
 from dualframe.pipeline.link import largest_tag, virtual_tag_offset
 from dualframe.pipeline.stage import virtual_process_sets
-from dualframe.pipeline.virtual_stage import BoundaryLinks, LocalLink, boundary
+from dualframe.pipeline.virtual_stage import LocalLink
 from dualframe.pipeline.clock import clock_table, peak_live_activations, table_bubble
 from dualframe.pipeline.schedule import one_process, rank_schedule, registered, stage_placement
 from dualframe.pipeline.virtual import interleaved_1f1b, zb_v
@@ -187,29 +188,37 @@ def test_a_layout_of_virtual_stages_places_them_and_refuses_what_it_cannot_run()
         layout_pipeline(8, [4, 4], chunks=4, schedule="zb-v", world=1, virtual_stages=2)
     with pytest.raises(ScheduleError, match=r"schedule 'gpipe' runs one stage per rank"):
         layout_pipeline(8, [4, 4], chunks=4, schedule="gpipe", world=1, virtual_stages=2)
-    assert virtual_process_sets(layout_pipeline(6, [1] * 6, 3, "interleaved-1f1b", world=3, virtual_stages=2)) == [
-        [0, 1], [1, 2], [0, 2]]
+    assert virtual_process_sets(layout_pipeline(6, [1] * 6, 3, "interleaved-1f1b", world=3, virtual_stages=2),
+                                chain_split(6)) == [[0, 1], [1, 2], [0, 2]]
 
 
-def test_stage_named_messages_go_over_their_boundary_numbered_apart():
-    assert [boundary(Action.parse(t), receiving) for t in ("2F0", "2B0") for receiving in (True, False)] == [1, 2, 2, 1]
+def test_stage_named_messages_go_over_their_edges_numbered_apart():
+    """``2F3`` on a chain's stage 2: received over edge (1, 2), sent over (2, 3), both tagged ``F3``; a local edge in memory."""
+    from dualframe.pipeline.graph_walk import graph_action, stage_edges
+    from dualframe.pipeline.walk import StepRecord
+
     sent = {}
 
     class Link:
-        def __init__(self, b):
-            self.b = b
+        def __init__(self, edge):
+            self.edge = edge
 
         def send(self, tag, tensor):
-            sent[(self.b, tag)] = tensor
+            sent[(self.edge, tag)] = tensor
 
         def receive(self, tag):
-            return sent.pop((self.b, tag))
+            return sent.pop((self.edge, tag))
 
-    links = BoundaryLinks({0: Link(0), 1: Link(1), 2: LocalLink()})
-    links.send("1F3", "y")
-    assert links.receive("2F3") == "y" and sent == {}
-    links.send("2F3", "z")
-    assert links.receive("3F3") == "z"
+    class Work:
+        def forward(self, i, received):
+            self.received = (i, received)
+            return {3: "y"}
+
+    work, local = Work(), LocalLink()
+    sent[((1, 2), "F3")] = "h"
+    graph_action(Action.parse("2F3"), stage_edges(chain_split(4), 2), [], work, {1: Link((1, 2)), 3: local}, False,
+                 StepRecord())
+    assert work.received == (3, {1: "h"}) and sent == {} and local.receive("F3") == "y"
     offsets = [virtual_tag_offset(b, 4) for b in range(3)]
     assert offsets == [0, 14, 28] and largest_tag(4, links=3) == 41  # block b: 14 numbers, 3 x 4 + agree + loss
 
@@ -228,4 +237,4 @@ def test_a_graph_splits_links_are_its_edges_across_ranks():
     three = layout_pipeline(6, [1] * 6, 3, "interleaved-1f1b", world=3, virtual_stages=2)
     nodes6 = tuple(GraphNode(n, n, (f"v{k}",), (f"v{k + 1}",)) for k, n in enumerate("abcdef"))
     chain = cut_graph(Graph(("v0",), nodes6, ("v6",)), split_points=["b", "c", "d", "e", "f"])
-    assert virtual_process_sets(three, chain) == virtual_process_sets(three) == [[0, 1], [1, 2], [0, 2]]
+    assert virtual_process_sets(three, chain) == virtual_process_sets(three, chain_split(6)) == [[0, 1], [1, 2], [0, 2]]

@@ -49,18 +49,18 @@ def test_record_book_leaves_out_the_first_step():
 
 
 class _Log:
-    """A fake stage work and links that log every call (values are the tags)."""
+    """A fake graph stage work and edge links that log every call (values are the tags)."""
 
     def __init__(self):
         self.calls = []
 
-    def forward(self, i, x):
+    def forward(self, i, received):
         self.calls.append(f"forward {i}")
-        return f"y{i}"
+        return {}  # the last stage sends nothing on
 
-    def backward(self, i, grad):
+    def backward(self, i, grads):
         self.calls.append(f"backward {i}")
-        return f"dx{i}"
+        return {0: f"dx{i}"}
 
     def weight(self, i):
         self.calls.append(f"weight {i}")
@@ -74,11 +74,13 @@ class _Log:
 
 
 def test_walk_runs_w_as_the_weights_gradient_on_the_stage_without_messages():
+    """A chain's last stage (edges j - 1 -> j) under ZB-H1: W computes, sends and receives nothing."""
+    from dualframe.pipeline.graph import chain_split
+    from dualframe.pipeline.graph_walk import graph_walk, stage_edges
     from dualframe.pipeline.schedule import zb_h1
-    from dualframe.pipeline.walk import walk
 
     log = _Log()
-    record = walk(zb_h1(2, 2)[1], stage=1, stages=2, inputs=[], work=log, links=log)
+    record = graph_walk(zb_h1(2, 2)[1], stage_edges(chain_split(2), 1), [], log, {0: log}, first=False)
     assert log.calls == [
         "receive F0", "forward 0", "backward 0", "send B0",
         "receive F1", "forward 1", "backward 1", "send B1", "weight 0", "weight 1",

@@ -133,6 +133,7 @@ def test_w_waits_for_its_own_stage_b_and_a_list_must_hold_every_w_or_none():
 
 
 def test_a_process_pipeline_whose_adapter_cannot_split_the_backward_refuses_zb_h1_before_communicating():
+    from dualframe.pipeline.graph import chain_split
     from dualframe.pipeline.layout import layout_pipeline
     from dualframe.pipeline.stage import open_stage
 
@@ -146,4 +147,4 @@ def test_a_process_pipeline_whose_adapter_cannot_split_the_backward_refuses_zb_h
     with pytest.raises(ScheduleError, match=r"schedule 'zb-h1' splits the backward into B \(input gradient\) and W "
                                             r"\(weight gradient\), which tensorflow's process pipeline does not run "
                                             r"yet; use schedule='1f1b' or 'gpipe' here"):
-        open_stage(NoSplit(), layout)
+        open_stage(NoSplit(), layout, split=chain_split(2))
