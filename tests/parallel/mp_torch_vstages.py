@@ -54,6 +54,42 @@ def test_training_equals_one_process(schedule, chunks):
     assert pipe.meter.live_bytes == 0
 
 
+@pytest.mark.parametrize("schedule, checkpoint", [("interleaved-1f1b", "always"), ("zb-v", "always"),
+                                                  ("zb-v", "except_last")])
+def test_activation_checkpointing_equals_one_process(schedule, checkpoint):
+    # Each held stage recomputes its own micro-batches in their backward (zb-v: the graph lives from B to W).
+    model, data = deep_model(), pipeline_batches(BATCH, STEPS)
+    pipe = DistributedPipeline(copy.deepcopy(model), balance=BALANCE, chunks=4, schedule=schedule,
+                               loss_fn=nn.MSELoss(), virtual_stages=2, checkpoint=checkpoint)
+    assert sorted(pipe.recomputes) == HELD[schedule][hvd.rank()]
+    check_pipeline_training(pipe, data, pipeline_reference(model, data))
+    assert pipe.meter.live_bytes == 0
+
+
+def dropout_model():
+    torch.manual_seed(6)
+    return nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.5), nn.Linear(16, 16), nn.Dropout(0.3), nn.Linear(16, 16),
+                         nn.Dropout(0.4), nn.Linear(16, 3))
+
+
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zb-v"])
+def test_checkpointing_replays_each_stages_dropout_masks(schedule):
+    # A replayed forward draws its stage's masks from the state its first forward found, whatever the rank's
+    # other stage drew between: the gradients equal checkpoint="never"'s from the same seed.
+    x, y = pipeline_batches(BATCH, 1)[0]
+    grads = {}
+    for checkpoint in ("never", "always"):
+        pipe = DistributedPipeline(dropout_model(), balance=BALANCE, chunks=4, schedule=schedule,
+                                   loss_fn=nn.MSELoss(), virtual_stages=2, checkpoint=checkpoint)
+        torch.manual_seed(100 + hvd.rank())
+        pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None)
+        grads[checkpoint] = {name: p.grad.clone() for name, p in pipe.named_parameters()}
+    assert sorted(grads["always"]) == sorted(grads["never"]) and grads["never"]
+    for name, grad in grads["never"].items():
+        assert grad.abs().sum() > 0, name
+        torch.testing.assert_close(grads["always"][name], grad, atol=1e-6, rtol=0, msg=name)
+
+
 @pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zb-v"])
 def test_inference_and_horovod_broadcasts_equal_the_model(schedule):
     model = deep_model()
@@ -126,14 +162,15 @@ class SkipNet(nn.Module):
         return self.d(h2)
 
 
-@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zb-v"])
-def test_a_graph_split_with_a_skip_edge_equals_one_process(schedule):
+@pytest.mark.parametrize("schedule, checkpoint", [("interleaved-1f1b", "never"), ("zb-v", "never"),
+                                                  ("interleaved-1f1b", "always")])
+def test_a_graph_split_with_a_skip_edge_equals_one_process(schedule, checkpoint):
     # interleaved: stages 0 and 2 on rank 0, the skip edge in memory; zb-v: stage 2 on rank 1, over the wire.
     torch.manual_seed(3)
     model, data = SkipNet(), pipeline_batches(BATCH, STEPS)
     expected_losses, expected_state = pipeline_reference(model, data)
     pipe = DistributedPipeline(copy.deepcopy(model), chunks=4, schedule=schedule, loss_fn=nn.MSELoss(),
-                               split_points=["b", "c", "d"], virtual_stages=2)
+                               split_points=["b", "c", "d"], virtual_stages=2, checkpoint=checkpoint)
     assert sorted(pipe.held_stages) == HELD[schedule][hvd.rank()]
     check_pipeline_training(pipe, data, (expected_losses, expected_state))
     trained = copy.deepcopy(model)

@@ -56,7 +56,8 @@ def _layout(module: nn.Module, balance: Sequence[int], chunks: int, schedule: st
     if not isinstance(module, nn.Sequential):
         raise StrategyError(f"DistributedPipeline splits an nn.Sequential (module: {type(module).__name__})")
     return layout_pipeline(len(module), balance, chunks, schedule, loss_fn, devices, data_parallel, timeout,
-                           BACKEND.collectives.world_size(), checkpoint, virtual_stages)
+                           BACKEND.collectives.world_size(), checkpoint, virtual_stages,
+                           virtual_checkpoint=True, virtual_replicas=True)
 
 
 class DistributedPipeline(StageView, nn.Module):
@@ -99,9 +100,11 @@ class DistributedPipeline(StageView, nn.Module):
             ``"always"`` or ``"except_last"`` (every micro-batch but the last): such a micro-batch keeps
             only its stage's input from forward to backward, where the stage's forward runs again (the
             same random state, buffers such as BatchNorm's statistics updated once); under ``"zb-h1"``
-            the recomputed graph lives from B to W. Results equal those without it.
+            the recomputed graph lives from B to W; with ``virtual_stages``, each held stage recomputes its
+            own (``pipe.recomputes``). Results equal those without it.
         virtual_stages: stages each rank holds: ``balance`` (or ``split_points``, ``stages``) then describes all
-            ``ranks x virtual_stages`` stages, and the schedule places them (``pipe.held_stages``).
+            ``ranks x virtual_stages`` stages, and the schedule places them (``pipe.held_stages``); with
+            ``data_parallel`` replicas, each rank's stages are averaged among the replicas of its position.
 
     Raises:
         BalanceError, ChunksError, ScheduleError, StrategyError: bad arguments, on every rank, before
@@ -128,7 +131,8 @@ class DistributedPipeline(StageView, nn.Module):
         if is_graph_split(module, split_points, stages):
             n = stage_count(split_points, balance, stages)
             layout = layout_pipeline(n, [1] * n, chunks, schedule, loss_fn, devices, data_parallel, timeout,
-                                     BACKEND.collectives.world_size(), checkpoint, virtual_count(virtual_stages))
+                                     BACKEND.collectives.world_size(), checkpoint, virtual_count(virtual_stages),
+                                     virtual_checkpoint=True, virtual_replicas=True)
             self.graph = GraphPart(module, split_points=split_points, balance=balance, stages=stages, sample=sample,
                                    leaves=leaves)
         else:
@@ -170,7 +174,9 @@ class DistributedPipeline(StageView, nn.Module):
         splits = splits_backward(self.actions)
         self.split_backwards = {j: SplitBackward(m) for j, m in self._stage_calls.items()} if splits else {}
         self.split_backward = self.split_backwards.get(self.role.index) if single else None
-        self.recompute = StageRecompute(self.stage, layout.recomputed, self.device) if layout.recomputed else None
+        # Activation checkpointing: one recompute per held stage (its random states and buffers its own).
+        self.recomputes = {j: StageRecompute(self.stage if single else self.held_stages[j], layout.recomputed,
+                                             self.device) for j in self._stage_calls} if layout.recomputed else {}
         #: The stage's ZeRO-3 optimizer (``distributed_optimizer(..., shard="parameters")``): gathered once per step.
         self.sharded: Optional[StageShardedOptimizer] = None
 
@@ -272,10 +278,9 @@ class DistributedPipeline(StageView, nn.Module):
                weights: Sequence[float]) -> Dict[int, TorchGraphStageWork]:
         """One stage work per stage this rank holds (the last stage's reads the targets)."""
         last = len(self.role.layout.ranges) - 1
-        recompute = self.recompute if len(self._stage_calls) == 1 else None  # refused with virtual stages
         return {j: TorchGraphStageWork(stage, self.split, j, self._unflatten, self.device, loss_fn,
                                        list(micro_targets) if j == last else [], list(weights), self.meter,
-                                       self.split_backwards.get(j), recompute)
+                                       self.split_backwards.get(j), self.recomputes.get(j))
                 for j, stage in self._stage_calls.items()}
 
     def train_step(self, inputs: Any = None, targets: Optional[torch.Tensor] = None, **keywords: Any) -> float:
