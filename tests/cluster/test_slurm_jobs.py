@@ -79,9 +79,9 @@ def final_loss(text: str) -> float:
     return float(match.group(1))
 
 
-def reference_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int) -> float:
+def reference_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int, momentum: float = 0.0) -> float:
     """One process, the whole model, the whole batch: the loss of the last step."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=momentum)
     for _ in range(steps):
         optimizer.zero_grad()
         loss = nn.functional.mse_loss(model(x), y)
@@ -114,7 +114,7 @@ def test_hybrid_script_two_replicas_by_two_stages_equal_one_process(outputs):
     torch.manual_seed(0)  # torch_examples/hybrid.py's model and data, width 16
     model = nn.Sequential(*[m for _ in range(3) for m in (nn.Linear(16, 16), nn.ReLU())], nn.Linear(16, 1))
     x = torch.randn(32, 16, generator=torch.Generator().manual_seed(1))
-    assert final_loss(text) == pytest.approx(reference_loss(model, x, x[:, :1].cos(), 6), abs=2e-5), text[-3000:]
+    assert final_loss(text) == pytest.approx(reference_loss(model, x, x[:, :1].cos(), 6, momentum=0.9), abs=2e-5), text[-3000:]
 
 
 def test_dualframe_run_chooses_srun_inside_an_allocation():
