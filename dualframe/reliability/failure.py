@@ -54,21 +54,45 @@ def rank_label(environ: Optional[Mapping[str, str]] = None) -> str:
     return f"{where} (pid {os.getpid()} on {socket.gethostname()})"
 
 
+#: Gloo's words when a peer's connection breaks under a collective (the peer was killed or cut off):
+#: ``[.../gloo/transport/tcp/pair.cc:589] Read error [10.0.0.2]:42922: Connection reset by peer``.
+_BROKEN_CONNECTION = re.compile(r"gloo/transport/|Connection reset by peer|Connection closed by peer|"
+                                r"Broken pipe|Timed out waiting \d+ms for recv")
+#: The source location Gloo puts before its message.
+_GLOO_LOCATION = re.compile(r"^\[[^\]]*\.(?:cc|h):\d+\]\s*")
+
+
+def is_broken_connection(error: BaseException) -> bool:
+    """True for Horovod's error on a rank whose connection to a peer broke inside a collective (Gloo's words)."""
+    return type(error).__name__ in ("HorovodInternalError", "UnknownError", "InternalError") and \
+        bool(_BROKEN_CONNECTION.search(str(error)))
+
+
 def is_peer_failure(error: BaseException) -> bool:
-    """True for Horovod's error on the survivors after another rank failed or left."""
+    """True for Horovod's error on the survivors after another rank failed or left.
+
+    Either Horovod shut down (the usual order), or the peer's connection broke under a collective
+    before the shutdown reached this rank (a killed peer's socket resets within milliseconds).
+    """
     text = str(error)
     # TensorFlow raises it from inside the op, as an UnknownError carrying Horovod's message.
     return (type(error).__name__ == "HorovodInternalError" and "shut down" in text) or \
-        "Horovod has been shut down" in text
+        "Horovod has been shut down" in text or is_broken_connection(error)
+
+
+def _first_line(error: BaseException) -> str:
+    first_line = (str(error).strip().splitlines() or [""])[0]
+    first_line = re.sub(r"^\{\{function_node [^}]*\}\}\s*", "", first_line)  # TensorFlow's op-error prefix
+    return _GLOO_LOCATION.sub("", first_line)
 
 
 def describe(error: BaseException) -> str:
     """One line naming what happened to this rank, for the job's log."""
-    first_line = (str(error).strip().splitlines() or [""])[0]
-    first_line = re.sub(r"^\{\{function_node [^}]*\}\}\s*", "", first_line)  # TensorFlow's op-error prefix
+    if is_broken_connection(error):
+        return f"stopped: a connection to another rank broke [{type(error).__name__}: {_first_line(error)}]"
     if is_peer_failure(error):
         return f"stopped: Horovod shut down because another rank failed or left [{type(error).__name__}]"
-    return f"failed: {type(error).__name__}: {first_line}"
+    return f"failed: {type(error).__name__}: {_first_line(error)}"
 
 
 def is_lost_peer(error: BaseException) -> bool:

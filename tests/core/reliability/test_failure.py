@@ -1,11 +1,15 @@
 """dualframe.reliability.failure in one process: nested watchdog guards, and how TensorFlow's op errors are described."""
 import threading
 
-from dualframe.reliability.failure import Watchdog, describe, is_peer_failure
+from dualframe.reliability.failure import Watchdog, describe, is_lost_peer, is_peer_failure
 
 
 class UnknownError(Exception):
     """Stands for tensorflow.errors.UnknownError: only the type's name and the message matter here."""
+
+
+class HorovodInternalError(RuntimeError):
+    """Stands for horovod.common.exceptions.HorovodInternalError: only the type's name and the message matter."""
 
 
 def test_a_nested_guard_gives_the_outer_deadline_back():
@@ -38,3 +42,16 @@ def test_tensorflow_op_errors_are_described_without_the_function_node_prefix():
     assert not is_peer_failure(mismatch)
     assert describe(mismatch) == ("failed: UnknownError: Mismatched ALLREDUCE tensor shapes: "
                                   "One rank sent a tensor of shape [5]")
+
+
+def test_a_connection_reset_under_a_collective_is_a_lost_peer():
+    # What a survivor's synchronize raised when its peer was SIGKILLed before Horovod's shutdown reached it.
+    reset = HorovodInternalError("[/tmp/horovod-0.28.1/third_party/gloo/gloo/transport/tcp/pair.cc:589] "
+                                 "Read error [10.203.7.2]:42922: Connection reset by peer")
+    assert is_peer_failure(reset) and is_lost_peer(reset)
+    assert describe(reset) == ("stopped: a connection to another rank broke [HorovodInternalError: "
+                               "Read error [10.203.7.2]:42922: Connection reset by peer]")
+    mismatch = HorovodInternalError("Mismatched allreduce tensor shapes: One rank sent a tensor of shape [5]")
+    assert not is_lost_peer(mismatch)
+    assert describe(mismatch).startswith("failed: HorovodInternalError: Mismatched allreduce")
+    assert not is_lost_peer(ValueError("Connection reset by peer"))  # only Horovod's and TensorFlow's op errors
