@@ -2,12 +2,15 @@
 a list of layers and a functional model (its graph split).
 # timeout: 400
 """
+import os
+
 import keras
+import numpy as np
 import pytest
 
 import dualframe.tensorflow as hvd
+import dualframe.tensorflow.keras as hvd_keras
 from dualframe.errors import BalanceError, ChunksError, ScheduleError, StrategyError
-from dualframe.reliability.checkpoint import CheckpointError
 from dualframe.tensorflow.pipeline.distributed import DistributedPipeline
 # tests/parallel is on sys.path (pytest rootdir import)
 from keras_pipeline_models import assert_weights, batches, check_set_weights_and_inference, one_process, train_pipeline
@@ -87,11 +90,45 @@ def test_functional_model_with_virtual_stages_equals_one_process(schedule, chunk
     check_set_weights_and_inference(pipe, other, rows=8)
 
 
-def test_inference_set_weights_and_the_refusals_of_fit_and_checkpoints(tmp_path):
+def test_inference_set_weights_and_the_refusal_of_fit():
     model, other = deep_mlp(), deep_mlp(seed=99)
     pipe = DistributedPipeline(model, balance=BALANCE, chunks=4, schedule="zb-v", loss_fn="mse", virtual_stages=2)
     check_set_weights_and_inference(pipe, other, rows=8)
     with pytest.raises(StrategyError, match=r"compile and fit run one stage per rank yet"):
         pipe.compile(keras.optimizers.SGD(0.1), "mse")
-    with pytest.raises(CheckpointError, match=r"Keras stage checkpoints hold one stage per rank yet"):
-        hvd.save_stage_checkpoint(str(tmp_path), pipe, step=0)
+
+
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zb-v"])
+def test_stage_checkpoint_resumes_and_merges_into_the_model(schedule, tmp_path):
+    """Each rank's part holds its two stages; a resumed run equals the straight one, the merge the one-process model."""
+    folder = hvd.broadcast_object(str(tmp_path), 0, name=f"vstages.ckpt.{schedule}")  # one folder for all ranks
+    ckpt, data = os.path.join(folder, "ckpt"), batches(STEPS, BATCH)
+    expected_losses, expected_weights = one_process(deep_mlp(), data, keras.optimizers.SGD(0.1, momentum=0.9))
+
+    def build(seed):
+        pipe = DistributedPipeline(deep_mlp(seed), BALANCE, chunks=4, schedule=schedule, loss_fn="mse",
+                                   virtual_stages=2)
+        return pipe, keras.optimizers.SGD(0.1, momentum=0.9)
+
+    pipe, optimizer = build(5)
+    train_pipeline(pipe, optimizer, data[:2], expected_losses)
+    np.random.seed(100 + hvd.rank())  # each rank its own numpy stream, saved with its part
+    hvd.save_stage_checkpoint(ckpt, pipe, optimizer, step=1, data_position={"next_step": 2})
+    saved, draw = pipe.get_weights(), np.random.rand(3)
+    assert sorted(os.listdir(ckpt)) == ["stage-0", "stage-1"]  # one part per rank, holding its two stages
+    pipe, optimizer = build(99)  # other weights, optimizer not built (no momentum yet)
+    np.random.seed(999)
+    state = hvd.load_stage_checkpoint(ckpt, pipe, optimizer)
+    assert state.step == 1 and state.data_position == {"next_step": 2}
+    assert_weights(pipe.get_weights(), saved, "loaded vs saved", atol=0)
+    np.testing.assert_array_equal(np.random.rand(3), draw, err_msg=f"rank {hvd.rank()}: RNG not restored")
+    train_pipeline(pipe, optimizer, data[2:], expected_losses[2:])  # the momentum came back too
+    hvd.save_stage_checkpoint(ckpt, pipe, optimizer, step=2)
+    mine = os.path.join(folder, f"full-{hvd.rank()}.npz")  # every rank merges its copy (no communication)
+    hvd.merge_stage_checkpoints(ckpt, mine)
+    full = deep_mlp(99)
+    hvd_keras.load_checkpoint(mine, full, restore_rng=False)  # a collective: rank 0 reads its copy
+    assert_weights(full.get_weights(), expected_weights, "merged vs one process", atol=1e-5)
+    again, _ = build(77)  # rank 0 reads its merged file, each rank takes its two stages' blocks
+    assert hvd.load_stage_checkpoint(os.path.join(folder, "full-0.npz"), again).step == 2
+    assert_weights(again.get_weights(), pipe.get_weights(), "taken from the merged file", atol=0)

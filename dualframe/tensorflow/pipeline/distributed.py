@@ -127,8 +127,8 @@ class DistributedPipeline(KerasFit, StageView):
             masks; moving statistics updated once). Results equal those without it.
         virtual_stages: stages each rank holds: ``balance`` (a functional model: or ``split_points``, ``stages``)
             then describes all ``ranks x virtual_stages`` stages and the schedule places them (``held_stages``).
-            ``fit``, stage checkpoints and a functional model's weights read by several stages take one stage
-            per rank yet (they refuse by name).
+            Stage checkpoints save each rank's stages in its part. ``fit`` and a functional model's weights
+            read by several stages take one stage per rank yet (they refuse by name).
 
     Raises:
         BalanceError, ChunksError, ScheduleError, StrategyError: bad arguments, on every rank, before
