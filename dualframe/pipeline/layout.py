@@ -125,15 +125,14 @@ class StageLayout:
 def layout_pipeline(layers: int, balance: Sequence[int], chunks: int, schedule: str = "gpipe", loss_fn: Any = None,
                     devices: Optional[Sequence[str]] = None, data_parallel: Optional[int] = None,
                     timeout: float = 45.0, world: int = 1, checkpoint: str = "never",
-                    virtual_stages: int = 1, virtual_checkpoint: bool = False,
-                    virtual_replicas: bool = False) -> StageLayout:
+                    virtual_stages: int = 1, virtual_replicas: bool = False) -> StageLayout:
     """Check every argument of a DistributedPipeline (``check_pipeline``, schedule, chunks, devices, checkpoint).
 
     No communication.
 
-    ``devices``: one per rank of the pipeline (its stages share it). ``virtual_checkpoint``: the adapter
-    recomputes each held stage on its own, so ``checkpoint`` other than "never" is taken with virtual stages
-    (torch); False refuses it (Keras). ``virtual_replicas``: see ``check_pipeline``.
+    ``devices``: one per rank of the pipeline (its stages share it). With virtual stages, ``checkpoint``
+    applies to each held stage (both adapters recompute each on its own). ``virtual_replicas``: see
+    ``check_pipeline``.
 
     Example:
         >>> layout = layout_pipeline(8, [2] * 4, chunks=4, schedule="zb-v", world=2, virtual_stages=2)
@@ -145,9 +144,6 @@ def layout_pipeline(layers: int, balance: Sequence[int], chunks: int, schedule: 
     """
     v = virtual_count(virtual_stages)
     rank_schedule(schedule, 2, 2 * v, v)  # the schedule's own refusals (virtual_stages it cannot run) come first
-    if v > 1 and checkpoint_mode(checkpoint) != "never" and not virtual_checkpoint:
-        raise StrategyError(f"checkpoint={checkpoint!r} with virtual_stages={v} is not available in Keras yet (torch "
-                            f"recomputes each held stage); use checkpoint='never' or virtual_stages=1")
     ranges, grid = check_pipeline(layers, balance, loss_fn, data_parallel, timeout, world, v, virtual_replicas)
     actions = rank_schedule(schedule, grid.stages, chunks, v)
     return StageLayout(ranges, grid, actions, validate_devices(devices, grid.stages), chunks, schedule.lower(),

@@ -65,6 +65,45 @@ def test_training_equals_one_process(schedule, chunks):
     assert [tag for tag, _, _ in pipe.records.records[-1].actions] == [str(a) for a in pipe.actions]
 
 
+@pytest.mark.parametrize("schedule, checkpoint", [("interleaved-1f1b", "always"), ("zb-v", "always"),
+                                                  ("zb-v", "except_last")])
+def test_activation_checkpointing_equals_one_process(schedule, checkpoint):
+    """Each held stage recomputes its own micro-batches in their backward (zb-v: its split passes from the replay)."""
+    data = batches(STEPS, BATCH)
+    expected_losses, expected_weights = one_process(deep_mlp(), data, keras.optimizers.SGD(0.1, momentum=0.9))
+    pipe = DistributedPipeline(deep_mlp(), balance=BALANCE, chunks=4, schedule=schedule, loss_fn="mse",
+                               virtual_stages=2, checkpoint=checkpoint)
+    assert sorted(pipe.recomputes) == HELD[schedule][hvd.rank()]
+    train_pipeline(pipe, keras.optimizers.SGD(0.1, momentum=0.9), data, expected_losses)
+    assert_weights(pipe.gather_weights(), expected_weights)
+
+
+def dropout_mlp(seed=6):
+    """Dense -> Dropout(0.5) -> Dense -> Dropout(0.3) -> Dense -> Dropout(0.4) -> Dense, each Dropout seeded."""
+    init = keras.initializers.GlorotUniform
+    layers = [keras.Input((6,))]
+    for k, rate in enumerate([0.5, 0.3, 0.4]):
+        layers += [keras.layers.Dense(16, kernel_initializer=init(seed + k)), keras.layers.Dropout(rate, seed=seed + k)]
+    return keras.Sequential(layers + [keras.layers.Dense(3, kernel_initializer=init(seed + 9))])
+
+
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zb-v"])
+def test_checkpointing_replays_each_stages_dropout_masks(schedule):
+    """A replayed forward draws its stage's masks from the seeds its first forward found, whatever the rank's other
+    stage drew between: the gradients equal checkpoint="never"'s from the same seeds."""
+    x, y = batches(1, BATCH)[0]
+    gradients = {}
+    for checkpoint in ("never", "always"):
+        pipe = DistributedPipeline(dropout_mlp(), balance=BALANCE, chunks=4, schedule=schedule, loss_fn="mse",
+                                   virtual_stages=2, checkpoint=checkpoint)
+        pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None)
+        gradients[checkpoint] = [g.numpy() for g in pipe.gradients]
+    assert len(gradients["never"]) == len(gradients["always"]) == 4  # each stage one Dense, kernel and bias: 2 x 2
+    for k, (got, want) in enumerate(zip(gradients["always"], gradients["never"])):
+        assert np.abs(want).sum() > 0, f"rank {hvd.rank()}: gradient {k} is zero"
+        np.testing.assert_allclose(got, want, atol=1e-6, rtol=0, err_msg=f"rank {hvd.rank()}: gradient {k}")
+
+
 def deep_functional(seed=5):
     """``deep_mlp`` as a functional model, cut before each Dense but the first: four stages of one Dense each."""
     model = deep_mlp(seed)

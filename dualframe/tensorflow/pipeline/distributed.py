@@ -127,8 +127,9 @@ class DistributedPipeline(KerasFit, StageView):
             masks; moving statistics updated once). Results equal those without it.
         virtual_stages: stages each rank holds: ``balance`` (a functional model: or ``split_points``, ``stages``)
             then describes all ``ranks x virtual_stages`` stages and the schedule places them (``held_stages``).
-            Stage checkpoints save each rank's stages in its part. ``fit`` and a functional model's weights
-            read by several stages take one stage per rank yet (they refuse by name).
+            ``checkpoint=`` recomputes each held stage on its own (``recomputes``); stage checkpoints save each
+            rank's stages in its part. ``fit`` and a functional model's weights read by several stages take
+            one stage per rank yet (they refuse by name).
 
     Raises:
         BalanceError, ChunksError, ScheduleError, StrategyError: bad arguments, on every rank, before
@@ -200,9 +201,10 @@ class DistributedPipeline(KerasFit, StageView):
         #: The compiled passes, per stage this rank holds (empty until the stage's layers are built).
         self._graph_functions: Dict[int, GraphStageFunction] = {}
         self._compile_stages()
-        # A graph stage calls its own layers and its copies of tied ones: the Keras layers whose state a replay needs.
-        called = [c for stage in self.layers for c in stage.layers + stage.tied]
-        self._recompute = StageRecompute(called, layout.recomputed) if layout.recomputed else None
+        #: Activation checkpointing: one recompute per held stage, over the Keras layers it calls (its own and its
+        #: copies of tied ones), whose state (Dropout's seeds) its replay takes back whatever the rank's other stages drew.
+        self.recomputes = {held: StageRecompute(stage.layers + stage.tied, layout.recomputed)
+                           for held, stage in zip(self.held_stages, self.layers)} if layout.recomputed else {}
         self.gradients: List[Optional[tf.Tensor]] = []
         self.peak_live = 0
         #: GPipe: a stage whose split passes run computes its micro-batches' weight gradients in one pass
@@ -288,7 +290,7 @@ class DistributedPipeline(KerasFit, StageView):
         weights through sublayers, ``reruns_cheaply``) over rows (``batchable``), and not with
         checkpointing, whose point is to keep no more than their inputs.
         """
-        if not (train and self._batched_actions is not None and self.batch_weights and self._recompute is None
+        if not (train and self._batched_actions is not None and self.batch_weights and not self.recomputes
                 and self._graph_functions):
             return False
         passes = [f.passes for f in self._graph_functions.values()]
@@ -315,7 +317,7 @@ class DistributedPipeline(KerasFit, StageView):
         works: Dict[int, Any] = {j: TFGraphStageWork(
             self._all_layers[j], self.split, j, self.captured, self.loss_fn if train else None,
             micro_targets if j == last else [], [s / sum(sizes) for s in sizes], self.device,
-            self._graph_functions.get(j), split_backward=splits_backward(actions), recompute=self._recompute,
+            self._graph_functions.get(j), split_backward=splits_backward(actions), recompute=self.recomputes.get(j),
             fused=fusable(stage_actions(actions, j) if len(self.held_stages) > 1 else actions),
             batch_weights=batch_weights) for j in self.held_stages}
         if len(works) == 1:

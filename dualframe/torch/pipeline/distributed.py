@@ -57,7 +57,7 @@ def _layout(module: nn.Module, balance: Sequence[int], chunks: int, schedule: st
         raise StrategyError(f"DistributedPipeline splits an nn.Sequential (module: {type(module).__name__})")
     return layout_pipeline(len(module), balance, chunks, schedule, loss_fn, devices, data_parallel, timeout,
                            BACKEND.collectives.world_size(), checkpoint, virtual_stages,
-                           virtual_checkpoint=True, virtual_replicas=True)
+                           virtual_replicas=True)
 
 
 class DistributedPipeline(StageView, nn.Module):
@@ -132,7 +132,7 @@ class DistributedPipeline(StageView, nn.Module):
             n = stage_count(split_points, balance, stages)
             layout = layout_pipeline(n, [1] * n, chunks, schedule, loss_fn, devices, data_parallel, timeout,
                                      BACKEND.collectives.world_size(), checkpoint, virtual_count(virtual_stages),
-                                     virtual_checkpoint=True, virtual_replicas=True)
+                                     virtual_replicas=True)
             self.graph = GraphPart(module, split_points=split_points, balance=balance, stages=stages, sample=sample,
                                    leaves=leaves)
         else:

@@ -178,10 +178,8 @@ def test_a_layout_of_virtual_stages_places_them_and_refuses_what_it_cannot_run()
         layout_pipeline(8, [2] * 4, chunks=4, schedule="zb-v", world=4, virtual_stages=2)
     hybrid = layout_pipeline(8, [2] * 4, chunks=4, schedule="zb-v", world=4, virtual_stages=2, virtual_replicas=True)
     assert hybrid.grid.stage_groups == [[0, 2], [1, 3]] and hybrid.held(1) == [1, 2]  # torch: replicas of the V
-    with pytest.raises(StrategyError, match=r"checkpoint='always' with virtual_stages=2 is not available"):
-        layout_pipeline(8, [2] * 4, chunks=4, schedule="zb-v", world=2, virtual_stages=2, checkpoint="always")
     taken = layout_pipeline(8, [2] * 4, chunks=4, schedule="zb-v", world=2, virtual_stages=2,
-                            checkpoint="except_last", virtual_checkpoint=True)  # torch: each held stage recomputes
+                            checkpoint="except_last")  # each held stage recomputes
     assert taken.recomputed == frozenset({0, 1, 2})
     with pytest.raises(BalanceError, match=r"balance must describe ranks x virtual_stages stages, at least 2 ranks "
                                            r"\(balance: 2 stages, virtual_stages: 2\); give 4 entries"):
