@@ -127,8 +127,9 @@ class DistributedPipeline(KerasFit, StageView):
             masks; moving statistics updated once). Results equal those without it.
         virtual_stages: stages each rank holds: ``balance`` (a functional model: or ``split_points``, ``stages``)
             then describes all ``ranks x virtual_stages`` stages and the schedule places them (``held_stages``).
-            ``checkpoint=`` recomputes each held stage on its own (``recomputes``); stage checkpoints save each
-            rank's stages in its part. ``fit`` and a functional model's weights read by several stages take
+            ``checkpoint=`` recomputes each held stage on its own (``recomputes``); with ``data_parallel``
+            replicas the ranks at one position hold the same stages and average their gradients
+            (``distributed_optimizer``); stage checkpoints save each rank's stages in its part. ``fit`` and a functional model's weights read by several stages take
             one stage per rank yet (they refuse by name).
 
     Raises:
