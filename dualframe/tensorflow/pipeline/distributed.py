@@ -129,8 +129,9 @@ class DistributedPipeline(KerasFit, StageView):
             then describes all ``ranks x virtual_stages`` stages and the schedule places them (``held_stages``).
             ``checkpoint=`` recomputes each held stage on its own (``recomputes``); with ``data_parallel``
             replicas the ranks at one position hold the same stages and average their gradients
-            (``distributed_optimizer``); stage checkpoints save each rank's stages in its part. ``fit`` and a functional model's weights read by several stages take
-            one stage per rank yet (they refuse by name).
+            (``distributed_optimizer``); stage checkpoints save each rank's stages in its part; ``compile`` and
+            ``fit`` train them as one stage per rank. A functional model's weights read by several stages take
+            one stage per rank yet (refused by name).
 
     Raises:
         BalanceError, ChunksError, ScheduleError, StrategyError: bad arguments, on every rank, before
@@ -202,8 +203,9 @@ class DistributedPipeline(KerasFit, StageView):
         #: The compiled passes, per stage this rank holds (empty until the stage's layers are built).
         self._graph_functions: Dict[int, GraphStageFunction] = {}
         self._compile_stages()
-        #: Activation checkpointing: one recompute per held stage, over the Keras layers it calls (its own and its
-        #: copies of tied ones), whose state (Dropout's seeds) its replay takes back whatever the rank's other stages drew.
+        #: Activation checkpointing: one recompute per held stage, over the Keras layers it calls (its own and
+        #: its copies of tied ones), whose state (Dropout's seeds) its replay takes back whatever the rank's
+        #: other stages drew.
         self.recomputes = {held: StageRecompute(stage.layers + stage.tied, layout.recomputed)
                            for held, stage in zip(self.held_stages, self.layers)} if layout.recomputed else {}
         self.gradients: List[Optional[tf.Tensor]] = []

@@ -136,8 +136,8 @@ class KerasStageCodec:
         if positions and positions[-1] >= len(paths):
             raise CheckpointError(f"{path} holds {len(paths)} model variables, this pipeline's stages "
                                   f"{pipe.held_stages} reach variable {positions[-1]}; is it this model's?")
-        assign_variables("model", stage_variables(pipe), {f"model.{i}": arrays[f"model.{k}"]
-                                                         for i, k in enumerate(positions)}, [paths[k] for k in positions])
+        chosen = {f"model.{i}": arrays[f"model.{k}"] for i, k in enumerate(positions)}
+        assign_variables("model", stage_variables(pipe), chosen, [paths[k] for k in positions])
         return TrainingState(header["step"], header["epoch"], header["data_position"], header["extra"])
 
 
