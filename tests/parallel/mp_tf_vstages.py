@@ -10,7 +10,7 @@ import pytest
 
 import dualframe.tensorflow as hvd
 import dualframe.tensorflow.keras as hvd_keras
-from dualframe.errors import BalanceError, ChunksError, ScheduleError, StrategyError
+from dualframe.errors import BalanceError, ChunksError, ScheduleError
 from dualframe.tensorflow.pipeline.distributed import DistributedPipeline
 # tests/parallel is on sys.path (pytest rootdir import)
 from keras_pipeline_models import assert_weights, batches, check_set_weights_and_inference, one_process, train_pipeline
@@ -49,15 +49,6 @@ def test_bad_combinations_are_refused_on_every_rank_before_communication():
     with pytest.raises(BalanceError, match=r"balance must describe ranks x virtual_stages stages.*\(balance: 2 stages"):
         DistributedPipeline(functional, split_points=[functional.layers[3].name], chunks=4, schedule="zb-v",
                             loss_fn="mse", virtual_stages=2)
-    x = keras.Input((6,))
-    shared = keras.layers.Dense(6, name="shared")
-    h = shared(x)
-    for name in "bcd":
-        h = keras.layers.Dense(6, name=name)(h)
-    with pytest.raises(StrategyError, match=r"layer weights read by several stages \('shared/kernel': stages "
-                                            r"\[0, 3\]\) with virtual_stages=2 are not available yet"):
-        DistributedPipeline(keras.Model(x, shared(h)), split_points=["b", "c", "d"], chunks=4,
-                            schedule="interleaved-1f1b", loss_fn="mse", virtual_stages=2)
 
 
 @pytest.mark.parametrize("chunks", [4, 8])
@@ -136,6 +127,37 @@ def test_functional_model_with_virtual_stages_equals_one_process(schedule, chunk
     assert [tag for tag, _, _ in pipe.records.records[-1].actions] == [str(a) for a in pipe.actions]
     other, _ = deep_functional(seed=99)
     check_set_weights_and_inference(pipe, other, rows=8)
+
+
+def tied_ends(seed=3):
+    """x -> Dense "shared" (tanh) -> Dense b, c, d (tanh) -> "shared" again: cut before b, c and d, the first and
+    the last of the four stages read the same kernel and bias."""
+    init = keras.initializers.GlorotUniform
+    x = keras.Input((6,))
+    shared = keras.layers.Dense(6, activation="tanh", name="shared", kernel_initializer=init(seed),
+                                bias_initializer=keras.initializers.RandomNormal(seed=seed))
+    h = shared(x)
+    for k, name in enumerate("bcd"):
+        h = keras.layers.Dense(6, activation="tanh", name=name, kernel_initializer=init(seed + 1 + k))(h)
+    return keras.Model(x, shared(h))
+
+
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zb-v"])
+def test_weights_read_by_the_first_and_the_last_stage_train_as_one_process(schedule):
+    """interleaved-1f1b: stages 0 and 3 on ranks 0 and 1 hold copies, their gradients summed between the ranks;
+    zb-v: both on rank 0, one variable whose two stages' shares add up there."""
+    data = batches(STEPS, BATCH, outputs=6)
+    expected_losses, expected_weights = one_process(tied_ends(), data, keras.optimizers.SGD(0.1, momentum=0.9))
+    model = tied_ends()
+    if hvd.rank() == 1:  # rank 1's copy starts elsewhere: the pipeline makes it stage 0's
+        model.get_layer("shared").kernel.assign_add(np.ones((6, 6), "float32"))
+    pipe = DistributedPipeline(model, split_points=["b", "c", "d"], chunks=4, schedule=schedule, loss_fn="mse",
+                               virtual_stages=2)
+    assert [w.stages for w in pipe.tied.plan.tied] == ([(0, 1)] * 2 if schedule == "interleaved-1f1b" else [])
+    # interleaved's rank 1: b, d and its copy of "shared"; zb-v's rank 0: "shared" once, though stages 0 and 3 read it
+    assert len(pipe.trainable_variables) == (6 if schedule == "interleaved-1f1b" and hvd.rank() == 1 else 4)
+    train_pipeline(pipe, keras.optimizers.SGD(0.1, momentum=0.9), data, expected_losses)
+    assert_weights(pipe.gather_weights(), expected_weights)
 
 
 def test_inference_and_set_weights_of_a_chain():

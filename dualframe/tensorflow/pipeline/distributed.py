@@ -38,7 +38,7 @@ from dualframe.tensorflow.pipeline.fit import KerasFit, keras_loss
 from dualframe.tensorflow.pipeline.virtual_work import VirtualStageWorks, stage_actions
 from dualframe.tensorflow.pipeline.xla import use_xla
 from dualframe.tensorflow.split.tied import TiedVariables, find_layer_tied
-from dualframe.pipeline.tied import TiedPlan
+from dualframe.pipeline.tied import TiedPlan, rank_tied
 
 
 def _layers_of(layers: Any) -> List[Any]:
@@ -130,8 +130,8 @@ class DistributedPipeline(KerasFit, StageView):
             ``checkpoint=`` recomputes each held stage on its own (``recomputes``); with ``data_parallel``
             replicas the ranks at one position hold the same stages and average their gradients
             (``distributed_optimizer``); stage checkpoints save each rank's stages in its part; ``compile`` and
-            ``fit`` train them as one stage per rank. A functional model's weights read by several stages take
-            one stage per rank yet (refused by name).
+            ``fit`` train them as one stage per rank; a layer several stages call is one variable on a rank
+            holding those stages, a copy per rank otherwise (their gradients summed between the ranks).
 
     Raises:
         BalanceError, ChunksError, ScheduleError, StrategyError: bad arguments, on every rank, before
@@ -175,11 +175,8 @@ class DistributedPipeline(KerasFit, StageView):
         self.captured: KerasGraph = captured
         self.split: GraphSplit
         self.split, all_layers = process_stages(captured, split_points=split_points, balance=balance, stages=stages)
-        tied = find_layer_tied(captured, self.split)  # variables several stages read: each holds a copy
-        if tied and layout.virtual_stages > 1:
-            raise StrategyError(f"layer weights read by several stages ({tied[0].key!r}: stages "
-                                f"{list(tied[0].stages)}) with virtual_stages={layout.virtual_stages} are not "
-                                "available yet; use virtual_stages=1 or a cut where one stage reads them")
+        # Variables the stages of several ranks read: each such rank holds a copy (one rank's stages share one).
+        tied = rank_tied(find_layer_tied(captured, self.split), layout.placement)
         self.chunks, self.schedule, self.grid, self.checkpoint = chunks, layout.schedule, layout.grid, layout.checkpoint
         self.loss_fn, self.timeout = loss_fn, timeout
         # From here on, Horovod: every argument above is checked on every rank.
@@ -235,8 +232,8 @@ class DistributedPipeline(KerasFit, StageView):
 
     @property
     def trainable_variables(self) -> List[tf.Variable]:
-        """The local stage's trainable variables, in layer order."""
-        return [v for layer in self.layers for v in layer.trainable_weights]
+        """The local stages' trainable variables, in layer order, each once (two held stages may call one layer)."""
+        return list({id(v): v for layer in self.layers for v in layer.trainable_weights}.values())
 
     @property
     def variables(self) -> List[Any]:
