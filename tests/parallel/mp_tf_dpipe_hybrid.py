@@ -132,7 +132,8 @@ def test_zero3_among_stage_replicas_equals_one_process(kind, schedule, adam, che
 
 
 def test_zero3_among_stage_replicas_refuses_what_is_not_built():
-    """On every rank alike, before any message: arguments it does not take, tied weights, a second optimizer."""
+    """On every rank alike, before any message: arguments it does not take, a second optimizer, virtual stages
+    (tied weights: mp_tf_graph_pipeline_hybrid.py)."""
     pipe = DistributedPipeline(make_model(), balance=[3, 2], chunks=CHUNKS, schedule="1f1b", loss_fn="mse",
                                data_parallel=2)
     sgd = keras.optimizers.SGD(0.1)
@@ -146,6 +147,11 @@ def test_zero3_among_stage_replicas_refuses_what_is_not_built():
     pipe.distributed_optimizer(sgd, shard="parameters")
     with pytest.raises(StrategyError, match=r"sharded by its shard='parameters' optimizer already"):
         pipe.distributed_optimizer(keras.optimizers.SGD(0.1))
+    virtual = DistributedPipeline(make_model(), balance=[2, 1, 1, 1], chunks=CHUNKS, schedule="interleaved-1f1b",
+                                  loss_fn="mse", data_parallel=2, virtual_stages=2)
+    with pytest.raises(StrategyError, match=r"runs one stage per rank with schedule 'gpipe', '1f1b' or 'zb-h1' "
+                                            r"\(schedule: 'interleaved-1f1b', virtual_stages: 2\)"):
+        virtual.distributed_optimizer(sgd, shard="parameters")
 
 
 RESUME_STEPS, SAVE_AFTER = 4, 2
