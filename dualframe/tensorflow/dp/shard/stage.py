@@ -97,7 +97,6 @@ class StageShardedOptimizer(ShardedOptimizer):
         self._zero.planned, self._zero.blocks = layers_plan(layers, variables, process_set.size(),
                                                            self.bucket_elements)
         self.stage_variables = list(variables)
-        self.gathered_now = True  # the variables hold their full values until build cuts them
 
     def __repr__(self) -> str:
         return f"DistributedOptimizer(shard='parameters', stage, {self._zero.inner!r})"
@@ -124,14 +123,12 @@ class StageShardedOptimizer(ShardedOptimizer):
                                                     process_set=self.reduction.process_set))
         for variable, value in zip(zero.variables, zero.unflatten(values)):
             variable._value.assign(tf.cast(value, variable.dtype))
-        self.gathered_now = True
 
     def free(self) -> None:
         """Empty every trainable variable of the stage (zero-size placeholders) until the next ``begin_step``."""
         for variable in self._zero.variables:
             if variable.shape.rank:
                 variable._value.assign(tf.zeros([0] * variable.shape.rank, variable.dtype))
-        self.gathered_now = False
 
     def reload(self) -> None:
         """Take this rank's slices of the values just written into the stage's variables, then free them."""
