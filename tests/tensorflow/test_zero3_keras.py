@@ -198,3 +198,51 @@ def test_low_precision_variables_step_through_fp32_master_slices(dtype):
     weights = sharded.get_weights()
     assert weights[0].dtype == np.dtype(dtype) if dtype == "float16" else str(weights[0].dtype) == "bfloat16"
     assert np.abs(masters[0] - weights[0].astype("float32")).max() > 0  # the masters keep more digits
+
+
+@pytest.mark.parametrize("loss_scale", [False, True])
+def test_build_again_keeps_the_slices_and_slots_and_fit_equals_plain(loss_scale):
+    """``build`` twice, on the model's variables or on the slices, and ``fit`` after it: one state, not two;
+    other variables are refused. With a LossScaleOptimizer the scale and its counter stay the ones built."""
+    x, y = data()
+    adam = keras.optimizers.Adam(0.05)
+    opt = hvd.DistributedOptimizer(keras.optimizers.LossScaleOptimizer(adam) if loss_scale else adam,
+                                   shard="parameters")
+    sharded = opt.shard_model(model())
+    sharded_opt = getattr(opt, "inner_optimizer", opt)
+    slices, state = opt.parameter_slices(), list(opt.variables)
+    for variables in (sharded.trainable_variables, opt.parameter_slices(), sharded.trainable_variables):
+        opt.build(variables)
+    assert all(a is b for a, b in zip(opt.parameter_slices(), slices)) and len(opt.parameter_slices()) == len(slices)
+    assert len(opt.variables) == len(state) and all(a is b for a, b in zip(opt.variables, state))
+    assert len(sharded_opt._zero.inner.variables) == 1 + 1 + 2 * len(slices)  # iterations, lr, Adam's m and v
+    with pytest.raises(dualframe.StrategyError, match="built on its model.s 8 trainable variables and cannot be built again on 8 others"):
+        opt.build(model().trainable_variables)
+    sharded.compile(optimizer=opt, loss="mse")
+    plain = model()
+    plain.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+    for m in (sharded, plain):
+        m.fit(x, y, batch_size=6, epochs=2, shuffle=False, verbose=0)
+    assert len(opt.variables) == len(state) and len(sharded_opt._zero.inner.variables) == 2 + 2 * len(slices)
+    for a, b in zip(sharded.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_zero2_build_again_and_fit_after_a_manual_build_keep_one_state():
+    x, y = data()
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), shard="gradients")
+    sharded = model()
+    opt.build(sharded.trainable_variables)
+    slots = opt.shard_variables()
+    opt.build(sharded.trainable_variables)
+    assert len(opt.shard_variables()) == len(slots) and all(a is b for a, b in zip(opt.shard_variables(), slots))
+    with pytest.raises(dualframe.StrategyError, match="cannot be built again"):
+        opt.build(model().trainable_variables[:2])
+    sharded.compile(optimizer=opt, loss="mse")
+    plain = model()
+    plain.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss="mse")
+    for m in (sharded, plain):
+        m.fit(x, y, batch_size=6, epochs=2, shuffle=False, verbose=0)
+    assert all(a is b for a, b in zip(opt.shard_variables(), slots))
+    for a, b in zip(sharded.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-6)

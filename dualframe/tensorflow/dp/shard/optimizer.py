@@ -109,9 +109,17 @@ class ShardedOptimizer(SliceGradients, PlainState, KerasTwoNames, keras.optimize
 
         The cross-rank check that every rank holds the same parameters runs at the first ``apply``
         (when every rank steps or traces its step), so building stays local: an elastic worker
-        that joins builds its optimizer while the others wait in ``sync``.
+        that joins builds its optimizer while the others wait in ``sync``. Built once: a later call (``fit``
+        after a manual ``build``, or ``build`` twice) on the same variables (or, ZeRO-3, on the slices)
+        keeps the slices and slots as they are.
+
+        Raises:
+            StrategyError: ZeRO-3 before ``shard_model``, or built already on other variables.
         """
         variables = list(var_list)
+        if self.built:
+            self._zero.check_built_on(variables)
+            return
         if self.shard == "parameters" and self._zero.values is None:
             raise StrategyError(
                 "shard='parameters' keeps only this rank's slice of the model's values, so the model must be "

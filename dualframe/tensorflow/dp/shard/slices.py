@@ -136,6 +136,15 @@ class ShardedState:
                 f"a sharded optimizer applies gradients to the variables it was built on, in that order "
                 f"(built on {len(self.variables)}, given {len(grads)}); pass every trainable variable each step")
 
+    def check_built_on(self, variables: Sequence[Any]) -> None:
+        """Refuse building again on other variables than the model's (or, ZeRO-3, the slices) it was built on."""
+        variables = list(variables)
+        same = len(variables) == len(self.variables) and all(a is b for a, b in zip(variables, self.variables))
+        if not same and not (self.model is not None and self.are_slices(variables)):
+            raise StrategyError(
+                f"this sharded optimizer is built on its model's {len(self.variables)} trainable variables and "
+                f"cannot be built again on {len(variables)} others (a second state); make one optimizer per model")
+
     def are_slices(self, variables: Sequence[Any]) -> bool:
         """Whether ``variables`` are exactly this state's slice variables, in order."""
         variables = list(variables)
