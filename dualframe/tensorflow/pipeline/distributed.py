@@ -9,6 +9,7 @@ work (``graph_work.TFGraphStageWork`` over the compiled passes of ``compiled``) 
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import keras
@@ -26,7 +27,6 @@ from dualframe.pipeline.schedule import batched_weights, forwards_first
 from dualframe.pipeline.link import check_transport
 from dualframe.tensorflow.backend import BACKEND
 from dualframe.tensorflow.collectives import hvd
-from dualframe.tensorflow.dp.optimizer import DistributedOptimizer
 from dualframe.tensorflow.pipeline.recompute import StageRecompute
 from dualframe.pipeline.graph import GraphSplit, stage_count
 from dualframe.tensorflow.graph.capture import KerasGraph, capture
@@ -34,11 +34,13 @@ from dualframe.tensorflow.graph.masks import chain_mask_crossing
 from dualframe.tensorflow.pipeline.graph import GraphStage, process_stages
 from dualframe.tensorflow.pipeline.compiled import GraphStageFunction
 from dualframe.tensorflow.pipeline.graph_work import TFGraphStageWork
+from dualframe.tensorflow.pipeline.optimizer import apply_stage_gradients, stage_optimizer
+from dualframe.tensorflow.dp.shard.stage import StageShardedOptimizer
 from dualframe.tensorflow.pipeline.fit import KerasFit, keras_loss
 from dualframe.tensorflow.pipeline.virtual_work import VirtualStageWorks, stage_actions
 from dualframe.tensorflow.pipeline.xla import use_xla
 from dualframe.tensorflow.split.tied import TiedVariables, find_layer_tied
-from dualframe.pipeline.tied import TiedPlan
+from dualframe.pipeline.tied import TiedPlan, rank_tied
 
 
 def _layers_of(layers: Any) -> List[Any]:
@@ -127,8 +129,11 @@ class DistributedPipeline(KerasFit, StageView):
             masks; moving statistics updated once). Results equal those without it.
         virtual_stages: stages each rank holds: ``balance`` (a functional model: or ``split_points``, ``stages``)
             then describes all ``ranks x virtual_stages`` stages and the schedule places them (``held_stages``).
-            ``fit``, stage checkpoints and a functional model's weights read by several stages take one stage
-            per rank yet (they refuse by name).
+            ``checkpoint=`` recomputes each held stage on its own (``recomputes``); with ``data_parallel``
+            replicas the ranks at one position hold the same stages and average their gradients
+            (``distributed_optimizer``); stage checkpoints save each rank's stages in its part; ``compile`` and
+            ``fit`` train them as one stage per rank; a layer several stages call is one variable on a rank
+            holding those stages, a copy per rank otherwise (their gradients summed between the ranks).
 
     Raises:
         BalanceError, ChunksError, ScheduleError, StrategyError: bad arguments, on every rank, before
@@ -172,11 +177,8 @@ class DistributedPipeline(KerasFit, StageView):
         self.captured: KerasGraph = captured
         self.split: GraphSplit
         self.split, all_layers = process_stages(captured, split_points=split_points, balance=balance, stages=stages)
-        tied = find_layer_tied(captured, self.split)  # variables several stages read: each holds a copy
-        if tied and layout.virtual_stages > 1:
-            raise StrategyError(f"layer weights read by several stages ({tied[0].key!r}: stages "
-                                f"{list(tied[0].stages)}) with virtual_stages={layout.virtual_stages} are not "
-                                "available yet; use virtual_stages=1 or a cut where one stage reads them")
+        # Variables the stages of several ranks read: each such rank holds a copy (one rank's stages share one).
+        tied = rank_tied(find_layer_tied(captured, self.split), layout.placement)
         self.chunks, self.schedule, self.grid, self.checkpoint = chunks, layout.schedule, layout.grid, layout.checkpoint
         self.loss_fn, self.timeout = loss_fn, timeout
         # From here on, Horovod: every argument above is checked on every rank.
@@ -200,10 +202,14 @@ class DistributedPipeline(KerasFit, StageView):
         #: The compiled passes, per stage this rank holds (empty until the stage's layers are built).
         self._graph_functions: Dict[int, GraphStageFunction] = {}
         self._compile_stages()
-        # A graph stage calls its own layers and its copies of tied ones: the Keras layers whose state a replay needs.
-        called = [c for stage in self.layers for c in stage.layers + stage.tied]
-        self._recompute = StageRecompute(called, layout.recomputed) if layout.recomputed else None
+        #: Activation checkpointing: one recompute per held stage, over the Keras layers it calls (its own and
+        #: its copies of tied ones), whose state (Dropout's seeds) its replay takes back whatever the rank's
+        #: other stages drew.
+        self.recomputes = {held: StageRecompute(stage.layers + stage.tied, layout.recomputed)
+                           for held, stage in zip(self.held_stages, self.layers)} if layout.recomputed else {}
         self.gradients: List[Optional[tf.Tensor]] = []
+        #: The stage's ``shard="parameters"`` optimizer (``distributed_optimizer``), which holds its values between steps.
+        self.sharded: Optional[StageShardedOptimizer] = None
         self.peak_live = 0
         #: GPipe: a stage whose split passes run computes its micro-batches' weight gradients in one pass
         #: after its last backward (``schedule.batched_weights``); False: each in its backward.
@@ -218,6 +224,15 @@ class DistributedPipeline(KerasFit, StageView):
                                                               self.loss_fn, self._jit_compile)
                                      for held in self.held_stages}
 
+    def recompile(self) -> None:
+        """Make the held stages' compiled passes again (the stage's variables were replaced)."""
+        self._graph_functions = {}
+        self._compile_stages()
+
+    def _gathered(self) -> Any:
+        """The stage's full values in its variables inside: with ``shard="parameters"``, a collective of its replicas."""
+        return contextlib.nullcontext() if self.sharded is None else self.sharded.gathered()
+
     @property
     def _graph_function(self) -> Optional[GraphStageFunction]:
         """The compiled passes of this rank's own stage (``stage_index``) of a graph."""
@@ -230,8 +245,8 @@ class DistributedPipeline(KerasFit, StageView):
 
     @property
     def trainable_variables(self) -> List[tf.Variable]:
-        """The local stage's trainable variables, in layer order."""
-        return [v for layer in self.layers for v in layer.trainable_weights]
+        """The local stages' trainable variables, in layer order, each once (two held stages may call one layer)."""
+        return list({id(v): v for layer in self.layers for v in layer.trainable_weights}.values())
 
     @property
     def variables(self) -> List[Any]:
@@ -239,8 +254,12 @@ class DistributedPipeline(KerasFit, StageView):
         return [v for layer in self.layers for v in layer.weights]
 
     def get_weights(self) -> List[np.ndarray]:
-        """The local stage's weights, in the full model's order: the stages' lists concatenate into the model's."""
-        return [w for layer in self.layers for w in layer.get_weights()]
+        """The local stage's weights, in the full model's order: the stages' lists concatenate into the model's.
+
+        With a ``shard="parameters"`` optimizer the stage's replicas gather them first: every replica calls it.
+        """
+        with self._gathered():
+            return [w for layer in self.layers for w in layer.get_weights()]
 
     def set_weights(self, weights: Sequence[Any]) -> None:
         """Take this stage's part of the full model's ``get_weights()`` list (layers must be built)."""
@@ -254,10 +273,13 @@ class DistributedPipeline(KerasFit, StageView):
             layer.set_weights(list(weights[start:start + len(layer.weights)]))
         for tied, values in _tied_parts(self._all_layers, self.layers, weights):  # this stage's copies of tied layers
             tied.set_weights(values)
+        if self.sharded is not None:  # this rank keeps its slices of them (no communication)
+            self.sharded.reload()
 
     def gather_weights(self) -> List[np.ndarray]:
         """The full model's weights, merged from every stage of this pipeline (a collective: call it on all ranks)."""
-        mine = [(index, layer.get_weights()) for index, layer in zip(self.layer_indices, self.layers)]
+        with self._gathered():
+            mine = [(index, layer.get_weights()) for index, layer in zip(self.layer_indices, self.layers)]
         parts = hvd.allgather_object(mine, name=f"{self.role.link.prefix}.weights", process_set=self.pipeline_set)
         return [w for _, layer in sorted(item for part in parts for item in part) for w in layer]
 
@@ -267,17 +289,15 @@ class DistributedPipeline(KerasFit, StageView):
         Returns ``dualframe.tensorflow.keras.DistributedOptimizer`` on this stage's process set (the
         pipeline already sums a step's micro-batches, so one ``apply_gradients`` per step); with a
         single replica, the optimizer itself. Extra arguments (``compression``, ``op`` ...) pass through.
+        ``shard="parameters"``: ZeRO-3 among the stage's replicas (``StageShardedOptimizer``: the stage
+        gathered once per step; between steps each replica holds 1/R of its values and optimizer state).
+        See ``dualframe.tensorflow.pipeline.optimizer``.
         """
-        if str(kwargs.get("shard")).lower() == "parameters":
-            raise StrategyError("shard='parameters' (ZeRO-3) is not built for pipeline stages yet; use "
-                                "shard='gradients' to shard a stage's gradients and state among its replicas")
-        if self.stage_process_set is None:
-            return optimizer
-        return DistributedOptimizer(optimizer, process_set=self.stage_process_set, **kwargs)
+        return stage_optimizer(self, optimizer, **kwargs)
 
     def apply_gradients(self, optimizer: Any) -> None:
         """``optimizer.apply_gradients`` on the last step's gradients and the stage's variables."""
-        optimizer.apply_gradients([(g, v) for g, v in zip(self.gradients, self.trainable_variables) if g is not None])
+        apply_stage_gradients(self, optimizer)
 
     def _batches_weights(self, actions: Sequence[Action], train: bool) -> bool:
         """Whether this step runs GPipe's W passes as one after its last B (``schedule.batched_weights``).
@@ -288,7 +308,7 @@ class DistributedPipeline(KerasFit, StageView):
         weights through sublayers, ``reruns_cheaply``) over rows (``batchable``), and not with
         checkpointing, whose point is to keep no more than their inputs.
         """
-        if not (train and self._batched_actions is not None and self.batch_weights and self._recompute is None
+        if not (train and self._batched_actions is not None and self.batch_weights and not self.recomputes
                 and self._graph_functions):
             return False
         passes = [f.passes for f in self._graph_functions.values()]
@@ -297,6 +317,8 @@ class DistributedPipeline(KerasFit, StageView):
     def _run(self, actions: Sequence[Action], inputs: Any, targets: Any, train: bool) -> Tuple[Any, StepRecord]:
         """One step's walk of this rank's stages (a ``TFGraphStageWork`` each) on the agreed micro-batches."""
         targets = None if targets is None or not self.is_last else tf.convert_to_tensor(targets)
+        if self.sharded is not None:  # the stage's values, gathered once for the step's micro-batches
+            self.sharded.begin_step()
         values: Dict[str, Any] = {}
         if self.is_first and inputs is not None:
             flat = [tf.convert_to_tensor(v) for v in self.captured.flat_inputs(inputs)]
@@ -315,7 +337,7 @@ class DistributedPipeline(KerasFit, StageView):
         works: Dict[int, Any] = {j: TFGraphStageWork(
             self._all_layers[j], self.split, j, self.captured, self.loss_fn if train else None,
             micro_targets if j == last else [], [s / sum(sizes) for s in sizes], self.device,
-            self._graph_functions.get(j), split_backward=splits_backward(actions), recompute=self._recompute,
+            self._graph_functions.get(j), split_backward=splits_backward(actions), recompute=self.recomputes.get(j),
             fused=fusable(stage_actions(actions, j) if len(self.held_stages) > 1 else actions),
             batch_weights=batch_weights) for j in self.held_stages}
         if len(works) == 1:
@@ -340,6 +362,8 @@ class DistributedPipeline(KerasFit, StageView):
     def __call__(self, inputs: Any) -> Any:
         """Inference through the pipeline (no gradients): the model's output on the last stage, None elsewhere."""
         work, _ = self._run(self.role.forward_actions(self.chunks), inputs, None, train=False)
+        if self.sharded is not None:
+            self.sharded.free()
         if not self.is_last:
             return None
         return self.captured.pack_outputs([BACKEND.batches.concat(list(parts)) for parts in zip(*work.outputs)])
