@@ -26,22 +26,6 @@ ARGS.add_argument("--model", choices=("dense", "encoder"), default="dense")
 ARGS.add_argument("--arms", default="fused,gpipe", help="Keras: fused, gpipe (torch: one arm)")
 ARGS.add_argument("--rounds", type=int, default=5)
 ARGS.add_argument("--steps", type=int, default=3)
-SPANS = collections.defaultdict(float)
-
-
-def timed(owner, name, span):
-    """Add the seconds each call of ``owner.name`` takes to ``SPANS[span]``."""
-    call = getattr(owner, name)
-
-    def wrapper(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return call(*args, **kwargs)
-        finally:
-            SPANS[span] += time.perf_counter() - start
-    setattr(owner, name, wrapper)
-
-
 def gpipe_order(pipe):
     """Run ``pipe`` in GPipe's own order (what it ran before ``fused_last_stage``)."""
     from dualframe.pipeline.schedule import batched_weights
@@ -49,18 +33,18 @@ def gpipe_order(pipe):
     pipe._fused_actions = None
 
 
-def arms(args):
+def arms(args, timers):
     from dualframe.pipeline import link, stage
-    timed(link.StageLink, "receive", "wait")
-    timed(link.StageLink, "finish", "wait")
-    timed(stage.PipelineStage, "agree", "wait")
+    timers.wrap(link.StageLink, "receive", "wait")
+    timers.wrap(link.StageLink, "finish", "wait")
+    timers.wrap(stage.PipelineStage, "agree", "wait")
     import bench_vs_unsplit
     if args.framework == "torch":
         hvd, made, pipes = bench_vs_unsplit.torch_arms(args.model)
         return hvd, {"torch": (made["chunks=8"], pipes[8])}
     from dualframe.tensorflow.pipeline import graph_work
-    timed(graph_work, "pack", "pack")
-    timed(graph_work, "unpack", "pack")
+    timers.wrap(graph_work, "pack", "pack")
+    timers.wrap(graph_work, "unpack", "pack")
     found = {}
     for arm in args.arms.split(","):
         hvd, made, pipes = bench_vs_unsplit.keras_arms(args.model)
@@ -74,21 +58,24 @@ def arms(args):
 def main() -> None:
     args = ARGS.parse_args()
     bench_env.one_thread_per_process(tensorflow=args.framework == "keras")
-    hvd, found = arms(args)
+    import bench_common
+    timers = bench_common.Timers()
+    hvd, found = arms(args, timers)
+    spent = timers.seconds
     rows = collections.defaultdict(list)
     for step, _ in found.values():
         step()  # warm-up: traces, shape headers
     for _ in range(args.rounds):
         for name, (step, pipe) in found.items():
             hvd.barrier()
-            SPANS.clear()
+            spent.clear()
             start = time.perf_counter()
             for _ in range(args.steps):
                 step()
             wall = time.perf_counter() - start
             busy = sum(record.busy for record in pipe.records.records[-args.steps:])
-            spans = {"step": wall, "compute": busy - SPANS["pack"], "pack": SPANS["pack"], "wait": SPANS["wait"]}
-            spans["other"] = wall - busy - SPANS["wait"]
+            spans = {"step": wall, "compute": busy - spent["pack"], "pack": spent["pack"], "wait": spent["wait"]}
+            spans["other"] = wall - busy - spent["wait"]
             rows[name].append({k: v / args.steps * 1e3 for k, v in spans.items()})
     lines = [f"rank {hvd.rank()} {args.framework} {args.model} {name}: "
              + ", ".join(f"{k} {statistics.median(r[k] for r in kept):.1f}" for k in kept[0])
