@@ -30,8 +30,7 @@ class PeerLostError(DualframeError, TimeoutError):
 
 
 def check_pipeline(layers: int, balance: Sequence[int], loss_fn: Any, data_parallel: Optional[int],
-                   timeout: float, world: int, virtual_stages: int = 1,
-                   virtual_replicas: bool = False) -> Tuple[List[range], RankGrid]:
+                   timeout: float, world: int, virtual_stages: int = 1) -> Tuple[List[range], RankGrid]:
     """Check a process pipeline's arguments against its model and world; return the stage ranges and the grid.
 
     Args:
@@ -41,9 +40,8 @@ def check_pipeline(layers: int, balance: Sequence[int], loss_fn: Any, data_paral
         data_parallel: None or the replicas expected (must equal world // ranks per pipeline).
         timeout: seconds a stage waits for a neighbour (> 0).
         world: the number of processes.
-        virtual_stages: stages each rank holds; the grid's ``stages`` are then ranks per pipeline.
-        virtual_replicas: the adapter runs data-parallel replicas of a pipeline of virtual stages (torch);
-            False refuses them (Keras).
+        virtual_stages: stages each rank holds; the grid's ``stages`` are then ranks per pipeline (replicas
+            of such a pipeline: the ranks at one position hold the same stages).
 
     Raises:
         BalanceError, StrategyError: a rule broken; the message names it and the values.
@@ -67,10 +65,6 @@ def check_pipeline(layers: int, balance: Sequence[int], loss_fn: Any, data_paral
             f"a one-stage pipeline over several processes is data parallelism (balance: {list(balance)}, "
             f"processes: {world}); use DistributedOptimizer, or split the model into >= 2 stages"
         )
-    if v > 1 and grid.replicas > 1 and not virtual_replicas:
-        raise StrategyError(f"virtual_stages={v} runs one pipeline, not data-parallel replicas of it yet in Keras "
-                            f"(processes: {world}, ranks per pipeline: {grid.stages}); launch with -np {grid.stages}, "
-                            f"or use virtual_stages=1 with replicas")
     if data_parallel is not None and positive_int("data_parallel", data_parallel) != grid.replicas:
         raise StrategyError(
             f"data_parallel x stages must equal the number of processes (data_parallel: {data_parallel}, "
@@ -125,15 +119,13 @@ class StageLayout:
 def layout_pipeline(layers: int, balance: Sequence[int], chunks: int, schedule: str = "gpipe", loss_fn: Any = None,
                     devices: Optional[Sequence[str]] = None, data_parallel: Optional[int] = None,
                     timeout: float = 45.0, world: int = 1, checkpoint: str = "never",
-                    virtual_stages: int = 1, virtual_checkpoint: bool = False,
-                    virtual_replicas: bool = False) -> StageLayout:
+                    virtual_stages: int = 1) -> StageLayout:
     """Check every argument of a DistributedPipeline (``check_pipeline``, schedule, chunks, devices, checkpoint).
 
     No communication.
 
-    ``devices``: one per rank of the pipeline (its stages share it). ``virtual_checkpoint``: the adapter
-    recomputes each held stage on its own, so ``checkpoint`` other than "never" is taken with virtual stages
-    (torch); False refuses it (Keras). ``virtual_replicas``: see ``check_pipeline``.
+    ``devices``: one per rank of the pipeline (its stages share it). With virtual stages, ``checkpoint``
+    applies to each held stage (both adapters recompute each on its own).
 
     Example:
         >>> layout = layout_pipeline(8, [2] * 4, chunks=4, schedule="zb-v", world=2, virtual_stages=2)
@@ -145,10 +137,7 @@ def layout_pipeline(layers: int, balance: Sequence[int], chunks: int, schedule: 
     """
     v = virtual_count(virtual_stages)
     rank_schedule(schedule, 2, 2 * v, v)  # the schedule's own refusals (virtual_stages it cannot run) come first
-    if v > 1 and checkpoint_mode(checkpoint) != "never" and not virtual_checkpoint:
-        raise StrategyError(f"checkpoint={checkpoint!r} with virtual_stages={v} is not available in Keras yet (torch "
-                            f"recomputes each held stage); use checkpoint='never' or virtual_stages=1")
-    ranges, grid = check_pipeline(layers, balance, loss_fn, data_parallel, timeout, world, v, virtual_replicas)
+    ranges, grid = check_pipeline(layers, balance, loss_fn, data_parallel, timeout, world, v)
     actions = rank_schedule(schedule, grid.stages, chunks, v)
     return StageLayout(ranges, grid, actions, validate_devices(devices, grid.stages), chunks, schedule.lower(),
                        loss_fn, timeout, checkpoint=checkpoint_mode(checkpoint),

@@ -67,6 +67,21 @@ def find_tied(stage_weights: Sequence[Sequence[Any]], names: Mapping[Any, Sequen
     return sorted(tied, key=lambda w: order[w.key])
 
 
+def rank_tied(tied: Sequence[TiedWeight], placement: Sequence[int]) -> List[TiedWeight]:
+    """The tied weights between ranks: each weight's stages as the rank positions holding them (virtual stages).
+
+    A weight that only stages of one rank read is one variable there, not a copy to keep equal (ZB-V
+    puts the first and the last stage, an embedding and its tied head, on rank 0): it leaves the list.
+
+    Example:
+        >>> head = TiedWeight(("wte", "head"), (0, 3))
+        >>> rank_tied([head], [0, 1, 0, 1]), rank_tied([head], [0, 1, 1, 0])
+        ([TiedWeight(names=('wte', 'head'), stages=(0, 1))], [])
+    """
+    by_rank = [TiedWeight(w.names, tuple(sorted({placement[j] for j in w.stages}))) for w in tied]
+    return [w for w in by_rank if len(w.stages) > 1]
+
+
 def tied_process_sets(tied: Sequence[TiedWeight], grid: RankGrid) -> List[List[int]]:
     """The rank groups that sum tied gradients (one per weight and replica), to declare with the pipeline's own.
 

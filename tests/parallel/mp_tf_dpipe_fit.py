@@ -21,7 +21,9 @@ from keras_pipeline_models import assert_weights
 
 SETS = pipeline_process_sets(4, 4, graph=True)
 hvd.init(process_sets=SETS + [s for s in pipeline_process_sets(4, 2) if s not in SETS])
-LAYOUTS = {"4 stages": dict(split_points=["t1", "d2", "d3"]), "2 x 2": dict(split_points=["d2"], data_parallel=2)}
+LAYOUTS = {"4 stages": dict(split_points=["t1", "d2", "d3"]), "2 x 2": dict(split_points=["d2"], data_parallel=2),
+           # 2 replicas of 2 ranks, each rank 2 stages of the V (rank 0 holds the first and the last)
+           "2 x 2 x 2 zb-v": dict(split_points=["t1", "d2", "d3"], data_parallel=2, virtual_stages=2, schedule="zb-v")}
 OPTIMIZERS = {"sgd": lambda: keras.optimizers.SGD(0.1, momentum=0.9), "adam": lambda: keras.optimizers.Adam(0.01)}
 
 
@@ -140,7 +142,8 @@ class Interrupt(keras.callbacks.Callback):
             raise RuntimeError("interrupted")
 
 
-def test_backup_and_restore_resumes_at_the_epoch_with_the_optimizer_state(tmp_path):
+@pytest.mark.parametrize("layout", ["2 x 2", "2 x 2 x 2 zb-v"])
+def test_backup_and_restore_resumes_at_the_epoch_with_the_optimizer_state(layout, tmp_path):
     """A dataset of unknown length, Adam, a learning-rate schedule; a run cut after epoch 2 resumes there."""
     import tensorflow as tf
 
@@ -156,17 +159,18 @@ def test_backup_and_restore_resumes_at_the_epoch_with_the_optimizer_state(tmp_pa
     want = reference.fit(known, epochs=4, callbacks=[schedule()], verbose=0).history["loss"]
 
     backup = os.path.join(folder, "backup")
-    pipe = hvd.DistributedPipeline(make_model(), chunks=2, **LAYOUTS["2 x 2"])
+    pipe = hvd.DistributedPipeline(make_model(), chunks=2, **LAYOUTS[layout])
     pipe.compile(keras.optimizers.Adam(), loss="mse")
     with pytest.raises(RuntimeError, match="interrupted"):
         pipe.fit(dataset, epochs=4, verbose=0, callbacks=[keras.callbacks.BackupAndRestore(backup), schedule(),
                                                           Interrupt(1)])
-    pipe = hvd.DistributedPipeline(make_model(), chunks=2, **LAYOUTS["2 x 2"])  # a fresh start, weights from scratch
+    pipe = hvd.DistributedPipeline(make_model(), chunks=2, **LAYOUTS[layout])  # a fresh start, weights from scratch
     pipe.compile(keras.optimizers.Adam(), loss="mse")
     log = os.path.join(folder, f"log-{hvd.rank()}.csv")
     got = pipe.fit(dataset, epochs=4, verbose=0, callbacks=[keras.callbacks.BackupAndRestore(backup), schedule(),
                                                             keras.callbacks.CSVLogger(log)]).history
     assert got["loss"] == pytest.approx(want[2:], abs=1e-5), "epochs 3 and 4 after resuming"
     assert_weights(pipe.gather_weights(), reference.get_weights(), "resumed vs keras fit")
-    written = hvd.allgather_object(os.path.exists(log), name="fit.csv")
-    assert written == [False, True, False, False], "CSVLogger writes on the last stage of replica 0 only"
+    written = hvd.allgather_object(os.path.exists(log), name=f"fit.{layout}.csv")
+    reporter = 0 if "zb-v" in layout else 1  # zb-v's last stage is on the pipeline's first rank
+    assert written == [rank == reporter for rank in range(4)], "CSVLogger writes on the last stage of replica 0 only"

@@ -40,7 +40,7 @@ SHARED_LAUNCHES = (
     ("mp_torch_dpipe_hybrid.py", "mp_torch_graph_pipeline_hybrid.py", "mp_torch_vstages_hybrid.py"),
     ("mp_tf_shard.py", "mp_tf_shard_amp.py", "mp_tf_dp.py", "mp_tf_horovod_api.py", "mp_tf_collectives.py"),
     ("mp_tf_dpipe.py", "mp_tf_vstages.py", "mp_tf_dpipe_graph.py", "mp_tf_tied.py"),
-    ("mp_tf_dpipe_fit.py", "mp_tf_dpipe_hybrid.py", "mp_tf_graph_pipeline_hybrid.py"),
+    ("mp_tf_dpipe_fit.py", "mp_tf_dpipe_hybrid.py", "mp_tf_graph_pipeline_hybrid.py", "mp_tf_vstages_hybrid.py"),
 )
 
 

@@ -38,7 +38,7 @@ from dualframe.tensorflow.pipeline.fit import KerasFit, keras_loss
 from dualframe.tensorflow.pipeline.virtual_work import VirtualStageWorks, stage_actions
 from dualframe.tensorflow.pipeline.xla import use_xla
 from dualframe.tensorflow.split.tied import TiedVariables, find_layer_tied
-from dualframe.pipeline.tied import TiedPlan
+from dualframe.pipeline.tied import TiedPlan, rank_tied
 
 
 def _layers_of(layers: Any) -> List[Any]:
@@ -127,8 +127,11 @@ class DistributedPipeline(KerasFit, StageView):
             masks; moving statistics updated once). Results equal those without it.
         virtual_stages: stages each rank holds: ``balance`` (a functional model: or ``split_points``, ``stages``)
             then describes all ``ranks x virtual_stages`` stages and the schedule places them (``held_stages``).
-            ``fit``, stage checkpoints and a functional model's weights read by several stages take one stage
-            per rank yet (they refuse by name).
+            ``checkpoint=`` recomputes each held stage on its own (``recomputes``); with ``data_parallel``
+            replicas the ranks at one position hold the same stages and average their gradients
+            (``distributed_optimizer``); stage checkpoints save each rank's stages in its part; ``compile`` and
+            ``fit`` train them as one stage per rank; a layer several stages call is one variable on a rank
+            holding those stages, a copy per rank otherwise (their gradients summed between the ranks).
 
     Raises:
         BalanceError, ChunksError, ScheduleError, StrategyError: bad arguments, on every rank, before
@@ -172,11 +175,8 @@ class DistributedPipeline(KerasFit, StageView):
         self.captured: KerasGraph = captured
         self.split: GraphSplit
         self.split, all_layers = process_stages(captured, split_points=split_points, balance=balance, stages=stages)
-        tied = find_layer_tied(captured, self.split)  # variables several stages read: each holds a copy
-        if tied and layout.virtual_stages > 1:
-            raise StrategyError(f"layer weights read by several stages ({tied[0].key!r}: stages "
-                                f"{list(tied[0].stages)}) with virtual_stages={layout.virtual_stages} are not "
-                                "available yet; use virtual_stages=1 or a cut where one stage reads them")
+        # Variables the stages of several ranks read: each such rank holds a copy (one rank's stages share one).
+        tied = rank_tied(find_layer_tied(captured, self.split), layout.placement)
         self.chunks, self.schedule, self.grid, self.checkpoint = chunks, layout.schedule, layout.grid, layout.checkpoint
         self.loss_fn, self.timeout = loss_fn, timeout
         # From here on, Horovod: every argument above is checked on every rank.
@@ -200,9 +200,11 @@ class DistributedPipeline(KerasFit, StageView):
         #: The compiled passes, per stage this rank holds (empty until the stage's layers are built).
         self._graph_functions: Dict[int, GraphStageFunction] = {}
         self._compile_stages()
-        # A graph stage calls its own layers and its copies of tied ones: the Keras layers whose state a replay needs.
-        called = [c for stage in self.layers for c in stage.layers + stage.tied]
-        self._recompute = StageRecompute(called, layout.recomputed) if layout.recomputed else None
+        #: Activation checkpointing: one recompute per held stage, over the Keras layers it calls (its own and
+        #: its copies of tied ones), whose state (Dropout's seeds) its replay takes back whatever the rank's
+        #: other stages drew.
+        self.recomputes = {held: StageRecompute(stage.layers + stage.tied, layout.recomputed)
+                           for held, stage in zip(self.held_stages, self.layers)} if layout.recomputed else {}
         self.gradients: List[Optional[tf.Tensor]] = []
         self.peak_live = 0
         #: GPipe: a stage whose split passes run computes its micro-batches' weight gradients in one pass
@@ -232,8 +234,8 @@ class DistributedPipeline(KerasFit, StageView):
 
     @property
     def trainable_variables(self) -> List[tf.Variable]:
-        """The local stage's trainable variables, in layer order."""
-        return [v for layer in self.layers for v in layer.trainable_weights]
+        """The local stages' trainable variables, in layer order, each once (two held stages may call one layer)."""
+        return list({id(v): v for layer in self.layers for v in layer.trainable_weights}.values())
 
     @property
     def variables(self) -> List[Any]:
@@ -290,7 +292,7 @@ class DistributedPipeline(KerasFit, StageView):
         weights through sublayers, ``reruns_cheaply``) over rows (``batchable``), and not with
         checkpointing, whose point is to keep no more than their inputs.
         """
-        if not (train and self._batched_actions is not None and self.batch_weights and self._recompute is None
+        if not (train and self._batched_actions is not None and self.batch_weights and not self.recomputes
                 and self._graph_functions):
             return False
         passes = [f.passes for f in self._graph_functions.values()]
@@ -319,7 +321,7 @@ class DistributedPipeline(KerasFit, StageView):
         works: Dict[int, Any] = {j: TFGraphStageWork(
             self._all_layers[j], self.split, j, self.captured, self.loss_fn if train else None,
             micro_targets if j == last else [], [s / sum(sizes) for s in sizes], self.device,
-            self._graph_functions.get(j), split_backward=splits_backward(actions), recompute=self._recompute,
+            self._graph_functions.get(j), split_backward=splits_backward(actions), recompute=self.recomputes.get(j),
             fused=fusable(stage_actions(actions, j) if len(self.held_stages) > 1 else actions),
             batch_weights=batch_weights) for j in self.held_stages}
         if len(works) == 1:

@@ -114,12 +114,9 @@ class KerasFit:
         state must add up over rows (means, sums, counts, confusion matrices).
 
         Raises:
-            StrategyError: no loss here nor in the constructor, an unknown loss name, or virtual stages.
+            StrategyError: no loss here nor in the constructor, or an unknown loss name.
         """
         pipe: Any = self
-        if len(pipe.held_stages) > 1:
-            raise StrategyError(f"compile and fit run one stage per rank yet (this rank holds stages {pipe.held_stages}: "
-                                f"virtual_stages); train with train_step and apply_gradients")
         if loss is None and pipe.loss_fn is None:
             raise StrategyError("compile needs a loss: pass loss= here or loss_fn= to DistributedPipeline")
         base = keras_loss(loss) if loss is not None else pipe.loss_fn

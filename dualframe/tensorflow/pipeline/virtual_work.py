@@ -34,8 +34,14 @@ class VirtualStageWorks:
 
     @property
     def gradients(self) -> List[Optional[tf.Tensor]]:
-        """Every held stage's gradient sums, stage by stage (the rank's trainable variables' order)."""
-        return [g for j in sorted(self.works) for g in self.works[j].gradients]
+        """Every held stage's gradient sums, stage by stage, one per variable in the rank's trainable variables' order:
+        a variable two held stages read (a layer called in both) gets the sum of their shares."""
+        sums: Dict[int, Optional[tf.Tensor]] = {}
+        for j in sorted(self.works):
+            for variable, gradient in zip(self.works[j].stage.trainable_weights, self.works[j].gradients):
+                before = sums.get(id(variable))
+                sums[id(variable)] = gradient if before is None else before if gradient is None else before + gradient
+        return list(sums.values())
 
     @property
     def loss_sum(self) -> float:

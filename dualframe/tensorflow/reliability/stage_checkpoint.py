@@ -5,8 +5,10 @@ The TensorFlow twin of ``dualframe.torch.reliability.stage_checkpoint``. Stage j
 (``dualframe.tensorflow.reliability.checkpoint``): the variables of the stage's layers (Dropout's seed
 generators included) in the full model's order, the stage optimizer's variables, a JSON header and
 the RNG states of the stage's ranks; written by the first rank of the stage's data-parallel group
-through the core's :class:`~dualframe.reliability.checkpoint.CheckpointDir`. ``merge_stage_checkpoints`` joins
-the parts into one file that ``dualframe.tensorflow.keras.load_checkpoint`` loads into the full model.
+through the core's :class:`~dualframe.reliability.checkpoint.CheckpointDir`. With virtual stages, j is the
+rank's place in the pipeline and its file holds every stage the rank holds, each block's place in the
+full model's variables in the header (``model_blocks``). ``merge_stage_checkpoints`` joins the parts
+into one file that ``dualframe.tensorflow.keras.load_checkpoint`` loads into the full model.
 """
 from __future__ import annotations
 
@@ -29,9 +31,6 @@ def _check(directory: Any, pipe: Any, optimizer: Any) -> str:
     path = check_directory(directory)
     if not isinstance(pipe, DistributedPipeline):
         raise CheckpointError(f"pipe must be a dualframe.tensorflow.DistributedPipeline (pipe: {type(pipe).__name__})")
-    if len(pipe.held_stages) > 1:
-        raise CheckpointError(f"Keras stage checkpoints hold one stage per rank yet (this rank holds stages "
-                              f"{pipe.held_stages}: virtual_stages); save pipe.gather_weights() on rank 0 instead")
     if optimizer is not None and not isinstance(optimizer, keras.optimizers.Optimizer):
         raise CheckpointError(f"optimizer must be a keras.optimizers.Optimizer or None "
                               f"(optimizer: {type(optimizer).__name__})")
@@ -42,8 +41,19 @@ def _check(directory: Any, pipe: Any, optimizer: Any) -> str:
 
 
 def stage_variables(pipe: DistributedPipeline) -> List[Any]:
-    """Every variable of the stage's layers (weights and seed generators), in the full model's ``variables`` order."""
+    """Every variable of the rank's stages' layers (weights and seed generators), stage by stage, each in the full
+    model's ``variables`` order."""
     return [v for layer in pipe.layers for v in layer.variables]
+
+
+def held_blocks(pipe: DistributedPipeline) -> List[List[int]]:
+    """Per stage this rank holds, ``[offset, count]``: where its variables sit in the full model's ``variables``.
+
+    One block per rank without virtual stages; with them (rank 0 of zb-v holds stages 0 and 3), the
+    merge puts each block at its offset and a merged file's load takes each back from there.
+    """
+    counts = [len(stage.variables) for stage in pipe.all_layers]
+    return [[sum(counts[:j]), counts[j]] for j in pipe.layer_indices]
 
 
 def _snapshot(variables: Sequence[Any]) -> Tuple[List[str], List[np.ndarray]]:
@@ -97,7 +107,7 @@ class KerasStageCodec:
         optimizer = self.optimizer
         optimizer_variables = list(optimizer.variables) if optimizer is not None and optimizer.built else []
         return _encode({"model": _snapshot(stage_variables(self.pipe)), "optimizer": _snapshot(optimizer_variables)},
-                       dict(header), [json.loads(blob) for blob in rngs])
+                       dict(header, model_blocks=held_blocks(self.pipe)), [json.loads(blob) for blob in rngs])
 
     def decode(self, data: bytes, where: str) -> Tuple[Dict[str, Any], List[Any], Any]:
         arrays, header = _decode(data, where)
@@ -121,11 +131,13 @@ class KerasStageCodec:
         mine = read_newest(path, SUFFIX) if int(hvd.rank()) == 0 else None
         data = collectives.broadcast_bytes(mine, 0, f"{NAME}.merged")
         arrays, header = _decode(data, path)
-        offset = sum(len(layer.variables) for layer in pipe.all_layers[:pipe.layer_indices[0]])
-        variables = stage_variables(pipe)
-        paths = header["model_paths"][offset:offset + len(variables)]
-        assign_variables("model", variables,
-                         {f"model.{i}": arrays[f"model.{offset + i}"] for i in range(len(paths))}, paths)
+        positions = [offset + i for offset, count in held_blocks(pipe) for i in range(count)]
+        paths = header["model_paths"]
+        if positions and positions[-1] >= len(paths):
+            raise CheckpointError(f"{path} holds {len(paths)} model variables, this pipeline's stages "
+                                  f"{pipe.held_stages} reach variable {positions[-1]}; is it this model's?")
+        chosen = {f"model.{i}": arrays[f"model.{k}"] for i, k in enumerate(positions)}
+        assign_variables("model", stage_variables(pipe), chosen, [paths[k] for k in positions])
         return TrainingState(header["step"], header["epoch"], header["data_position"], header["extra"])
 
 
@@ -204,14 +216,36 @@ def merge_stage_checkpoints(stages: Union[str, Sequence[str]], output: str) -> s
     """
     output = check_directory(output)
     step, blobs = read_common(stages, SUFFIX)
-    paths: List[str] = []
-    values: List[np.ndarray] = []
+    blocks: List[Tuple[int, List[str], List[np.ndarray]]] = []
     header: Dict[str, Any] = {}
     for j, blob in enumerate(blobs):
         arrays, header = _decode(blob, f"stage {j}")
         check_part((header.get("stage"), header.get("stages")), (j, len(blobs)), f"stage folder {j}")
-        paths += header["model_paths"]
-        values += [arrays[f"model.{i}"] for i in range(len(header["model_paths"]))]
+        blocks += _blocks(arrays, header, sum(len(paths) for _, paths, _ in blocks))
     merged = {key: header[key] for key in ("epoch", "data_position", "extra")}
     merged["step"] = step
-    return atomic_write_bytes(output, _encode({"model": (paths, values), "optimizer": ([], [])}, merged, []))
+    return atomic_write_bytes(output, _encode({"model": _join(blocks), "optimizer": ([], [])}, merged, []))
+
+
+def _blocks(arrays: Any, header: Dict[str, Any], before: int) -> List[Tuple[int, List[str], List[np.ndarray]]]:
+    """A part's variables cut into its held stages' blocks ``(offset, paths, values)``; a part without
+    ``model_blocks`` (one stage per rank) is one block after the parts before it."""
+    paths = header["model_paths"]
+    start, found = 0, []
+    for offset, count in header.get("model_blocks", [[before, len(paths)]]):
+        found.append((offset, paths[start:start + count], [arrays[f"model.{start + i}"] for i in range(count)]))
+        start += count
+    return found
+
+
+def _join(blocks: List[Tuple[int, List[str], List[np.ndarray]]]) -> Tuple[List[str], List[np.ndarray]]:
+    """The blocks in the full model's order, which they must cover exactly (no gap, no overlap)."""
+    paths: List[str] = []
+    values: List[np.ndarray] = []
+    for offset, block_paths, block_values in sorted(blocks, key=lambda block: block[0]):
+        if offset != len(paths):
+            raise CheckpointError(f"the stages' variables do not join into one model (a block at variable {offset}, "
+                                  f"{len(paths)} joined before it); are the stage folders of one pipeline?")
+        paths += block_paths
+        values += block_values
+    return paths, values

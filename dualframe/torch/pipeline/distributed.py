@@ -56,8 +56,7 @@ def _layout(module: nn.Module, balance: Sequence[int], chunks: int, schedule: st
     if not isinstance(module, nn.Sequential):
         raise StrategyError(f"DistributedPipeline splits an nn.Sequential (module: {type(module).__name__})")
     return layout_pipeline(len(module), balance, chunks, schedule, loss_fn, devices, data_parallel, timeout,
-                           BACKEND.collectives.world_size(), checkpoint, virtual_stages,
-                           virtual_checkpoint=True, virtual_replicas=True)
+                           BACKEND.collectives.world_size(), checkpoint, virtual_stages)
 
 
 class DistributedPipeline(StageView, nn.Module):
@@ -131,8 +130,7 @@ class DistributedPipeline(StageView, nn.Module):
         if is_graph_split(module, split_points, stages):
             n = stage_count(split_points, balance, stages)
             layout = layout_pipeline(n, [1] * n, chunks, schedule, loss_fn, devices, data_parallel, timeout,
-                                     BACKEND.collectives.world_size(), checkpoint, virtual_count(virtual_stages),
-                                     virtual_checkpoint=True, virtual_replicas=True)
+                                     BACKEND.collectives.world_size(), checkpoint, virtual_count(virtual_stages))
             self.graph = GraphPart(module, split_points=split_points, balance=balance, stages=stages, sample=sample,
                                    leaves=leaves)
         else:

@@ -1,5 +1,5 @@
 """Tied weights as data: which stages hold each, the holders' rank groups per replica, the order the sums run in."""
-from dualframe.pipeline.tied import TiedPlan, TiedWeight, find_tied, sum_tied, tied_process_sets
+from dualframe.pipeline.tied import TiedPlan, TiedWeight, find_tied, rank_tied, sum_tied, tied_process_sets
 from dualframe.strategy import RankGrid
 
 NAMES = {"emb": ["wte", "head"], "w1": ["w1"], "w2": ["w2"], "norm": ["norm"]}
@@ -36,3 +36,12 @@ def test_each_rank_sums_the_weights_its_stage_holds_in_one_order_over_its_pipeli
     assert sum_tied(plans[5], {"wte": 1, "w2": 3}, reduce, "dpipe7") == {"wte": 2, "w2": 6}
     assert calls == [("dpipe7.tied.wte", (3, 5)), ("dpipe7.tied.w2", (4, 5))]
     assert sum_tied(plans[4], {"w2": 1}, reduce, "dpipe7") == {"w2": 2}
+
+
+def test_virtual_stages_tie_ranks_not_stages():
+    tied = [TiedWeight(("wte", "head"), (0, 3)), TiedWeight(("w2",), (1, 2, 5))]
+    # interleaved over 3 ranks (stage j on j % 3): 0 and 3 share rank 0; 1, 2, 5 are on ranks 1, 2, 2
+    assert rank_tied(tied, [0, 1, 2, 0, 1, 2]) == [TiedWeight(("w2",), (1, 2))]
+    # zb-v over 3 ranks (0 1 2 2 1 0): stages 0 and 3 on ranks 0 and 2; 1, 2, 5 on ranks 1, 2, 0
+    assert rank_tied(tied, [0, 1, 2, 2, 1, 0]) == [TiedWeight(("wte", "head"), (0, 2)), TiedWeight(("w2",), (0, 1, 2))]
+    assert rank_tied(tied, [0, 1, 2, 3, 4, 5]) == tied  # one stage per rank: as found

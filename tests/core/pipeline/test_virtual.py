@@ -2,7 +2,7 @@
 placements, their bubbles against 1F1B's, the clock's checks across ranks by stage index, and the refusals."""
 import pytest
 
-from dualframe.errors import BalanceError, ChunksError, ScheduleError, StrategyError
+from dualframe.errors import BalanceError, ChunksError, ScheduleError
 from dualframe.pipeline.action import Action
 from dualframe.pipeline.graph import chain_split
 from dualframe.pipeline.layout import layout_pipeline
@@ -173,15 +173,10 @@ def test_a_layout_of_virtual_stages_places_them_and_refuses_what_it_cannot_run()
     layout = layout_pipeline(8, [2] * 4, chunks=4, schedule="interleaved-1f1b", world=2, virtual_stages=2)
     assert layout.placement == (0, 1, 0, 1) and layout.held(1) == [1, 3] and layout.virtual_stages == 2
     assert [str(a) for a in layout.actions[1][:3]] == ["1F0", "1F1", "3F0"]
-    with pytest.raises(StrategyError, match=r"virtual_stages=2 runs one pipeline, not data-parallel replicas of it "
-                                            r"yet in Keras \(processes: 4, ranks per pipeline: 2\); launch with -np 2"):
-        layout_pipeline(8, [2] * 4, chunks=4, schedule="zb-v", world=4, virtual_stages=2)
-    hybrid = layout_pipeline(8, [2] * 4, chunks=4, schedule="zb-v", world=4, virtual_stages=2, virtual_replicas=True)
-    assert hybrid.grid.stage_groups == [[0, 2], [1, 3]] and hybrid.held(1) == [1, 2]  # torch: replicas of the V
-    with pytest.raises(StrategyError, match=r"checkpoint='always' with virtual_stages=2 is not available"):
-        layout_pipeline(8, [2] * 4, chunks=4, schedule="zb-v", world=2, virtual_stages=2, checkpoint="always")
+    hybrid = layout_pipeline(8, [2] * 4, chunks=4, schedule="zb-v", world=4, virtual_stages=2)
+    assert hybrid.grid.stage_groups == [[0, 2], [1, 3]] and hybrid.held(1) == [1, 2]  # replicas of the V
     taken = layout_pipeline(8, [2] * 4, chunks=4, schedule="zb-v", world=2, virtual_stages=2,
-                            checkpoint="except_last", virtual_checkpoint=True)  # torch: each held stage recomputes
+                            checkpoint="except_last")  # each held stage recomputes
     assert taken.recomputed == frozenset({0, 1, 2})
     with pytest.raises(BalanceError, match=r"balance must describe ranks x virtual_stages stages, at least 2 ranks "
                                            r"\(balance: 2 stages, virtual_stages: 2\); give 4 entries"):
