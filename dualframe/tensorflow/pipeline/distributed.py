@@ -315,7 +315,7 @@ class DistributedPipeline(KerasFit, StageView):
         if batch_weights:  # W actions send nothing: each stage decides alone
             assert self._batched_actions is not None
             actions = self._batched_actions
-        elif train and self._fused_actions is not None and self._graph_functions and self._recompute is None:
+        elif train and self._fused_actions is not None and self._graph_functions and not self.recomputes:
             actions = self._fused_actions  # every stage takes it: the B's travel in its order
         last = len(self.role.layout.ranges) - 1
         works: Dict[int, Any] = {j: TFGraphStageWork(
