@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from typing import Any, ContextManager, Dict, Generic, List, Optional, Sequence, TypeVar, Union
+from typing import Any, ContextManager, Dict, Generic, List, Optional, Sequence, Tuple, TypeVar, Union
 
 from dualframe.errors import NotInitializedError, StrategyError, TopologyError
 from dualframe.launch.mpi_world import start_mpi
@@ -83,6 +83,7 @@ class HorovodCollectives(Generic[T]):
     def __init__(self, hvd: Any, package: str) -> None:
         self.hvd, self.package = hvd, package
         self.ops = horovod_ops(hvd)
+        self._comm: Any = None  # the first init's, for a restart (join_process_sets)
 
     def op_of(self, op: object) -> object:
         """Horovod's op for a core op name or a Horovod op constant.
@@ -105,7 +106,10 @@ class HorovodCollectives(Generic[T]):
                 f"{what} needs {self.package}.init() first (call hvd.init() at the top of the script)")
 
     def init(self, comm: Any = None, process_sets: ProcessSetsArg = None) -> None:
-        """Start Horovod once; later calls do nothing (Horovod's ``init(comm, process_sets)``, in its order).
+        """Start Horovod once (Horovod's ``init(comm, process_sets)``, in its order); later calls join process sets.
+
+        A later call (Horovod running) registers the ``process_sets`` it names (``join_process_sets``);
+        without any, it does nothing.
 
         Args:
             comm: an mpi4py communicator or a list of ranks, as in Horovod.
@@ -116,6 +120,7 @@ class HorovodCollectives(Generic[T]):
             StrategyError: a process set names a rank outside the job, before Horovod starts.
         """
         if self.hvd.is_initialized():
+            self.join_process_sets(process_sets)
             return
         try:
             topology = detect()
@@ -123,15 +128,51 @@ class HorovodCollectives(Generic[T]):
             world_size = topology.size if topology.launcher != "none" else 1 << 30
         except TopologyError:
             world_size = 1 << 30  # unreadable launcher variables: leave the check to Horovod
-        arguments = {"process_sets": check_process_sets(self.hvd, process_sets, world_size)}
+        self._start(comm, check_process_sets(self.hvd, process_sets, world_size))
+        # Elastic ranks join at other times, and a comm may be a subset: no allgather on the world there.
+        if comm is None and self._distributed() and os.environ.get("HOROVOD_ELASTIC") != "1":
+            failure.watch_peers(self.gather_bytes, int(self.hvd.rank()))
+
+    def _start(self, comm: Any, process_sets: Any) -> None:
+        arguments = {"process_sets": process_sets}
+        self._comm = comm
         if comm is not None:
             arguments["comm"] = comm
         else:
             start_mpi()  # MPI owned by mpi4py: a rank that finishes first no longer finalizes it under the others
         self.hvd.init(**arguments)
-        # Elastic ranks join at other times, and a comm may be a subset: no allgather on the world there.
-        if comm is None and self._distributed() and os.environ.get("HOROVOD_ELASTIC") != "1":
-            failure.watch_peers(self.gather_bytes, int(self.hvd.rank()))
+
+    def join_process_sets(self, process_sets: ProcessSetsArg) -> None:
+        """Register ``process_sets`` with a running Horovod; every rank calls it alike (``init`` does).
+
+        Each rank list Horovod runs already gives its id to the set naming it. The others are added
+        (``hvd.add_process_set``) under dynamic process sets, else Horovod restarts with the sets it ran
+        (their ids kept) and the new ones: one script part (a test file) may start Horovod plainly and a
+        later one name sets of its own. Nothing under elastic Horovod, where ranks join at other times.
+
+        Raises:
+            StrategyError: a process set names a rank outside the job, before any change.
+        """
+        if process_sets is None or process_sets == "dynamic" or os.environ.get("HOROVOD_ELASTIC") == "1":
+            return
+        sets = [s for s in check_process_sets(self.hvd, process_sets, int(self.hvd.size())) if s.ranks is not None]
+        running = self._running_sets()
+        new = [s for s in sets if tuple(sorted(s.ranks)) not in running]
+        if new and os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS") == "1":
+            for added in new:
+                self.hvd.add_process_set(added)
+        elif new:
+            kept = [self.hvd.ProcessSet(list(ranks)) for ranks, k in sorted(running.items(), key=lambda r: r[1]) if k]
+            self.hvd.shutdown()
+            self._start(self._comm, kept + new)
+        running = self._running_sets() if new else running
+        for s in sets:
+            s.process_set_id = running[tuple(sorted(s.ranks))]
+
+    def _running_sets(self) -> Dict[Tuple[int, ...], int]:
+        """Horovod's process sets as ranks -> id (the global set's id 0 included)."""
+        basics = sys.modules[self.hvd.ProcessSet.__module__]._basics  # Horovod's table has no public reader
+        return {tuple(ranks): int(k) for k, ranks in basics._get_process_set_ids_and_ranks().items()}
 
     def is_initialized(self) -> bool:
         """True once Horovod runs."""

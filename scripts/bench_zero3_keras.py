@@ -2,9 +2,12 @@
 
     flock /tmp/dualframe-bench.lock .venv/bin/python scripts/bench_zero3_keras.py               # np=2 and np=4
     .venv/bin/python scripts/bench_zero3_keras.py --ranks 2 --rounds 5 --width 2048 --layers 5
+    .venv/bin/python scripts/bench_zero3_keras.py --ranks 2 --policy mixed_float16   # every mode under the policy
 
 For each number of ranks, under mpirun (``--launcher gloo``: horovodrun --gloo), an MLP of ``layers``
-Dense(width x width) layers (5 x 2048^2: 21M parameters) with Adam:
+Dense(width x width) layers (5 x 2048^2: 21M parameters) with Adam, under Keras's dtype ``--policy``
+(default float32; ``mixed_float16``: float32 variables, float16 compute, each mode with its loss scaling:
+Keras's LossScaleOptimizer inside the plain wrapper, dualframe's ShardedLossScaleOptimizer when sharded):
 
 memory: one launch per mode (plain ``DistributedOptimizer``, ``shard="gradients"``, ``shard="parameters"``
         through ``distribute``). Each rank reports the bytes it keeps between steps (parameters it holds:
@@ -39,12 +42,13 @@ MODES = ("plain", "gradients", "parameters")
 TIMED = MODES + ("parameters-no-prefetch",)
 
 
-def _model_and_data(width: int, layers: int, batch: int, steps: int, mode: str) -> tuple:
+def _model_and_data(width: int, layers: int, batch: int, steps: int, mode: str, policy: str) -> tuple:
     import numpy as np
     import keras
     import dualframe
     import dualframe.tensorflow.keras as hvd
 
+    keras.mixed_precision.set_dtype_policy(policy)  # before the model and its optimizer: compile adds loss scaling
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((width,))] + [keras.layers.Dense(width, activation="relu")
                                                         for _ in range(layers - 1)] + [keras.layers.Dense(10)])
@@ -53,7 +57,7 @@ def _model_and_data(width: int, layers: int, batch: int, steps: int, mode: str) 
     shard = "none" if mode == "plain" else mode.replace("-no-prefetch", "")
     model = hvd.distribute(model, dualframe.DataParallel(shard=shard))
     if mode.endswith("-no-prefetch"):
-        model.optimizer._zero.ahead.prefetch = False  # before fit traces the step
+        sharded(model.optimizer)._zero.ahead.prefetch = False  # before fit traces the step
     gc.collect()  # ZeRO-3's distribute returns a copy without values: the given model goes here
     rng = np.random.RandomState(hvd.rank())
     x, y = rng.randn(steps * batch, width).astype("float32"), rng.randint(0, 10, steps * batch)
@@ -61,20 +65,31 @@ def _model_and_data(width: int, layers: int, batch: int, steps: int, mode: str) 
     return model, x, y
 
 
+def sharded(optimizer):
+    """The ShardedOptimizer inside ``optimizer`` (a ShardedLossScaleOptimizer's), or None for plain DP."""
+    while optimizer is not None and not hasattr(optimizer, "state_bytes"):
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    return optimizer
+
+
 def kept_bytes(model) -> dict:
     """Bytes this rank keeps between steps: parameters (the model's, or ZeRO-3's slices) and optimizer slots."""
     import numpy as np
 
-    optimizer = model.optimizer
+    def size(variables) -> int:
+        return sum(int(np.prod(v.shape)) * np.dtype(str(v.dtype)).itemsize for v in variables if len(v.shape))
+
+    optimizer = sharded(model.optimizer)
     if getattr(optimizer, "shard", None) == "parameters":
         parameters = optimizer.parameter_bytes()
     else:
-        parameters = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables)
-    if hasattr(optimizer, "state_bytes"):
-        slots = int(optimizer.state_bytes())
-    else:
-        slots = sum(int(np.prod(v.shape)) * 4 for v in optimizer.inner_optimizer.variables if len(v.shape))
-    return {"parameters": parameters, "slots": slots}
+        parameters = size(model.trainable_variables)
+    if optimizer is not None:
+        return {"parameters": parameters, "slots": int(optimizer.state_bytes())}
+    inner = model.optimizer  # plain DP: Adam's slots, inside the wrapper (and Keras's LossScaleOptimizer)
+    while hasattr(inner, "inner_optimizer"):
+        inner = inner.inner_optimizer
+    return {"parameters": parameters, "slots": size(inner.variables)}
 
 
 def planned(args: argparse.Namespace, ranks: int, mode: str) -> tuple:
@@ -105,7 +120,7 @@ def worker(part: str, mode: str, args: argparse.Namespace) -> None:
 
     hvd.init()
     if part == "memory":
-        model, x, y = _model_and_data(args.width, args.layers, args.batch, args.steps, mode)
+        model, x, y = _model_and_data(args.width, args.layers, args.batch, args.steps, mode, args.policy)
         model.fit(x, y, batch_size=args.batch, shuffle=False, verbose=0)
         gc.collect()
         kept = kept_bytes(model)
@@ -113,7 +128,7 @@ def worker(part: str, mode: str, args: argparse.Namespace) -> None:
         values = hvd.allgather(tf.constant([row], dtype=tf.int64)).numpy().max(axis=0)
         result = dict(zip(("parameters", "slots", "resident", "peak"), (int(v) for v in values)))
     else:
-        models = {m: _model_and_data(args.width, args.layers, args.batch, args.steps, m) for m in TIMED}
+        models = {m: _model_and_data(args.width, args.layers, args.batch, args.steps, m, args.policy) for m in TIMED}
         result = {m: [] for m in TIMED}
         for k in range(args.rounds):
             for m in TIMED[k % len(TIMED):] + TIMED[:k % len(TIMED)]:  # the first in a round pays for waking up
@@ -132,7 +147,7 @@ def launch(ranks: int, part: str, mode: str, args: argparse.Namespace) -> dict:
     env["PATH"] = f"{pathlib.Path(sys.executable).parent}:{env['PATH']}"
     program = [sys.executable, __file__, "--worker", part, "--mode", mode, "--width", str(args.width),
                "--layers", str(args.layers), "--batch", str(args.batch), "--steps", str(args.steps),
-               "--rounds", str(args.rounds)]
+               "--rounds", str(args.rounds), "--policy", args.policy]
     if args.launcher == "gloo":
         command = horovodrun_command(ranks, program, hosts=f"localhost:{ranks}")
     else:
@@ -147,7 +162,8 @@ def report(ranks: int, args: argparse.Namespace) -> None:
     if not args.time_only:
         memory = {m: launch(ranks, "memory", m, args) for m in MODES}
         plain = memory["plain"]
-        print(f"np={ranks} {args.launcher}, {args.layers} x Dense({args.width}), Adam; per rank (max over ranks):")
+        print(f"np={ranks} {args.launcher}, {args.layers} x Dense({args.width}), Adam, policy {args.policy}; "
+              f"per rank (max over ranks):")
         plan_plain = planned(args, ranks, "plain")[1]
         for m in MODES:
             row = memory[m]
@@ -180,6 +196,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--launcher", choices=["mpirun", "gloo"], default="mpirun")
+    parser.add_argument("--policy", choices=["float32", "mixed_float16", "mixed_bfloat16"], default="float32",
+                        help="Keras's global dtype policy for every mode")
     parser.add_argument("--time-only", action="store_true", help="skip the memory launches")
     parser.add_argument("--worker", choices=["memory", "time"], help=argparse.SUPPRESS)
     parser.add_argument("--mode", default="plain", help=argparse.SUPPRESS)

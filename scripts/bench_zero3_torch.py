@@ -20,7 +20,8 @@ thread per process) and prints, for each np,
    venv (gloo, torch.optim.Adam), its step seconds against the timing launch's ZeRO-3 and plain DP.
 
 ZeRO-3 runs with ``keep_gathered=--keep-gathered`` (default 1: the forward's last block stays gathered
-until its backward).
+until its backward). ``--autocast bfloat16`` runs every configuration's forward (DeepSpeed's too) under
+``torch.autocast("cpu", torch.bfloat16)`` on the float32 weights (no loss scaling: bf16 needs none).
 
 Model: an MLP of ``--depth`` Linear(width, width) layers (default 12 x 2048: 50.3 M parameters), Adam;
 each Linear is a ZeRO-3 block (and an FSDP2 unit).
@@ -77,7 +78,9 @@ def build(args: argparse.Namespace, mode: str) -> Tuple[Callable[[], None], Call
 
     def step() -> None:
         optimizer.zero_grad()
-        model(x).pow(2).mean().backward()
+        with autocast(args):
+            loss = model(x).float().pow(2).mean()
+        loss.backward()
         if mode == "fsdp2":  # its reduce-scatters finish inside backward
             held["bytes"] = holding(model, optimizer)
             optimizer.step()
@@ -87,6 +90,13 @@ def build(args: argparse.Namespace, mode: str) -> Tuple[Callable[[], None], Call
         with optimizer.skip_synchronize():
             optimizer.step()
     return step, lambda: held["bytes"]
+
+
+def autocast(args: argparse.Namespace) -> Any:
+    """The forward's autocast context (``--autocast``), disabled for float32."""
+    import torch
+    dtype = getattr(torch, args.autocast)
+    return torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32)
 
 
 def holding(model: Any, optimizer: Any) -> int:
@@ -169,7 +179,9 @@ def deepspeed_worker(args: argparse.Namespace) -> None:
     x = torch.randn(args.batch_size, args.width)
 
     def step() -> None:
-        engine.backward(engine(x).pow(2).mean())
+        with autocast(args):
+            loss = engine(x).float().pow(2).mean()
+        engine.backward(loss)
         engine.step()
     step()  # warm-up, as the other configurations
     rounds = []
@@ -190,6 +202,7 @@ def program(args: argparse.Namespace, python: str, *extra: str) -> List[str]:
     return [python, str(pathlib.Path(__file__).resolve()), "--rounds", str(args.rounds), "--steps",
             str(args.steps), "--batch-size", str(args.batch_size), "--width", str(args.width), "--depth",
             str(args.depth), "--keep-gathered", str(args.keep_gathered), "--fsdp" if args.fsdp else "--no-fsdp",
+            "--autocast", args.autocast,
             *extra]
 
 
@@ -277,6 +290,8 @@ def main() -> None:
                         help="also torch FSDP2 (fully_shard per layer, gloo)")
     parser.add_argument("--keep-gathered", type=int, default=1,
                         help="ZeRO-3's keep_gathered: the forward's last blocks kept until their backward")
+    parser.add_argument("--autocast", choices=("float32", "bfloat16"), default="float32",
+                        help="the forward's compute dtype (torch.autocast on the float32 weights)")
     parser.add_argument("--deepspeed-python", default="/work/ds-venv/bin/python",
                         help="the python of a venv with DeepSpeed (skipped when missing)")
     args = parser.parse_args()
@@ -291,7 +306,7 @@ def main() -> None:
         print(f"DeepSpeed skipped: {args.deepspeed_python} is missing (--deepspeed-python)")
     print(f"model: MLP {args.depth} x Linear({args.width}, {args.width}) "
           f"({args.depth * (args.width ** 2 + args.width) / 1e6:.1f} M parameters), Adam, batch {args.batch_size} "
-          f"per rank; load average at start {os.getloadavg()[0]:.1f}")
+          f"per rank, forward in {args.autocast}; load average at start {os.getloadavg()[0]:.1f}")
     modes = [m for m in MODES if args.fsdp or m != "fsdp2"]
     for np in (int(n) for n in args.np.split(",")):
         memory: Dict[str, List[Dict[str, Any]]] = {mode: [] for mode in modes}

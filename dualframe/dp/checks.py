@@ -1,7 +1,7 @@
 """Argument checks shared by both data-parallel adapters, run before any computation or communication."""
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, List, Mapping, Optional, Union
 
 from dualframe.dp.compression import CompressionSet, FP16Compressor, NoneCompressor
 from dualframe.errors import StrategyError
@@ -70,6 +70,53 @@ def check_root_rank(root_rank: object, size: int) -> int:
     if isinstance(root_rank, bool) or not isinstance(root_rank, int) or not 0 <= root_rank < size:
         raise StrategyError(f"root_rank must be an int in [0, {size}) (root_rank: {root_rank!r}, size: {size})")
     return root_rank
+
+
+def check_groups(
+    groups: object, word: str, is_member: Optional[Callable[[object], bool]] = None,
+    describe: Callable[[object], str] = lambda member: "",
+) -> Union[None, int, List[List[Any]]]:
+    """Horovod's ``groups``: None, an int >= 1, or lists of the optimizer's ``word``s, each at most once.
+
+    The adapter hands in what is its own: ``word`` names a member in the messages ("parameter",
+    "variable"), ``is_member`` says whether an object may be listed (None: anything), ``describe``
+    adds to the message about a member listed twice (e.g. ``", shape (2, 3)"``).
+
+    Example:
+        >>> check_groups(2, "variable")
+        2
+        >>> check_groups([["a"], ["b", "c"]], "variable")
+        [['a'], ['b', 'c']]
+        >>> check_groups([["a"], ["a"]], "variable")
+        Traceback (most recent call last):
+        ...
+        dualframe.errors.StrategyError: a variable can appear only once in groups (again in groups[1])
+
+    Returns:
+        None, the int, or the groups as lists of their members.
+
+    Raises:
+        StrategyError: anything else, a member ``is_member`` refuses, or a member listed twice.
+    """
+    if groups is None:
+        return None
+    rule = f"groups must be an int >= 1 or a list of lists of {word}s"
+    if isinstance(groups, int) and not isinstance(groups, bool):
+        if groups < 1:
+            raise StrategyError(f"{rule} (groups: {groups})")
+        return groups
+    if not isinstance(groups, (list, tuple)) or not all(isinstance(g, (list, tuple)) for g in groups):
+        raise StrategyError(f"{rule} (groups: {groups!r:.80})")
+    seen: set = set()
+    for g, group in enumerate(groups):
+        for member in group:
+            if is_member is not None and not is_member(member):
+                raise StrategyError(
+                    f"groups[{g}] holds something that is not a {word} of the optimizer ({type(member).__name__})")
+            if id(member) in seen:
+                raise StrategyError(f"a {word} can appear only once in groups (again in groups[{g}]{describe(member)})")
+            seen.add(id(member))
+    return [list(group) for group in groups]
 
 
 def check_bool(name: str, value: object) -> bool:

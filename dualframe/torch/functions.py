@@ -18,7 +18,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def init(comm: Any = None, process_sets: ProcessSetsArg = None) -> None:
-    """Start Horovod (Horovod's ``init``); later calls do nothing (``dualframe.collectives.HorovodCollectives.init``).
+    """Start Horovod (Horovod's ``init``); later calls only register new process sets (``HorovodCollectives.init``).
 
     Args:
         comm: an mpi4py communicator or a list of ranks, as in Horovod.

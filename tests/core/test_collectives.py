@@ -52,7 +52,7 @@ def test_one_init_for_rank_lists_process_set_objects_and_dynamic(monkeypatch):
     for argument in ([[0, 2], given], "dynamic", None):
         hvd = FakeHorovod()
         HorovodCollectives(hvd, "dualframe.fake").init(process_sets=argument)
-        HorovodCollectives(hvd, "dualframe.fake").init(process_sets=[[0]])  # started: nothing more
+        HorovodCollectives(hvd, "dualframe.fake").init()  # started: nothing more
         assert len(hvd.calls) == 1 and set(hvd.calls[0]) == {"process_sets"}
         sets = hvd.calls[0]["process_sets"]
         if argument is None or argument == "dynamic":
@@ -62,6 +62,63 @@ def test_one_init_for_rank_lists_process_set_objects_and_dynamic(monkeypatch):
     hvd = FakeHorovod()
     HorovodCollectives(hvd, "dualframe.fake").init([0, 1])  # Horovod's order: comm first
     assert hvd.calls == [{"process_sets": None, "comm": [0, 1]}]
+
+
+class RunningHorovod(FakeHorovod):
+    """Horovod started on 4 ranks: its process set table, a restart, dynamic sets (``join_process_sets``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.started, self.table, self.shutdowns, self.added = True, {0: [0, 1, 2, 3]}, 0, []
+
+    def size(self):
+        return 4
+
+    def init(self, **kwargs):
+        super().init(**kwargs)
+        self.table = {0: [0, 1, 2, 3]}
+        for k, given in enumerate(kwargs["process_sets"], start=1):
+            self.table[k] = sorted(given.ranks)
+
+    def shutdown(self):
+        self.shutdowns += 1
+        self.started = False
+
+    def add_process_set(self, given):
+        self.added.append(given)
+        self.table[max(self.table) + 1] = sorted(given.ranks)
+
+    def _get_process_set_ids_and_ranks(self):
+        return dict(self.table)
+
+
+def test_a_later_init_joins_the_process_sets_horovod_does_not_run(monkeypatch):
+    for key in [k for k in list(__import__("os").environ) if k.startswith(("HOROVOD_", "OMPI_", "PMI_", "SLURM_"))]:
+        monkeypatch.delenv(key)
+    hvd = RunningHorovod()
+    monkeypatch.setattr(sys.modules[FakeSet.__module__], "_basics", hvd, raising=False)
+    collectives = HorovodCollectives(hvd, "dualframe.fake")  # started plainly elsewhere (an earlier file)
+    pair, odd = FakeSet([2, 0]), FakeSet([1, 3])
+    collectives.init(process_sets=[pair, odd])  # Horovod restarts with them
+    assert hvd.shutdowns == 1 and hvd.calls[-1]["process_sets"] == [pair, odd]
+    assert (pair.process_set_id, odd.process_set_id) == (1, 2)
+    again = FakeSet([0, 2])
+    collectives.init(process_sets=[again])  # running already: its id, no restart
+    assert hvd.shutdowns == 1 and again.process_set_id == 1
+    collectives.init(process_sets=[[3]])  # the sets it ran kept, in their order: the same ids
+    assert hvd.shutdowns == 2 and [s.ranks for s in hvd.calls[-1]["process_sets"]] == [[0, 2], [1, 3], [3]]
+    assert hvd.table == {0: [0, 1, 2, 3], 1: [0, 2], 2: [1, 3], 3: [3]}
+    with pytest.raises(StrategyError, match=r"ranks: \[0, 4\], world size: 4"):
+        collectives.init(process_sets=[[0, 4]])  # refused before any restart
+    collectives.init(process_sets="dynamic")
+    assert hvd.shutdowns == 2 and len(hvd.calls) == 2
+    monkeypatch.setenv("HOROVOD_DYNAMIC_PROCESS_SETS", "1")
+    single = FakeSet([1])
+    collectives.init(process_sets=[single])  # dynamic sets: added, no restart
+    assert hvd.added == [single] and hvd.shutdowns == 2 and single.process_set_id == 4
+    monkeypatch.setenv("HOROVOD_ELASTIC", "1")
+    collectives.init(process_sets=[[2]])  # elastic ranks join at other times: left alone
+    assert hvd.added == [single] and hvd.shutdowns == 2
 
 
 def test_process_sets_checked_against_the_world():

@@ -1,6 +1,8 @@
 """Keras hybrid on 4 processes: 2 replicas x 2 stages, GPipe and 1F1B, against one process training the whole model on the global batch.
 
-Also the hybrid's stage checkpoints: k steps, save (one writer per stage), a fresh perturbed pipeline
+Also ZeRO-3 among each stage's replicas (``shard="parameters"``: a chain and a functional model, SGD with
+momentum and Adam, each rank holding half its stage's values and optimizer state between steps), and the
+hybrid's stage checkpoints, plain and ZeRO-3: k steps, save (one writer per stage), a fresh perturbed pipeline
 on every rank, load (broadcast among each stage's replicas), the remaining steps == the straight run;
 the merged stages == one process.
 """
@@ -10,13 +12,16 @@ import os
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import dualframe.tensorflow as hvd
 import dualframe.tensorflow.keras as hvd_keras
+from dualframe.errors import StrategyError
 from dualframe.pipeline.layout import pipeline_process_sets
 from dualframe.tensorflow.pipeline.distributed import DistributedPipeline
 # tests/parallel is on sys.path (pytest rootdir import)
-from keras_pipeline_models import assert_weights, batches, mlp, one_process, replica_feed, train_pipeline
+from keras_pipeline_models import (assert_weights, batches, encoder_batches, make_encoder, mlp, one_process,
+                                   replica_feed, train_pipeline)
 
 STEPS, GLOBAL_BATCH, CHUNKS = 3, 16, 4  # each replica 8 rows: micro-batches of 2
 # The process sets the pipeline needs, declared at start-up: neighbour pairs, pipelines, stage replicas.
@@ -62,10 +67,97 @@ def test_hybrid_equals_one_process_on_the_global_batch(schedule, sharding, check
     assert_weights(replicas[pipe.stage_index], replicas[2 + pipe.stage_index], "replica 0 vs replica 1", atol=0)
 
 
+ENCODER = {"outputs": 2, "token_dtype": "int64"}
+
+
+def zero3_case(kind, optimizer):
+    """(pipeline, one-process losses and weights, feed) for a chain (the MLP) or a graph (the encoder)."""
+    if kind == "chain":
+        data = global_batches()
+        return make_model(), {"balance": [3, 2]}, one_process(make_model(), data, optimizer()), data
+    data, reference = encoder_batches(STEPS, GLOBAL_BATCH, **ENCODER), make_encoder(**ENCODER)
+    return make_encoder(**ENCODER), {"balance": [7, 5]}, dense_one_process(reference, data, optimizer()), data
+
+
+def dense_one_process(model, data, optimizer):
+    """``one_process`` with the embedding's gradient made dense, as a pipeline stage sums it: Keras's Adam on an
+    IndexedSlices gradient leaves the moments of the rows it does not name undecayed (the plain hybrid differs too)."""
+    losses, loss_fn = [], keras.losses.MeanSquaredError()
+    for x, y in data:
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x))
+        grads = [tf.convert_to_tensor(g) for g in tape.gradient(loss, model.trainable_variables)]
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        losses.append(float(loss))
+    return losses, model.get_weights()
+
+
+def check_held_half(optimizer):
+    """Between steps: the variables empty, the slices and their state half the stage's (up to the padding)."""
+    assert all(v.numpy().size == 0 for v in optimizer.stage_variables if v.shape.rank)
+    held, full = optimizer.held_bytes(), optimizer.full_bytes()
+    assert held == optimizer.parameter_bytes() + optimizer.state_bytes()
+    slots = len(optimizer._zero.slot_names())  # momentum: 1, Adam: 2
+    padding = len(optimizer._zero.layout.buckets) * 4 * (1 + slots)  # at most one element per slice and bucket
+    assert full / 2 <= held <= full / 2 + padding, f"rank {hvd.rank()}: held {held} of the stage's {full} bytes"
+
+
+@pytest.mark.parametrize("kind, schedule, adam, checkpoint", [("chain", "gpipe", False, "never"),
+                                                              ("chain", "1f1b", True, "never"),
+                                                              ("chain", "zb-h1", False, "always"),
+                                                              ("graph", "1f1b", True, "never")])
+def test_zero3_among_stage_replicas_equals_one_process(kind, schedule, adam, checkpoint):
+    """shard="parameters": each replica holds half its stage's values and state between steps, gathers them once
+    per step; the losses and merged weights after 3 steps equal one process on the global batch."""
+    def make_optimizer():
+        return keras.optimizers.Adam(1e-3) if adam else keras.optimizers.SGD(0.2, momentum=0.9)
+
+    model, cut, (losses, weights), data = zero3_case(kind, make_optimizer)
+    pipe = DistributedPipeline(model, chunks=CHUNKS, schedule=schedule, loss_fn="mse", data_parallel=2,
+                               checkpoint=checkpoint, **cut)
+    optimizer = pipe.distributed_optimizer(make_optimizer(), shard="parameters")
+    assert pipe.sharded is optimizer and optimizer.sharded_for() == 2
+    check_held_half(optimizer)
+    train_pipeline(pipe, optimizer, data, losses, feed=replica_feed)
+    check_held_half(optimizer)
+    assert_weights(pipe.gather_weights(), weights)  # every replica's pipeline merges into the one-process model
+    check_held_half(optimizer)
+    if kind == "chain":  # inference gathers the stage and frees it again
+        reference = make_model()
+        reference.set_weights(weights)
+        out = pipe(data[0][0])
+        if pipe.is_last:
+            np.testing.assert_allclose(out.numpy(), reference(data[0][0]).numpy(), atol=1e-5, rtol=0)
+        check_held_half(optimizer)
+
+
+def test_zero3_among_stage_replicas_refuses_what_is_not_built():
+    """On every rank alike, before any message: arguments it does not take, a second optimizer, virtual stages
+    (tied weights: mp_tf_graph_pipeline_hybrid.py)."""
+    pipe = DistributedPipeline(make_model(), balance=[3, 2], chunks=CHUNKS, schedule="1f1b", loss_fn="mse",
+                               data_parallel=2)
+    sgd = keras.optimizers.SGD(0.1)
+    with pytest.raises(StrategyError, match=r"keep_gathered= has no use in a pipeline stage"):
+        pipe.distributed_optimizer(sgd, shard="parameters", keep_gathered=1)
+    with pytest.raises(StrategyError, match=r"does not take backward_passes_per_step, compression yet"):
+        pipe.distributed_optimizer(sgd, shard="parameters", compression=hvd.Compression.fp16,
+                                   backward_passes_per_step=2)
+    with pytest.raises(StrategyError, match=r"shard= needs an optimizer that updates each element"):
+        pipe.distributed_optimizer(keras.optimizers.Lamb(), shard="parameters")
+    pipe.distributed_optimizer(sgd, shard="parameters")
+    with pytest.raises(StrategyError, match=r"sharded by its shard='parameters' optimizer already"):
+        pipe.distributed_optimizer(keras.optimizers.SGD(0.1))
+    virtual = DistributedPipeline(make_model(), balance=[2, 1, 1, 1], chunks=CHUNKS, schedule="interleaved-1f1b",
+                                  loss_fn="mse", data_parallel=2, virtual_stages=2)
+    with pytest.raises(StrategyError, match=r"runs one stage per rank with schedule 'gpipe', '1f1b' or 'zb-h1' "
+                                            r"\(schedule: 'interleaved-1f1b', virtual_stages: 2\)"):
+        virtual.distributed_optimizer(sgd, shard="parameters")
+
+
 RESUME_STEPS, SAVE_AFTER = 4, 2
 
 
-def hybrid_run(seed=0):
+def hybrid_run(seed=0, shard=None):
     """A 1F1B hybrid pipeline + its distributed SGD with momentum; weights perturbed by ``seed`` (0: the model's own)."""
     pipe = DistributedPipeline(make_model(), balance=[3, 2], chunks=CHUNKS, schedule="1f1b", loss_fn="mse",
                                data_parallel=2)
@@ -73,7 +165,7 @@ def hybrid_run(seed=0):
         rng = np.random.RandomState(seed + hvd.rank())
         for variable in pipe.trainable_variables:
             variable.assign_add(rng.randn(*variable.shape).astype("float32"))
-    return pipe, pipe.distributed_optimizer(keras.optimizers.SGD(0.2, momentum=0.9))
+    return pipe, pipe.distributed_optimizer(keras.optimizers.SGD(0.2, momentum=0.9), shard=shard)
 
 
 def hybrid_step(pipe, optimizer, x, y):
@@ -82,14 +174,16 @@ def hybrid_step(pipe, optimizer, x, y):
     return loss
 
 
-def test_hybrid_stage_checkpoint_resume_and_merge(tmp_path):
-    folder = hvd.broadcast_object(str(tmp_path), 0, name="hybrid.ckpt.folder")  # one folder for all ranks
+@pytest.mark.parametrize("shard", [None, "parameters"])
+def test_hybrid_stage_checkpoint_resume_and_merge(tmp_path, shard):
+    """shard="parameters": the stages' files hold the unsharded values and optimizer state (gathered first)."""
+    folder = hvd.broadcast_object(str(tmp_path), 0, name=f"hybrid.ckpt.folder.{shard}")  # one folder for all ranks
     ckpt, data = os.path.join(folder, "ckpt"), global_batches(RESUME_STEPS, seed=11)
-    pipe, optimizer = hybrid_run()
+    pipe, optimizer = hybrid_run(shard=shard)
     straight_losses = [hybrid_step(pipe, optimizer, x, y) for x, y in data]
     straight = pipe.get_weights()
 
-    pipe, optimizer = hybrid_run()
+    pipe, optimizer = hybrid_run(shard=shard)
     for x, y in data[:SAVE_AFTER]:
         hybrid_step(pipe, optimizer, x, y)
     np.random.seed(100 + hvd.rank())  # each rank its own numpy stream, saved with its stage
@@ -99,7 +193,7 @@ def test_hybrid_stage_checkpoint_resume_and_merge(tmp_path):
     saved, draw = pipe.get_weights(), np.random.rand(3)
     assert sorted(os.listdir(ckpt)) == ["stage-0", "stage-1"]
 
-    pipe, optimizer = hybrid_run(77)  # fresh, perturbed, optimizer not built, another numpy stream
+    pipe, optimizer = hybrid_run(77, shard)  # fresh, perturbed, optimizer not built, another numpy stream
     np.random.seed(999)
     state = hvd.load_stage_checkpoint(ckpt, pipe, optimizer)
     assert state.step == SAVE_AFTER - 1 and state.data_position == {"next_step": SAVE_AFTER}, state
@@ -109,10 +203,10 @@ def test_hybrid_stage_checkpoint_resume_and_merge(tmp_path):
         loss = hybrid_step(pipe, optimizer, *data[step])
         assert loss == pytest.approx(straight_losses[step], abs=1e-5), f"step {step} after resuming"
     assert_weights(pipe.get_weights(), straight, "resumed vs straight", 1e-5)
-    check_merged(ckpt, folder, pipe, data, straight_losses)
+    check_merged(ckpt, folder, pipe, data, straight_losses, shard)
 
 
-def check_merged(ckpt, folder, pipe, data, straight_losses):
+def check_merged(ckpt, folder, pipe, data, straight_losses, shard):
     """Save the end, merge the stages; the full model == one process; every stage loads rank 0's merged file."""
     hvd.save_stage_checkpoint(ckpt, pipe, step=RESUME_STEPS - 1, data_position={"next_step": RESUME_STEPS})
     losses, weights = reference(data)
@@ -122,6 +216,6 @@ def check_merged(ckpt, folder, pipe, data, straight_losses):
     full = make_model()
     hvd_keras.load_checkpoint(mine, full, restore_rng=False)  # a collective: rank 0 reads its copy
     assert_weights(full.get_weights(), weights, "merged vs one process", 1e-5)
-    again, _ = hybrid_run(55)  # rank 0 reads its merged file, each stage takes its part
+    again, _ = hybrid_run(55, shard)  # rank 0 reads its merged file, each stage takes its part
     assert hvd.load_stage_checkpoint(os.path.join(folder, "full-0.npz"), again).step == RESUME_STEPS - 1
     assert_weights(again.get_weights(), pipe.get_weights(), "taken from the merged file", 0)

@@ -11,6 +11,7 @@ import keras
 import pytest
 
 import dualframe.tensorflow as hvd
+from dualframe.errors import StrategyError
 from dualframe.pipeline.layout import pipeline_process_sets
 from dualframe.tensorflow.pipeline.distributed import DistributedPipeline
 # tests/parallel is on sys.path (pytest rootdir import)
@@ -44,6 +45,8 @@ def test_hybrid_with_a_layer_both_stages_call_equals_one_process_on_the_global_b
     expected_losses, expected_weights = one_process(shared_ends(), data, keras.optimizers.SGD(0.5), loss)
     pipe = DistributedPipeline(shared_ends(), split_points=["mid"], chunks=2, loss_fn=loss, data_parallel=2)
     assert [w.stages for w in pipe.tied.plan.tied] == [(0, 1), (0, 1)]
+    with pytest.raises(StrategyError, match=r"shard='parameters' cannot keep the copies of this model's tied"):
+        pipe.distributed_optimizer(keras.optimizers.SGD(0.5), shard="parameters")  # on every rank, before any message
     optimizer = pipe.distributed_optimizer(keras.optimizers.SGD(0.5))
     train_pipeline(pipe, optimizer, data, expected_losses, feed=replica_feed)
     assert_weights(pipe.gather_weights(), expected_weights, atol=1e-9)

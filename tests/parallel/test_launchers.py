@@ -26,21 +26,22 @@ ROOT = HERE.parent.parent
 WORKERS = sorted(HERE.glob("mp_*.py"))
 LAUNCHERS = ("horovodrun", "mpirun")
 
-#: Worker files that share a launch, in the order they run. Horovod starts once per process: the
-#: first file's ``hvd.init()`` (at import in Keras files, so at collection) registers the process
-#: sets and the later files' calls do nothing, so a later file may only start Horovod plainly or with
-#: rank lists already registered. A file that registers ``hvd.ProcessSet`` objects of its own or
-#: checks the calls refused before init comes first; two such files, and a file that sets a global
-#: Keras dtype policy at import (mp_tf_keras_hub.py), launch apart.
+#: Worker files that share a launch, in the order they run. Horovod starts once per process, with the
+#: first file's ``hvd.init()`` (at import in Keras files, so at collection); a later file's
+#: ``hvd.init(process_sets=...)`` registers the sets Horovod does not run yet (Horovod restarts with
+#: them: ``HorovodCollectives.join_process_sets``; mp_torch_zero3.py after mp_torch_shard.py runs
+#: that path). A file that checks the calls refused before init comes first; two such files, and a
+#: file that sets a global Keras dtype policy at import (mp_tf_keras_hub.py), launch apart.
 SHARED_LAUNCHES = (
     ("mp_torch_dp.py", "mp_torch_collectives.py", "mp_torch_split.py", "mp_torch_failure.py"),
-    ("mp_torch_zero3.py", "mp_torch_shard.py", "mp_torch_shard_amp.py"),
+    ("mp_torch_shard.py", "mp_torch_zero3.py", "mp_torch_shard_amp.py"),
     ("mp_torch_dpipe_forged.py", "mp_torch_dpipe.py", "mp_torch_vstages.py", "mp_torch_tied.py",
      "mp_torch_hf.py"),
     ("mp_torch_dpipe_hybrid.py", "mp_torch_graph_pipeline_hybrid.py", "mp_torch_vstages_hybrid.py"),
     ("mp_tf_shard.py", "mp_tf_shard_amp.py", "mp_tf_dp.py", "mp_tf_horovod_api.py", "mp_tf_collectives.py"),
     ("mp_tf_dpipe.py", "mp_tf_vstages.py", "mp_tf_dpipe_graph.py", "mp_tf_tied.py"),
-    ("mp_tf_dpipe_fit.py", "mp_tf_dpipe_hybrid.py", "mp_tf_graph_pipeline_hybrid.py", "mp_tf_vstages_hybrid.py"),
+    ("mp_tf_dpipe_fit.py", "mp_tf_dpipe_hybrid.py", "mp_tf_graph_pipeline_hybrid.py", "mp_tf_vstages_hybrid.py",
+     "mp_tf_shard_sets.py"),
 )
 
 
@@ -83,7 +84,8 @@ def _command(launcher: str, np: int, program: list) -> list:
 
 
 def _name(files: tuple) -> str:
-    return "+".join([files[0].stem] + [w.stem.split("_", 2)[2] for w in files[1:]])
+    """Each file's name without ``mp_``, framework included: ``-k torch_dpipe_hybrid`` picks the torch launch only."""
+    return "+".join(w.stem[len("mp_"):] for w in files)
 
 
 @pytest.mark.parametrize("files, launcher", CASES, ids=[f"{_name(files)}-{launcher}" for files, launcher in CASES])

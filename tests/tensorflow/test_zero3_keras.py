@@ -170,26 +170,33 @@ def test_the_plan_offers_zero3_for_a_layer_called_twice_and_not_for_a_layer_two_
         hvd.DistributedOptimizer(keras.optimizers.SGD(), shard="parameters").shard_model(nested())
 
 
+def layered(policy):
+    """Two Dense layers of ``policy`` (dtype='float16': float16 variables) and a float32 head."""
+    keras.utils.set_random_seed(7)
+    inputs = keras.Input((5,))
+    hidden = keras.layers.Dense(8, activation="tanh", dtype=policy)(inputs)
+    return keras.Model(inputs, keras.layers.Dense(1)(keras.layers.Dense(8, dtype=policy)(hidden)))
+
+
+def eager_steps(pairs, steps=2):
+    """``steps`` eager steps of each (model, optimizer, variables to differentiate and apply to)."""
+    x, y = data()
+    for model, step, wrt in pairs:
+        for _ in range(steps):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(tf.cast(model(x, training=True), "float32") - y))
+            step.apply(tape.gradient(loss, wrt), wrt)
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_low_precision_variables_step_through_fp32_master_slices(dtype):
     """Layers with dtype='float16' (variables in float16): the slices are float32 masters, and two eager SGD
     steps equal, bit for bit, the same layers with dtype='mixed_float16' (float32 variables) from equal values."""
-    def layered(policy):
-        keras.utils.set_random_seed(7)
-        inputs = keras.Input((5,))
-        hidden = keras.layers.Dense(8, activation="tanh", dtype=policy)(inputs)
-        return keras.Model(inputs, keras.layers.Dense(1)(keras.layers.Dense(8, dtype=policy)(hidden)))
-
-    x, y = data()
     opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.5, momentum=0.9), shard="parameters")
     sharded, plain = opt.shard_model(layered(dtype)), layered(f"mixed_{dtype}")
     plain.set_weights(sharded.get_weights())
     plain_opt = keras.optimizers.SGD(0.5, momentum=0.9)
-    for model, step, wrt in ((sharded, opt, opt.parameter_slices()), (plain, plain_opt, plain.trainable_variables)):
-        for _ in range(2):
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_mean(tf.square(tf.cast(model(x, training=True), "float32") - y))
-            step.apply(tape.gradient(loss, wrt), wrt)
+    eager_steps([(sharded, opt, opt.parameter_slices()), (plain, plain_opt, plain.trainable_variables)])
     assert [str(v.dtype) for v in sharded.trainable_variables[:2]] == [dtype, dtype]
     assert all(s.dtype == "float32" for s in opt.parameter_slices())
     masters = [np.asarray(v) for v in sharded_parameters.gather(opt)]
@@ -198,3 +205,88 @@ def test_low_precision_variables_step_through_fp32_master_slices(dtype):
     weights = sharded.get_weights()
     assert weights[0].dtype == np.dtype(dtype) if dtype == "float16" else str(weights[0].dtype) == "bfloat16"
     assert np.abs(masters[0] - weights[0].astype("float32")).max() > 0  # the masters keep more digits
+
+
+@pytest.mark.parametrize("loss_scale", [False, True])
+def test_build_again_keeps_the_slices_and_slots_and_fit_equals_plain(loss_scale):
+    """``build`` twice, on the model's variables or on the slices, and ``fit`` after it: one state, not two;
+    other variables are refused. With a LossScaleOptimizer the scale and its counter stay the ones built."""
+    x, y = data()
+    adam = keras.optimizers.Adam(0.05)
+    opt = hvd.DistributedOptimizer(keras.optimizers.LossScaleOptimizer(adam) if loss_scale else adam,
+                                   shard="parameters")
+    sharded = opt.shard_model(model())
+    sharded_opt = getattr(opt, "inner_optimizer", opt)
+    slices, state = opt.parameter_slices(), list(opt.variables)
+    for variables in (sharded.trainable_variables, opt.parameter_slices(), sharded.trainable_variables):
+        opt.build(variables)
+    assert all(a is b for a, b in zip(opt.parameter_slices(), slices)) and len(opt.parameter_slices()) == len(slices)
+    assert len(opt.variables) == len(state) and all(a is b for a, b in zip(opt.variables, state))
+    assert len(sharded_opt._zero.inner.variables) == 1 + 1 + 2 * len(slices)  # iterations, lr, Adam's m and v
+    with pytest.raises(dualframe.StrategyError, match="built on its model.s 8 trainable variables and cannot be built again on 8 others"):
+        opt.build(model().trainable_variables)
+    sharded.compile(optimizer=opt, loss="mse")
+    plain = model()
+    plain.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+    for m in (sharded, plain):
+        m.fit(x, y, batch_size=6, epochs=2, shuffle=False, verbose=0)
+    assert len(opt.variables) == len(state) and len(sharded_opt._zero.inner.variables) == 2 + 2 * len(slices)
+    for a, b in zip(sharded.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_zero2_build_again_and_fit_after_a_manual_build_keep_one_state():
+    x, y = data()
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), shard="gradients")
+    sharded = model()
+    opt.build(sharded.trainable_variables)
+    slots = opt.shard_variables()
+    opt.build(sharded.trainable_variables)
+    assert len(opt.shard_variables()) == len(slots) and all(a is b for a, b in zip(opt.shard_variables(), slots))
+    with pytest.raises(dualframe.StrategyError, match="cannot be built again"):
+        opt.build(model().trainable_variables[:2])
+    sharded.compile(optimizer=opt, loss="mse")
+    plain = model()
+    plain.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss="mse")
+    for m in (sharded, plain):
+        m.fit(x, y, batch_size=6, epochs=2, shuffle=False, verbose=0)
+    assert all(a is b for a, b in zip(opt.shard_variables(), slots))
+    for a, b in zip(sharded.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_low_precision_state_exports_as_plain_keras_holds_it_and_loads_either_way(dtype):
+    """The exported slots of float16 variables are float16, as a plain Adam built on the same model keeps
+    them (its load_own_variables takes them); they are the fp32 master slots rounded. Loading takes them, or
+    float32 slots (then kept whole: equal to the fp32 reference's, bit for bit)."""
+    opt = hvd.DistributedOptimizer(keras.optimizers.Adam(0.05), shard="parameters")
+    sharded, reference = opt.shard_model(layered(dtype)), layered(f"mixed_{dtype}")
+    reference.set_weights(sharded.get_weights())
+    reference_opt = keras.optimizers.Adam(0.05)
+    eager_steps([(sharded, opt, opt.parameter_slices()), (reference, reference_opt, reference.trainable_variables)])
+    plain_opt = keras.optimizers.Adam(0.05)
+    plain_opt.build(layered(dtype).trainable_variables)
+    arrays, masters = opt.state_arrays(), [np.asarray(v) for v in reference_opt.variables]
+    assert [str(a.dtype) for a in arrays] == [str(v.dtype) for v in plain_opt.variables]
+    assert {str(a.dtype) for a in arrays if a.ndim} == {dtype, "float32"}  # the float32 head's slots stay float32
+    for got, master in zip(arrays, masters):
+        np.testing.assert_array_equal(got, master.astype(got.dtype))
+    store = {}
+    opt.save_own_variables(store)
+    plain_opt.load_own_variables(store)  # plain Keras, no dualframe
+    for variable, array in zip(plain_opt.variables, arrays):
+        np.testing.assert_array_equal(np.asarray(variable), array)
+    for given in (arrays, masters):
+        fresh = hvd.DistributedOptimizer(keras.optimizers.Adam(0.05), shard="parameters")
+        fresh.shard_model(layered(dtype))
+        fresh.load_state_arrays(given)
+        zero = fresh._zero
+        names, first = zero.slot_names(), len(zero.replicated_variables())
+        slots = {(b, name): np.asarray(v) for b, name, v in zero._slots()}
+        assert all(v.dtype == np.float32 for v in slots.values())
+        for t in range(len(zero.variables)):
+            b, offset, size = zero._where(t)
+            for k, name in enumerate(names):
+                np.testing.assert_array_equal(slots[(b, name)][offset:offset + size],
+                                              np.asarray(given[first + t * len(names) + k]).astype("float32").ravel())

@@ -11,6 +11,7 @@ import tensorflow as tf
 from dualframe.dp.settings import ReduceSettings as CoreReduceSettings
 from dualframe.errors import StrategyError
 from dualframe.dp.checks import check_bool, check_compression, check_data_parallel, op_name
+from dualframe.dp.checks import check_groups as core_check_groups
 from dualframe.tensorflow.collectives import OPS, check_initialized, hvd
 from dualframe.tensorflow.dp.compression import Compression
 
@@ -94,26 +95,18 @@ class ReduceSettings(CoreReduceSettings):
 
 
 def check_groups(groups: object, num_groups: object = 0) -> Groups:
-    """Horovod's ``groups``: None, an int >= 1, or lists of variables (each variable at most once).
+    """Horovod's ``groups`` (the core's rule, members any variable), as buckets of variable ids.
 
     Raises:
-        StrategyError: anything else, or a variable listed twice.
+        StrategyError: not None, an int >= 1 or lists of variables; or a variable listed twice.
     """
     if num_groups:
         warnings.warn("num_groups is deprecated; use groups", DeprecationWarning, stacklevel=3)
         groups = num_groups if groups is None else groups
-    if groups is None:
-        return None
-    if isinstance(groups, int) and not isinstance(groups, bool):
-        if groups < 1:
-            raise StrategyError(f"groups must be an int >= 1 or a list of lists of variables (groups: {groups})")
-        return groups
-    if not isinstance(groups, (list, tuple)) or not all(isinstance(g, (list, tuple)) for g in groups):
-        raise StrategyError(f"groups must be an int >= 1 or a list of lists of variables (groups: {groups!r:.80})")
-    ids = [id(v) for group in groups for v in group]
-    if len(set(ids)) != len(ids):
-        raise StrategyError("a variable can appear only once in groups")
-    return tuple(tuple(id(v) for v in group) for group in groups)
+    checked = core_check_groups(groups, "variable")
+    if checked is None or isinstance(checked, int):
+        return checked
+    return tuple(tuple(id(v) for v in group) for group in checked)
 
 
 def _buckets(indices: List[int], groups: Groups, variables: Optional[Sequence[Any]]) -> List[List[int]]:

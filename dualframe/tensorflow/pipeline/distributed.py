@@ -9,6 +9,7 @@ work (``graph_work.TFGraphStageWork`` over the compiled passes of ``compiled``) 
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import keras
@@ -26,7 +27,6 @@ from dualframe.pipeline.schedule import batched_weights, forwards_first, fused_l
 from dualframe.pipeline.link import check_transport
 from dualframe.tensorflow.backend import BACKEND
 from dualframe.tensorflow.collectives import hvd
-from dualframe.tensorflow.dp.optimizer import DistributedOptimizer
 from dualframe.tensorflow.pipeline.recompute import StageRecompute
 from dualframe.pipeline.graph import GraphSplit, stage_count
 from dualframe.tensorflow.graph.capture import KerasGraph, capture
@@ -34,6 +34,8 @@ from dualframe.tensorflow.graph.masks import chain_mask_crossing
 from dualframe.tensorflow.pipeline.graph import GraphStage, process_stages
 from dualframe.tensorflow.pipeline.compiled import GraphStageFunction
 from dualframe.tensorflow.pipeline.graph_work import TFGraphStageWork
+from dualframe.tensorflow.pipeline.optimizer import apply_stage_gradients, stage_optimizer
+from dualframe.tensorflow.dp.shard.stage import StageShardedOptimizer
 from dualframe.tensorflow.pipeline.fit import KerasFit, keras_loss
 from dualframe.tensorflow.pipeline.virtual_work import VirtualStageWorks, stage_actions
 from dualframe.tensorflow.pipeline.xla import use_xla
@@ -206,6 +208,8 @@ class DistributedPipeline(KerasFit, StageView):
         self.recomputes = {held: StageRecompute(stage.layers + stage.tied, layout.recomputed)
                            for held, stage in zip(self.held_stages, self.layers)} if layout.recomputed else {}
         self.gradients: List[Optional[tf.Tensor]] = []
+        #: The stage's ``shard="parameters"`` optimizer (``distributed_optimizer``), which holds its values between steps.
+        self.sharded: Optional[StageShardedOptimizer] = None
         self.peak_live = 0
         #: GPipe: a stage whose split passes run computes its micro-batches' weight gradients in one pass
         #: after its last backward (``schedule.batched_weights``); False: each in its backward.
@@ -221,6 +225,15 @@ class DistributedPipeline(KerasFit, StageView):
             self._graph_functions = {held: GraphStageFunction(self._all_layers[held], self.split, held, self.captured,
                                                               self.loss_fn, self._jit_compile)
                                      for held in self.held_stages}
+
+    def recompile(self) -> None:
+        """Make the held stages' compiled passes again (the stage's variables were replaced)."""
+        self._graph_functions = {}
+        self._compile_stages()
+
+    def _gathered(self) -> Any:
+        """The stage's full values in its variables inside: with ``shard="parameters"``, a collective of its replicas."""
+        return contextlib.nullcontext() if self.sharded is None else self.sharded.gathered()
 
     @property
     def _graph_function(self) -> Optional[GraphStageFunction]:
@@ -243,8 +256,12 @@ class DistributedPipeline(KerasFit, StageView):
         return [v for layer in self.layers for v in layer.weights]
 
     def get_weights(self) -> List[np.ndarray]:
-        """The local stage's weights, in the full model's order: the stages' lists concatenate into the model's."""
-        return [w for layer in self.layers for w in layer.get_weights()]
+        """The local stage's weights, in the full model's order: the stages' lists concatenate into the model's.
+
+        With a ``shard="parameters"`` optimizer the stage's replicas gather them first: every replica calls it.
+        """
+        with self._gathered():
+            return [w for layer in self.layers for w in layer.get_weights()]
 
     def set_weights(self, weights: Sequence[Any]) -> None:
         """Take this stage's part of the full model's ``get_weights()`` list (layers must be built)."""
@@ -258,10 +275,13 @@ class DistributedPipeline(KerasFit, StageView):
             layer.set_weights(list(weights[start:start + len(layer.weights)]))
         for tied, values in _tied_parts(self._all_layers, self.layers, weights):  # this stage's copies of tied layers
             tied.set_weights(values)
+        if self.sharded is not None:  # this rank keeps its slices of them (no communication)
+            self.sharded.reload()
 
     def gather_weights(self) -> List[np.ndarray]:
         """The full model's weights, merged from every stage of this pipeline (a collective: call it on all ranks)."""
-        mine = [(index, layer.get_weights()) for index, layer in zip(self.layer_indices, self.layers)]
+        with self._gathered():
+            mine = [(index, layer.get_weights()) for index, layer in zip(self.layer_indices, self.layers)]
         parts = hvd.allgather_object(mine, name=f"{self.role.link.prefix}.weights", process_set=self.pipeline_set)
         return [w for _, layer in sorted(item for part in parts for item in part) for w in layer]
 
@@ -271,17 +291,15 @@ class DistributedPipeline(KerasFit, StageView):
         Returns ``dualframe.tensorflow.keras.DistributedOptimizer`` on this stage's process set (the
         pipeline already sums a step's micro-batches, so one ``apply_gradients`` per step); with a
         single replica, the optimizer itself. Extra arguments (``compression``, ``op`` ...) pass through.
+        ``shard="parameters"``: ZeRO-3 among the stage's replicas (``StageShardedOptimizer``: the stage
+        gathered once per step; between steps each replica holds 1/R of its values and optimizer state).
+        See ``dualframe.tensorflow.pipeline.optimizer``.
         """
-        if str(kwargs.get("shard")).lower() == "parameters":
-            raise StrategyError("shard='parameters' (ZeRO-3) is not built for pipeline stages yet; use "
-                                "shard='gradients' to shard a stage's gradients and state among its replicas")
-        if self.stage_process_set is None:
-            return optimizer
-        return DistributedOptimizer(optimizer, process_set=self.stage_process_set, **kwargs)
+        return stage_optimizer(self, optimizer, **kwargs)
 
     def apply_gradients(self, optimizer: Any) -> None:
         """``optimizer.apply_gradients`` on the last step's gradients and the stage's variables."""
-        optimizer.apply_gradients([(g, v) for g, v in zip(self.gradients, self.trainable_variables) if g is not None])
+        apply_stage_gradients(self, optimizer)
 
     def _batches_weights(self, actions: Sequence[Action], train: bool) -> bool:
         """Whether this step runs GPipe's W passes as one after its last B (``schedule.batched_weights``).
@@ -301,6 +319,8 @@ class DistributedPipeline(KerasFit, StageView):
     def _run(self, actions: Sequence[Action], inputs: Any, targets: Any, train: bool) -> Tuple[Any, StepRecord]:
         """One step's walk of this rank's stages (a ``TFGraphStageWork`` each) on the agreed micro-batches."""
         targets = None if targets is None or not self.is_last else tf.convert_to_tensor(targets)
+        if self.sharded is not None:  # the stage's values, gathered once for the step's micro-batches
+            self.sharded.begin_step()
         values: Dict[str, Any] = {}
         if self.is_first and inputs is not None:
             flat = [tf.convert_to_tensor(v) for v in self.captured.flat_inputs(inputs)]
@@ -346,6 +366,8 @@ class DistributedPipeline(KerasFit, StageView):
     def __call__(self, inputs: Any) -> Any:
         """Inference through the pipeline (no gradients): the model's output on the last stage, None elsewhere."""
         work, _ = self._run(self.role.forward_actions(self.chunks), inputs, None, train=False)
+        if self.sharded is not None:
+            self.sharded.free()
         if not self.is_last:
             return None
         return self.captured.pack_outputs([BACKEND.batches.concat(list(parts)) for parts in zip(*work.outputs)])

@@ -26,6 +26,9 @@ from dualframe.tensorflow.collectives import collectives, hvd
 from dualframe.tensorflow.pipeline.distributed import DistributedPipeline
 from dualframe.tensorflow.reliability.checkpoint import FORMAT, SUFFIX, assign_variables, rng_state, set_rng_state
 
+#: Path prefix of a sharded stage's optimizer arrays: the plain optimizer's ``variables`` values, in order.
+STATE = "unsharded_state."
+
 
 def _check(directory: Any, pipe: Any, optimizer: Any) -> str:
     path = check_directory(directory)
@@ -96,18 +99,30 @@ class KerasStageCodec:
 
     def __init__(self, pipe: DistributedPipeline, optimizer: Optional[keras.optimizers.Optimizer]) -> None:
         self.pipe, self.optimizer = pipe, optimizer
+        #: A sharded stage's (``shard="parameters"``) variables and optimizer state, gathered by ``collect``.
+        self._collected: Optional[Dict[str, Tuple[List[str], List[np.ndarray]]]] = None
 
     def rng_bytes(self) -> bytes:
         return json.dumps(rng_state()).encode()
 
     def collect(self) -> None:
-        """Nothing to gather: a Keras stage's variables are whole on every replica."""
+        """A stage sharded among its replicas (``shard="parameters"``) gathers its values and optimizer state in
+        the unsharded layout, on every rank (collectives of the replicas); other stages are whole on each."""
+        sharded = self.pipe.sharded
+        if sharded is None:
+            return
+        with sharded.gathered():
+            model = _snapshot(stage_variables(self.pipe))
+        saved = self.optimizer is not None and id(self.optimizer) == id(sharded)  # the stage's own, sharded
+        state = sharded.state_arrays() if saved else []
+        self._collected = {"model": model, "optimizer": ([f"{STATE}{i}" for i in range(len(state))], state)}
 
     def encode(self, header: Dict[str, Any], rngs: List[bytes]) -> bytes:
         optimizer = self.optimizer
         optimizer_variables = list(optimizer.variables) if optimizer is not None and optimizer.built else []
-        return _encode({"model": _snapshot(stage_variables(self.pipe)), "optimizer": _snapshot(optimizer_variables)},
-                       dict(header, model_blocks=held_blocks(self.pipe)), [json.loads(blob) for blob in rngs])
+        groups = self._collected or {"model": _snapshot(stage_variables(self.pipe)),
+                                     "optimizer": _snapshot(optimizer_variables)}
+        return _encode(groups, dict(header, model_blocks=held_blocks(self.pipe)), [json.loads(blob) for blob in rngs])
 
     def decode(self, data: bytes, where: str) -> Tuple[Dict[str, Any], List[Any], Any]:
         arrays, header = _decode(data, where)
@@ -116,7 +131,12 @@ class KerasStageCodec:
     def apply(self, content: Any) -> None:
         arrays, header = content
         assign_variables("model", stage_variables(self.pipe), arrays, header["model_paths"])
-        optimizer = self.optimizer
+        optimizer, sharded = self.optimizer, self.pipe.sharded
+        if sharded is not None:  # this rank keeps its slices of the values (and of the state: unsharded layout)
+            sharded.reload()
+            if optimizer is not None and id(optimizer) == id(sharded) and header["optimizer_paths"]:
+                sharded.load_state_arrays([arrays[f"optimizer.{i}"] for i in range(len(header["optimizer_paths"]))])
+            return
         if optimizer is not None and header["optimizer_paths"]:
             if not optimizer.built:
                 optimizer.build(self.pipe.trainable_variables)
@@ -138,6 +158,8 @@ class KerasStageCodec:
                                   f"{pipe.held_stages} reach variable {positions[-1]}; is it this model's?")
         chosen = {f"model.{i}": arrays[f"model.{k}"] for i, k in enumerate(positions)}
         assign_variables("model", stage_variables(pipe), chosen, [paths[k] for k in positions])
+        if pipe.sharded is not None:  # this rank keeps its slices of them (no communication)
+            pipe.sharded.reload()
         return TrainingState(header["step"], header["epoch"], header["data_position"], header["extra"])
 
 

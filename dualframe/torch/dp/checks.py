@@ -65,26 +65,12 @@ def parameter_names(
     return {p: name for name, p in pairs}
 
 
-def check_groups(groups: GroupsArg, params: Sequence[torch.Tensor]) -> GroupsArg:
-    """``groups`` is None, an int > 0, or lists of optimizer parameters with each at most once."""
-    if groups is None:
-        return None
-    if isinstance(groups, int) and not isinstance(groups, bool):
-        if groups < 1:
-            raise StrategyError(f"groups must be an int >= 1 or a list of lists of parameters (groups: {groups})")
-        return groups
-    if not isinstance(groups, (list, tuple)):
-        raise StrategyError(f"groups must be an int >= 1 or a list of lists of parameters (groups: {groups!r})")
+def check_groups(groups: object, params: Sequence[torch.Tensor]) -> GroupsArg:
+    """``groups`` is None, an int >= 1, or lists of optimizer parameters with each at most once (the core's rule)."""
     known = {id(p) for p in params}
-    seen: set = set()
-    for g, group in enumerate(groups):
-        for p in group:
-            if not isinstance(p, torch.Tensor) or id(p) not in known:
-                raise StrategyError(f"groups[{g}] holds something that is not a parameter of the optimizer ({type(p).__name__})")
-            if id(p) in seen:
-                raise StrategyError(f"a parameter can appear only once in groups (again in groups[{g}], shape {tuple(p.shape)})")
-            seen.add(id(p))
-    return [list(group) for group in groups]
+    return core_checks.check_groups(
+        groups, "parameter", is_member=lambda p: isinstance(p, torch.Tensor) and id(p) in known,
+        describe=lambda p: f", shape {tuple(p.shape)}")  # type: ignore[attr-defined]
 
 
 def check_process_set(process_set: object) -> Any:

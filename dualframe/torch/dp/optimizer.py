@@ -1,10 +1,14 @@
-"""DistributedOptimizer: wraps a torch optimizer and reduces gradients across ranks (Horovod's semantics)."""
+"""DistributedOptimizer: wraps a torch optimizer and reduces gradients across ranks (Horovod's semantics).
+
+Its arguments are checked and its state built here, with ``step``, clipping, Adasum and the state
+dict; how each gradient is reduced and waited for is ``dualframe.torch.dp.gradients``.
+"""
 from __future__ import annotations
 
 import contextlib
 import os
 import warnings
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
 import torch
 
@@ -16,12 +20,11 @@ from dualframe.torch.collectives import OPS, check_initialized, hvd
 from dualframe.torch.dp.compression import Compression
 from dualframe.torch.dp.shard.buckets import check_norm_arguments
 from dualframe.dp.subclass import wrapper_subclass
-from dualframe.torch.dp.wrapped_optimizer import WrappedOptimizer, check_optimizer, claim, weak_hook
+from dualframe.torch.dp.gradients import Key, Pending, ReducedGradients
+from dualframe.torch.dp.wrapped_optimizer import WrappedOptimizer, check_optimizer, claim
 
-Key = Union[torch.Tensor, Tuple[torch.Tensor, ...]]
-Pending = Tuple[Any, Any]  # (Horovod handle or None while gradients still accumulate, compression ctx)
 
-class DistributedOptimizer(WrappedOptimizer):
+class DistributedOptimizer(ReducedGradients, WrappedOptimizer):
     """A torch optimizer whose gradients are reduced across ranks before each ``step()``.
 
     Every gradient starts an asynchronous Horovod allreduce as soon as backward has accumulated
@@ -120,157 +123,8 @@ class DistributedOptimizer(WrappedOptimizer):
         if (self._active or self._elastic) and self._groups is not None:
             self._form_groups()
 
-    def _decide(self) -> None:
-        # Adasum combines the wrapped optimizer's weight deltas, not gradients (see _adasum_step).
-        many = hvd.size() > 1
-        self._adasum = self.op_name == "adasum" and many
-        self._active = bool(self.process_set.included()) and many and not self._adasum
-
-    # -- the reduction's settings (``dualframe.dp.settings``), read-only ---------------------------
-    @property
-    def backward_passes_per_step(self) -> int:
-        """Backward passes accumulated locally before one reduction (``set_backward_passes_per_step`` changes it)."""
-        return self.settings.backward_passes_per_step
-
-    @property
-    def gradient_predivide_factor(self) -> float:
-        """With ``Average``: the share of the division done before the sum."""
-        return self.settings.gradient_predivide_factor
-
-    @property
-    def sparse_as_dense(self) -> bool:
-        """Whether sparse gradients are reduced as dense tensors."""
-        return self.settings.sparse_as_dense
-
     def __repr__(self) -> str:
         return f"DistributedOptimizer(op={self.op_name}, {self._optimizer!r})"
-
-    # -- hooks: one asynchronous reduction per gradient, as soon as it is ready ---------------
-    def _track(self, params: List[torch.Tensor]) -> None:
-        for p in params:
-            self._delay[p] = self.backward_passes_per_step
-            if (self._active or self._elastic) and p.requires_grad:
-                self._requires_update.add(p)
-                self._hook_handles.append(p.register_post_accumulate_grad_hook(weak_hook(self)))
-
-    def _form_groups(self) -> None:
-        params = [p for p in dp_checks.optimizer_params(self._optimizer) if p.requires_grad]
-        # Every rank must fuse the same tensors in the same order: rank 0's order decides. Elastic
-        # workers build their optimizer at different times, so there no collective: the model's order.
-        order = [self._names[p] for p in params]
-        if not self._elastic:
-            order = hvd.broadcast_object(order, root_rank=0, process_set=self.process_set)
-        params.sort(key=lambda p: order.index(self._names[p]))
-        if isinstance(self._groups, int):
-            n = min(self._groups, len(params))
-            size, extra = divmod(len(params), n)
-            bounds = [i * size + min(i, extra) for i in range(n + 1)]
-            formed = [tuple(params[bounds[i]:bounds[i + 1]]) for i in range(n)]
-        else:
-            listed = [tuple(p for p in group if p.requires_grad) for group in self._groups or []]
-            grouped = {id(p) for group in listed for p in group}
-            formed = [g for g in listed if g] + [(p,) for p in params if id(p) not in grouped]
-        for group in formed:
-            self._group_counts[group] = 0
-            for p in group:
-                self._p_to_group[p] = group
-
-    def _on_gradient(self, p: torch.Tensor) -> None:
-        if self._elastic and not self._handles:
-            self._decide()  # the first gradient of a step: the world may have grown or shrunk since
-        if not self._active:
-            return
-        if p in self._handles and self._handles[p][0] is not None and self._delay[p] <= 0:
-            raise AssertionError(
-                f"gradients were computed more than backward_passes_per_step "
-                f"({self.backward_passes_per_step}) times before step(); raise backward_passes_per_step "
-                f"to accumulate gradients locally (parameter {self._names.get(p)})"
-            )
-        self._delay[p] -= 1
-        if self._delay[p] > 0:
-            self._handles[p] = (None, None)
-            return
-        if p in self._p_to_group:
-            group = self._p_to_group[p]
-            self._group_counts[group] += 1
-            if self._group_counts[group] == len(group):
-                for q in group:
-                    self._handles.pop(q, None)
-                self._handles[group] = self._reduce_group(group)
-                self._group_counts[group] = 0
-            else:
-                self._handles[p] = (None, None)
-            return
-        self._handles[p] = self._reduce(p)
-
-    def _reduce(self, p: torch.Tensor) -> Pending:
-        if p.grad is None:
-            # Another rank may have a gradient for it (a branch not taken here): send zeros.
-            p.grad = torch.zeros_like(p)
-        name = self._names.get(p)
-        tensor = p.grad
-        if tensor.is_sparse:
-            if not self.sparse_as_dense:
-                return hvd.sparse_allreduce_async(tensor, name=name, op=self.op, process_set=self.process_set), None
-            tensor = tensor.to_dense()
-        compressed, ctx = self._compression.compress(tensor)
-        prescale, postscale = self.settings.scale_factors()
-        handle = hvd.allreduce_async_(compressed, name=name, op=self.op, prescale_factor=prescale,
-                                      postscale_factor=postscale, process_set=self.process_set)
-        return handle, ctx
-
-    def _reduce_group(self, group: Tuple[torch.Tensor, ...]) -> Pending:
-        grads = []
-        for p in group:
-            grad = torch.zeros_like(p) if p.grad is None else p.grad
-            p.grad = grad.to_dense() if grad.is_sparse else grad
-            grads.append(p.grad)
-        pairs = [self._compression.compress(grad) for grad in grads]
-        prescale, postscale = self.settings.scale_factors()
-        handle = hvd.grouped_allreduce_async_([t for t, _ in pairs], name=self._names.get(group[0]), op=self.op,
-                                              prescale_factor=prescale, postscale_factor=postscale,
-                                              process_set=self.process_set)
-        return handle, [ctx for _, ctx in pairs]
-
-    # -- synchronize and step ------------------------------------------------------------------
-    def synchronize(self) -> None:
-        """Wait for every gradient reduction (starting those not started yet); gradients are then global."""
-        if not self._active:
-            self._synchronized = True
-            return
-        started: Set[torch.Tensor] = set()
-        for key in self._handles:
-            started.update(key) if isinstance(key, tuple) else started.add(key)
-        for p in self._requires_update - started:
-            self._handles[p] = self._reduce(p)
-        for key, (handle, _) in list(self._handles.items()):
-            if handle is None and isinstance(key, torch.Tensor):
-                self._handles[key] = self._reduce(key)
-        for key, (handle, ctx) in self._handles.items():
-            self._finish(key, handle, ctx)
-        self._handles.clear()
-        self._synchronized = True
-
-    def _finish(self, key: Key, handle: Any, ctx: Any) -> None:
-        if isinstance(key, tuple):
-            for p, output, one_ctx in zip(key, hvd.synchronize(handle), ctx):
-                self._delay[p] = self.backward_passes_per_step
-                self._set_grad(p, output, one_ctx)
-            self._group_counts[key] = 0
-            return
-        output = handle() if callable(handle) else hvd.synchronize(handle)
-        self._delay[key] = self.backward_passes_per_step
-        if key in self._p_to_group:
-            self._group_counts[self._p_to_group[key]] = 0
-        self._set_grad(key, output, ctx)
-
-    def _set_grad(self, p: torch.Tensor, output: torch.Tensor, ctx: Any) -> None:
-        assert p.grad is not None
-        if p.grad.is_sparse:
-            reduced = self._compression.decompress(output, ctx)
-            p.grad.zero_().add_(reduced if reduced.is_sparse else reduced.to_sparse())
-        else:
-            p.grad.set_(self._compression.decompress(output, ctx))
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:

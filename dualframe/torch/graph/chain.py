@@ -6,11 +6,26 @@ process ``DistributedPipeline`` (``pipeline.graph_work``).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence, Tuple
+from collections import OrderedDict
+from typing import Any, Dict, Iterable, List, Sequence, Tuple
 
 import torch
 
 from dualframe.pipeline.graph import GraphSplit, chain_split
+
+
+def chain_layers(module: torch.nn.Module, indices: Iterable[int]) -> torch.nn.Sequential:
+    """The layers at ``indices`` of an ``nn.Sequential``, under the model's names (a stage's, or a rank's stages').
+
+    Example:
+        >>> chain_layers(torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Tanh(), torch.nn.ReLU()), [1, 2])
+        Sequential(
+          (1): Tanh()
+          (2): ReLU()
+        )
+    """
+    items = list(module._modules.items())
+    return torch.nn.Sequential(OrderedDict(items[r] for r in indices))  # type: ignore[arg-type,misc]
 
 
 class ChainStage(torch.nn.Module):

@@ -4,18 +4,17 @@ Rank j of a pipeline group keeps only stage j; micro-batches' activations flow f
 gradients backward between the ranks whose stages exchange them (``dualframe.torch.pipeline.link``),
 in the order the core's per-rank schedule (``dualframe.pipeline.schedule``) gives. A chain is a graph
 whose edges are (j - 1, j) (``graph.chain.ChainPart``): chains and captured models take one walk
-(``dualframe.pipeline.graph_walk``) and one stage work (``graph_stage_work.TorchGraphStageWork``).
+(``dualframe.pipeline.graph_walk``) and one stage work (``graph_work.TorchGraphStageWork``).
 With ``data_parallel`` replicas of the whole pipeline, the ranks holding the same stage average its
 gradients through ``DistributedOptimizer`` on that stage's process set (``distributed_optimizer``).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
-from torch.nn.modules.module import _IncompatibleKeys as IncompatibleKeys
 
 from dualframe.errors import StrategyError
 from dualframe.pipeline.graph import stage_count
@@ -29,34 +28,17 @@ from dualframe.pipeline.schedule import virtual_count
 from dualframe.pipeline.tied import TiedPlan
 from dualframe.torch.backend import BACKEND
 from dualframe.torch.pipeline.activation_meter import ActivationMeter
-from dualframe.torch.graph.chain import ChainPart, ChainStage
+from dualframe.torch.graph.chain import ChainPart, chain_layers
 from dualframe.torch.pipeline.graph import GraphPart
 from dualframe.torch.graph.devices import place_stage
 from dualframe.torch.graph.capture import Leaves
-from dualframe.torch.pipeline.graph_work import TorchGraphStageWork
+from dualframe.torch.pipeline.graph_work import HeldStageWorks
 from dualframe.torch.split.loss import model_loss
 from dualframe.torch.split.model_parallel import is_graph_split
-from dualframe.torch.pipeline.backward import SplitBackward
 from dualframe.torch.dp.shard.stage import StageShardedOptimizer
-from dualframe.torch.pipeline.optimizer import stage_optimizer
-from dualframe.torch.pipeline.recompute import StageRecompute
+from dualframe.torch.pipeline.optimizer import (gathered_state_dict, load_sharded_state_dict, sharded_step,
+                                                 stage_optimizer)
 from dualframe.torch.split.tied import TiedCopies, find_stage_tied, model_state_dict, stage_part, tensor_names
-
-
-def rank_module(module: nn.Module, layout: StageLayout, position: int) -> nn.Module:
-    """The layers of every stage the rank at ``position`` holds, under the model's names (virtual stages: several)."""
-    items = list(module._modules.items())
-    held = [r for j in layout.held(position) for r in layout.ranges[j]]
-    return nn.Sequential(OrderedDict(items[r] for r in held))  # type: ignore[arg-type,misc]
-
-
-def _layout(module: nn.Module, balance: Sequence[int], chunks: int, schedule: str, loss_fn: Any,
-            devices: Optional[Sequence[str]], data_parallel: Optional[int], timeout: float,
-            checkpoint: str, virtual_stages: int) -> StageLayout:
-    if not isinstance(module, nn.Sequential):
-        raise StrategyError(f"DistributedPipeline splits an nn.Sequential (module: {type(module).__name__})")
-    return layout_pipeline(len(module), balance, chunks, schedule, loss_fn, devices, data_parallel, timeout,
-                           BACKEND.collectives.world_size(), checkpoint, virtual_stages)
 
 
 class DistributedPipeline(StageView, nn.Module):
@@ -125,26 +107,11 @@ class DistributedPipeline(StageView, nn.Module):
                  checkpoint: str = "never", virtual_stages: int = 1) -> None:
         super().__init__()
         transport = check_transport(transport)
-        self.graph: Optional[GraphPart] = None
-        self.chain: Optional[ChainPart] = None  # an nn.Sequential: its stages as a graph whose edges are (j - 1, j)
-        if is_graph_split(module, split_points, stages):
-            n = stage_count(split_points, balance, stages)
-            layout = layout_pipeline(n, [1] * n, chunks, schedule, loss_fn, devices, data_parallel, timeout,
-                                     BACKEND.collectives.world_size(), checkpoint, virtual_count(virtual_stages))
-            self.graph = GraphPart(module, split_points=split_points, balance=balance, stages=stages, sample=sample,
-                                   leaves=leaves)
-        else:
-            layout = _layout(module, balance or [], chunks, schedule, loss_fn, devices, data_parallel, timeout,
-                             checkpoint, virtual_stages)
-            self.chain = ChainPart(len(layout.ranges))
+        layout = self._cut(module, balance, chunks, schedule, loss_fn, devices, data_parallel, timeout, checkpoint,
+                           virtual_stages, split_points=split_points, stages=stages, sample=sample, leaves=leaves)
         self.chunks, self.schedule, self.grid, self.checkpoint = chunks, layout.schedule, layout.grid, layout.checkpoint
         self.loss_fn, self.timeout = loss_fn, timeout
-        modules = [self._stage_module(module, layout, j) for j in range(len(layout.ranges))]
-        # A rank's modules (with virtual stages, its stages' layers under the model's names, for its parameters
-        # and state_dict); tied weights are those several ranks read.
-        held = [rank_module(module, layout, r) if self.graph is None else
-                modules[r] if layout.virtual_stages == 1 else
-                nn.ModuleDict({str(j): modules[j] for j in layout.held(r)}) for r in range(self.grid.stages)]
+        modules, held = self._stage_modules(module, layout)
         tied = find_stage_tied(module, held)  # weights several stages read: each holds a copy
         # From here on, Horovod: every argument above is checked on every rank.
         split = self.graph.split if self.graph is not None else self.chain.split  # type: ignore[union-attr]
@@ -164,26 +131,49 @@ class DistributedPipeline(StageView, nn.Module):
                                self.role.sets, self.role.link.prefix)
         self.tied.broadcast()
         self.meter = ActivationMeter(self.stage.parameters())
-        # A zero-bubble schedule: backward as B (the input's gradient) then, later, W (the weights'); one per stage.
-        # One module per held stage, taking the stage's reads and returning its sends (one stage: the rank's own).
-        single = len(self.held_stages) == 1
-        self._stage_calls = {j: m if self.graph is not None else ChainStage(m)
-                             for j, m in ({self.role.index: self.stage} if single else self.held_stages).items()}
-        splits = splits_backward(self.actions)
-        self.split_backwards = {j: SplitBackward(m) for j, m in self._stage_calls.items()} if splits else {}
+        single = len(self.held_stages) == 1  # then the rank's own module, under the model's names
+        self._held = HeldStageWorks({self.role.index: self.stage} if single else self.held_stages, self.split,
+                                    self._unflatten, self.device, chain=self.graph is None,
+                                    split_backward=splits_backward(self.actions), recomputed=layout.recomputed)
+        #: Per held stage j: its split backward (zero-bubble schedules), its activation checkpointing.
+        self.split_backwards, self.recomputes = self._held.split_backwards, self._held.recomputes
         self.split_backward = self.split_backwards.get(self.role.index) if single else None
-        # Activation checkpointing: one recompute per held stage (its random states and buffers its own).
-        self.recomputes = {j: StageRecompute(self.stage if single else self.held_stages[j], layout.recomputed,
-                                             self.device) for j in self._stage_calls} if layout.recomputed else {}
         #: The stage's ZeRO-3 optimizer (``distributed_optimizer(..., shard="parameters")``): gathered once per step.
         self.sharded: Optional[StageShardedOptimizer] = None
 
-    def _stage_module(self, module: nn.Module, layout: StageLayout, j: int) -> nn.Module:
-        """Stage ``j``'s module, referencing the model's own parameters (every stage is built, to find tied ones)."""
-        if self.graph is not None:
-            return self.graph.module(j)
-        items = list(module._modules.items())
-        return nn.Sequential(OrderedDict(items[r] for r in layout.ranges[j]))  # type: ignore[arg-type,misc]
+    def _cut(self, module: nn.Module, balance: Optional[Sequence[int]], chunks: int, schedule: str, loss_fn: Any,
+             devices: Optional[Sequence[str]], data_parallel: Optional[int], timeout: float, checkpoint: str,
+             virtual_stages: int, *, split_points: Optional[Sequence[str]], stages: Optional[int], sample: Any,
+             leaves: Leaves) -> StageLayout:
+        """The checked layout of the stages: a graph's (``self.graph``) or an ``nn.Sequential``'s (``self.chain``)."""
+        self.graph: Optional[GraphPart] = None
+        self.chain: Optional[ChainPart] = None  # an nn.Sequential: its stages as a graph whose edges are (j - 1, j)
+        if is_graph_split(module, split_points, stages):
+            n = stage_count(split_points, balance, stages)
+            layout = layout_pipeline(n, [1] * n, chunks, schedule, loss_fn, devices, data_parallel, timeout,
+                                     BACKEND.collectives.world_size(), checkpoint, virtual_count(virtual_stages))
+            self.graph = GraphPart(module, split_points=split_points, balance=balance, stages=stages, sample=sample,
+                                   leaves=leaves)
+            return layout
+        if not isinstance(module, nn.Sequential):
+            raise StrategyError(f"DistributedPipeline splits an nn.Sequential (module: {type(module).__name__})")
+        layout = layout_pipeline(len(module), balance or [], chunks, schedule, loss_fn, devices, data_parallel,
+                                 timeout, BACKEND.collectives.world_size(), checkpoint, virtual_stages)
+        self.chain = ChainPart(len(layout.ranges))
+        return layout
+
+    def _stage_modules(self, module: nn.Module, layout: StageLayout) -> Tuple[List[nn.Module], List[nn.Module]]:
+        """Every stage's module and every rank's, referencing the model's own parameters (all built, to find tied ones).
+
+        A rank's module holds its stages' (with virtual stages, several) under the model's names, for its
+        parameters and ``state_dict``.
+        """
+        modules = [self.graph.module(j) if self.graph is not None else chain_layers(module, layout.ranges[j])
+                   for j in range(len(layout.ranges))]
+        held = [chain_layers(module, (i for j in layout.held(r) for i in layout.ranges[j])) if self.graph is None
+                else modules[r] if layout.virtual_stages == 1 else
+                nn.ModuleDict({str(j): modules[j] for j in layout.held(r)}) for r in range(self.grid.stages)]
+        return modules, held
 
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[Tuple[str, nn.Parameter]]:
@@ -198,9 +188,7 @@ class DistributedPipeline(StageView, nn.Module):
         """
         if self.sharded is None:
             return self._state_dict(*args, **kwargs)
-        with self.sharded.gathered():
-            return OrderedDict((key, value.detach().clone() if isinstance(value, torch.Tensor) else value)
-                               for key, value in self._state_dict(*args, **kwargs).items())
+        return gathered_state_dict(self.sharded, lambda: self._state_dict(*args, **kwargs))
 
     def _state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
         if self._keys is None:
@@ -211,11 +199,8 @@ class DistributedPipeline(StageView, nn.Module):
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """Load this stage's part of the full model's ``state_dict`` (other stages' keys are ignored)."""
-        if self.sharded is not None:  # each replica keeps its slices of the full tensors (no communication)
-            with self.sharded.listing():
-                part = stage_part(self.stage, self._names, state_dict)
-            self.sharded.load_model_state_dict(part)
-            return IncompatibleKeys([], [])
+        if self.sharded is not None:
+            return load_sharded_state_dict(self.sharded, self.stage, self._names, state_dict)
         part = stage_part(self.stage, self._names, state_dict)
         return self.stage.load_state_dict(part, strict=strict, assign=assign)
 
@@ -257,29 +242,14 @@ class DistributedPipeline(StageView, nn.Module):
             micro_inputs = self.graph.micro_inputs(values, sizes, self.device) if self.is_first else []
         else:
             micro_inputs = self.chain.micro_inputs(micro_inputs)  # type: ignore[union-attr]
-        works = self._works(loss_fn, micro_targets, weights)
+        works = self._held.works(loss_fn, micro_targets, weights, self.meter)
         # A graph stage (GraphPipelineStage) walks one work, a rank of virtual stages one per stage it holds.
         work: Any = works if len(works) > 1 else works[self.role.index]
-        if self.sharded is not None:
-            # Every block's allgather started: a chain's layers wait each for its own at its first forward; a
-            # graph stage's nodes may read a module's weights without calling it, so it waits for all now.
-            self.sharded.begin_step(wait=self.graph is not None)
-            self.meter.track(self.stage.parameters())  # gathered into new storage: not activations
-        with torch.set_grad_enabled(train), self.meter.counting():
+        with sharded_step(self.sharded, self.stage, self.meter, train, wait=self.graph is not None), \
+                torch.set_grad_enabled(train), self.meter.counting():
             record = self.role.step(actions, micro_inputs, work, train)
-        if self.sharded is not None and not train:
-            self.sharded.end_forward()
         last = len(self.role.layout.ranges) - 1
         return works.get(last, works[min(works)]), record
-
-    def _works(self, loss_fn: Any, micro_targets: Sequence[torch.Tensor],
-               weights: Sequence[float]) -> Dict[int, TorchGraphStageWork]:
-        """One stage work per stage this rank holds (the last stage's reads the targets)."""
-        last = len(self.role.layout.ranges) - 1
-        return {j: TorchGraphStageWork(stage, self.split, j, self._unflatten, self.device, loss_fn,
-                                       list(micro_targets) if j == last else [], list(weights), self.meter,
-                                       self.split_backwards.get(j), self.recomputes.get(j))
-                for j, stage in self._stage_calls.items()}
 
     def train_step(self, inputs: Any = None, targets: Optional[torch.Tensor] = None, **keywords: Any) -> float:
         """Run one mini-batch forward and backward through the pipeline; gradients land in ``.grad``.

@@ -6,7 +6,7 @@ each tensor's bytes, a JSON tail for values that are not one tensor: a traced si
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -17,6 +17,7 @@ from dualframe.pipeline.graph import GraphSplit
 from dualframe.pipeline.graph_walk import edge_values, stage_edges
 from dualframe.pipeline import message
 from dualframe.torch.graph.capture import Captured
+from dualframe.torch.graph.chain import ChainStage
 from dualframe.torch.graph.run import tensor_leaves
 from dualframe.torch.pipeline.link import DTYPES, dtype_code
 from dualframe.torch.pipeline.activation_meter import ActivationMeter
@@ -236,3 +237,38 @@ class TorchGraphStageWork:
                     roots.append(t)
                     upstream.append(g.to(t.device))
         return roots, upstream
+
+
+class HeldStageWorks:
+    """The stages a rank holds, each made once as a call with its split backward and recompute; per step, their works.
+
+    Args:
+        modules: stage j's module per held stage (one: the rank's own module).
+        split, unflatten, device: as ``TorchGraphStageWork``'s.
+        chain: the modules are an ``nn.Sequential``'s layer groups (each called as a ``ChainStage``).
+        split_backward: the schedule splits backward into B and W (a ``SplitBackward`` per stage).
+        recomputed: the micro-batches that recompute their forward (activation checkpointing), if any.
+
+    Example:
+        >>> held = HeldStageWorks({0: stage}, split, unflatten, device, chain=True, split_backward=False,
+        ...                       recomputed=frozenset())                                 # doctest: +SKIP
+        >>> works = held.works(nn.MSELoss(), targets, [0.5, 0.5], meter)                  # doctest: +SKIP
+    """
+
+    def __init__(self, modules: Dict[int, nn.Module], split: GraphSplit, unflatten: Callable[[Dict[str, Any]], Any],
+                 device: torch.device, *, chain: bool, split_backward: bool, recomputed: FrozenSet[int]) -> None:
+        self.split, self.unflatten, self.device = split, unflatten, device
+        #: Per held stage: a module taking the stage's reads and returning its sends.
+        self.calls = {j: ChainStage(m) if chain else m for j, m in modules.items()}
+        self.split_backwards = {j: SplitBackward(m) for j, m in self.calls.items()} if split_backward else {}
+        # Activation checkpointing: one recompute per held stage (its random states and buffers its own).
+        self.recomputes = {j: StageRecompute(modules[j], recomputed, device) for j in self.calls} if recomputed else {}
+
+    def works(self, loss_fn: Optional[Callable[[Any, Any], torch.Tensor]], targets: Sequence[torch.Tensor],
+              weights: Sequence[float], meter: ActivationMeter) -> Dict[int, TorchGraphStageWork]:
+        """One step's stage work per held stage (the last stage's reads ``targets``)."""
+        last = self.split.stages - 1
+        return {j: TorchGraphStageWork(call, self.split, j, self.unflatten, self.device, loss_fn,
+                                       list(targets) if j == last else [], list(weights), meter,
+                                       self.split_backwards.get(j), self.recomputes.get(j))
+                for j, call in self.calls.items()}

@@ -51,18 +51,22 @@ def layer_plan(model: keras.Model, ranks: int,
         StrategyError: a variable used by two top-level layers (each frees its own after its call), or
             one outside every layer.
     """
-    layers = model.layers
+    return layers_plan(model.layers, model.trainable_variables, ranks, bucket_elements)
+
+
+def layers_plan(layers: Sequence[Any], variables: Sequence[Any], ranks: int,
+                bucket_elements: Optional[int] = None) -> Tuple[ShardLayout, Dict[int, Tuple[int, ...]]]:
+    """:func:`layer_plan` for ``layers`` holding ``variables`` (a model's, or a pipeline stage's)."""
     names = [f"{j}_{layer.name}".replace(".", "_") for j, layer in enumerate(layers)]  # one path level each
     holders: Dict[int, List[str]] = {}
     for name, layer in zip(names, layers):
         for variable in layer.trainable_variables:
             holders.setdefault(id(variable), []).append(f"{name}.{variable.name}")
     check_unshared({held[0]: held for held in holders.values()})
-    missing = [v.path for v in model.trainable_variables if id(v) not in holders]
+    missing = [v.path for v in variables if id(v) not in holders]
     if missing:
         raise StrategyError(f"shard='parameters' needs every trainable variable inside one of the model's layers "
                             f"(not: {', '.join(missing[:3])}); use shard='gradients'")
-    variables = model.trainable_variables
     paths = block_paths([(name, False) for name in names])
     plan = ParameterShardPlan.build([holders[id(v)][0] for v in variables], [int(np.prod(v.shape)) for v in variables],
                                     paths, ranks, dtypes=[str(v.dtype) for v in variables],

@@ -13,6 +13,9 @@ every pass and accumulates only the rank's slice, so no full-size gradient outli
 exists in both modes; ZeRO-2 saves the accumulators and lets each bucket's flat copy go once scattered.)
 ``shard="parameters"`` (ZeRO-3) steps as ZeRO-2 but never writes the model back: the slices are the
 parameters, and ``dualframe.tensorflow.dp.shard.parameters`` gathers them for each step.
+
+How the gradients reach the slices is ``dp/shard/gradients.py``; the state in the plain optimizer's
+layout (saving, loading, bytes held) is ``dp/shard/state_dict.py``.
 """
 from __future__ import annotations
 
@@ -31,25 +34,12 @@ from dualframe.tensorflow.dp.shard import parameters as sharded_parameters
 from dualframe.tensorflow.dp.compression import Compression
 from dualframe.tensorflow.dp.gradients import SHARD_SCOPE, collective_scope, named
 from dualframe.tensorflow.dp.optimizer import KerasTwoNames, _config, register_wrapper, wrap_settings
+from dualframe.tensorflow.dp.shard.gradients import SliceGradients
 from dualframe.tensorflow.dp.shard.slices import SLICE_NAME, ShardedState, check_elementwise, inner_copy
-
-# How the gradients reach their owners (``scatter=``, the core's SCATTERS): one Horovod reduce-scatter
-# of the flat buckets, or an allreduce of the gradients of which each rank keeps its slice (1.5x the
-# bytes of reduce-scatter plus allgather). "auto" is the allreduce under both controllers, as in torch:
-# Horovod 0.28's Gloo reducescatter costs about twice its allreduce (16.8M floats, np=2: 205 vs 115 ms),
-# and under MPI, on the quiet box, ZeRO-2 stepped 1.24x plain with the reduce-scatter against 0.99x
-# with the allreduce (scripts/bench_shard_tf.py, docs/benchmarks.md). On a real network, where bytes
-# cost more than Horovod's per-call overhead, try scatter="reducescatter".
-AUTO_SCATTER = "allreduce"
-
-
-def scatter_path(scatter: str) -> str:
-    """The path ``scatter`` means ("auto": ``AUTO_SCATTER``, the allreduce under both controllers)."""
-    return AUTO_SCATTER if scatter == "auto" else scatter
-
+from dualframe.tensorflow.dp.shard.state_dict import PlainState
 
 @keras.saving.register_keras_serializable(package="dualframe")
-class ShardedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
+class ShardedOptimizer(SliceGradients, PlainState, KerasTwoNames, keras.optimizers.Optimizer):
     """Data parallelism with the optimizer state (ZeRO-1), also the gradients (ZeRO-2) or also the parameters (ZeRO-3) sharded.
 
     With ``shard="parameters"`` the model must go through :meth:`shard_model` (or ``hvd.distribute`` with
@@ -119,9 +109,17 @@ class ShardedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
 
         The cross-rank check that every rank holds the same parameters runs at the first ``apply``
         (when every rank steps or traces its step), so building stays local: an elastic worker
-        that joins builds its optimizer while the others wait in ``sync``.
+        that joins builds its optimizer while the others wait in ``sync``. Built once: a later call (``fit``
+        after a manual ``build``, or ``build`` twice) on the same variables (or, ZeRO-3, on the slices)
+        keeps the slices and slots as they are.
+
+        Raises:
+            StrategyError: ZeRO-3 before ``shard_model``, or built already on other variables.
         """
         variables = list(var_list)
+        if self.built:
+            self._zero.check_built_on(variables)
+            return
         if self.shard == "parameters" and self._zero.values is None:
             raise StrategyError(
                 "shard='parameters' keeps only this rank's slice of the model's values, so the model must be "
@@ -246,36 +244,6 @@ class ShardedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
 
         ops.cond(ops.equal(zero.counter, steps), boundary, lambda: None)
 
-    def _reduce_scatter(self, grads: List[Any], buckets: Optional[Sequence[int]] = None,
-                        role: str = "") -> List[tf.Tensor]:
-        """This rank's reduced slice of each bucket (all, or ``buckets``) of ``grads`` (indexed like the variables)."""
-        settings, zero = self.reduction, self._zero
-        prescale, postscale = settings.scale_factors()
-        if settings.process_set.size() > 1 and scatter_path(self.scatter) != "allreduce":
-            with collective_scope(SHARD_SCOPE):
-                return list(hvd.grouped_reducescatter(
-                    named(zero.flatten(grads, buckets), f"{role}bucket"), op=settings.horovod_op,
-                    compression=settings.compression, process_set=settings.process_set, prescale_factor=prescale,
-                    postscale_factor=postscale, device_dense=settings.device_dense))
-        members = zero.members(buckets)
-        dense = zero.dense(grads, members)
-        if settings.process_set.size() > 1:
-            with collective_scope(SHARD_SCOPE):
-                reduced = hvd.grouped_allreduce(
-                    named([dense[t] for t in members], f"{role}grad"), op=settings.horovod_op,
-                    compression=settings.compression, process_set=settings.process_set, prescale_factor=prescale,
-                    postscale_factor=postscale, device_dense=settings.device_dense)
-            for t, value in zip(members, reduced):
-                dense[t] = value
-        return zero.own_slices(dense, buckets)
-
-    def sum_everywhere(self, value: Any, name: str) -> Any:
-        """A scalar summed over the process set's ranks (one small allreduce; the same result on every rank)."""
-        if self.reduction.process_set.size() == 1:
-            return value
-        with collective_scope(SHARD_SCOPE):
-            return hvd.allreduce(named([value], name)[0], op=hvd.Sum, process_set=self.reduction.process_set)
-
     def _update(self, slice_grads: List[tf.Tensor]) -> None:
         if self._zero.guard is None:
             self._step_slices(slice_grads)
@@ -294,20 +262,6 @@ class ShardedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
             with collective_scope(SHARD_SCOPE):
                 values = list(hvd.grouped_allgather(named(values, "slice"), process_set=self.reduction.process_set))
         zero.write_back(values)
-
-    def _clip(self, slice_grads: List[tf.Tensor]) -> List[tf.Tensor]:
-        """Keras's ``clip_by_global_norm`` with the norm over every rank's slice (padding adds zeros)."""
-        clip = self.global_clipnorm_value
-        if not clip or clip <= 0:
-            return slice_grads
-        squared = ops.sum(ops.stack([ops.sum(ops.square(g)) for g in slice_grads]))
-        if self.reduction.process_set.size() > 1:
-            with collective_scope(SHARD_SCOPE):
-                squared = hvd.allreduce(named([squared], "squared_norm")[0], op=hvd.Sum,
-                                        process_set=self.reduction.process_set)
-        norm = ops.sqrt(squared)
-        scale = clip * ops.minimum(1.0 / norm, 1.0 / clip) + (norm - norm)  # NaN for a non-finite norm, as Keras
-        return [g * ops.cast(scale, g.dtype) for g in slice_grads]
 
     # --- what the rest of Keras sees -------------------------------------------------------------------------------
     @property
@@ -331,35 +285,6 @@ class ShardedOptimizer(KerasTwoNames, keras.optimizers.Optimizer):
         ``opt.apply(tape.gradient(loss, slices), slices)`` only updates them.
         """
         return list(self._zero.slices)
-
-    def parameter_bytes(self) -> int:
-        """Bytes of this rank's slices of the parameters (with ``shard="parameters"``, all of them it keeps)."""
-        return sum(int(np.prod(v.shape)) * np.dtype(str(v.dtype)).itemsize for v in self._zero.slices)
-
-    def shard_variables(self) -> List[Any]:
-        """This rank's slot variables (each covering one bucket's slice)."""
-        return self._zero.slot_variables()
-
-    def state_bytes(self) -> int:
-        """Bytes of this rank's optimizer slot variables (the state ZeRO shards)."""
-        return sum(int(np.prod(v.shape)) * np.dtype(str(v.dtype)).itemsize for v in self.shard_variables())
-
-    def state_arrays(self) -> List[np.ndarray]:
-        """The full optimizer state in the plain optimizer's ``variables`` order (a collective: every rank calls)."""
-        return self._zero.gather_state(self.reduction.process_set)
-
-    def load_state_arrays(self, arrays: Sequence[np.ndarray]) -> None:
-        """Take this rank's slices of a plain optimizer's ``variables`` values (no communication)."""
-        self._zero.scatter_state(arrays)
-
-    def save_own_variables(self, store: Any) -> None:
-        """Keras saving: the plain optimizer's layout, gathered (every rank must call ``model.save``)."""
-        for i, array in enumerate(self.state_arrays()):
-            store[str(i)] = array
-
-    def load_own_variables(self, store: Any) -> None:
-        """Keras loading: a plain optimizer's saved variables, this rank keeping its slices."""
-        self.load_state_arrays([np.asarray(store[str(i)]) for i in range(len(store.keys()))])
 
     @property
     def learning_rate(self) -> Any:

@@ -33,6 +33,8 @@ from dualframe.tensorflow.dp.gradients import SHARD_SCOPE, collective_scope, nam
 def shard_model(optimizer: Any, model: keras.Model, root_rank: int = 0) -> keras.Model:
     """A storage-free copy of ``model`` whose values are ``optimizer``'s slices, cut from ``root_rank``'s values.
 
+    ``root_rank`` is a rank of the optimizer's process set (0: its first rank, whichever rank of the job that is).
+
     Checks everything (the model on every rank alike included) before the broadcast of root's values;
     the given model is only read (drop it to free its memory).
 
@@ -97,10 +99,12 @@ def _rebuilt(model: keras.Model, scope: Any) -> keras.Model:
 
 
 def _broadcast(variable: Any, root_rank: int, process_set: Any) -> tf.Tensor:
+    """``variable``'s value on the set's rank ``root_rank`` (Horovod names the root by its rank in the job)."""
     value = tf.convert_to_tensor(variable)
     if process_set.size() == 1:
         return tf.identity(value)
-    return hvd.broadcast(value, root_rank, process_set=process_set)
+    ranks = getattr(process_set, "ranks", None)
+    return hvd.broadcast(value, ranks[root_rank] if ranks else root_rank, process_set=process_set)
 
 
 def gather(optimizer: Any) -> List[tf.Tensor]:

@@ -54,7 +54,13 @@ class ShardedLossScaleOptimizer(KerasTwoNames, keras.optimizers.LossScaleOptimiz
         inner_optimizer._zero.guard = self._guard  # an untracked holder: no tracking cycle
 
     def build(self, var_list: Sequence[Any]) -> None:
-        """The scale's variables; ZeRO-3 (built on the model by ``shard_model``): on the slices, inner left as is."""
+        """The scale's variables; ZeRO-3 (built on the model by ``shard_model``): on the slices, inner left as is.
+
+        Built once: a later call keeps the scale and its counter (the inner optimizer checks ``var_list``).
+        """
+        if self.built:
+            self.inner_optimizer.build(var_list)
+            return
         if self.inner_optimizer.shard != "parameters":
             super().build(var_list)
             return

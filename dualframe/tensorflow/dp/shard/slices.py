@@ -136,6 +136,15 @@ class ShardedState:
                 f"a sharded optimizer applies gradients to the variables it was built on, in that order "
                 f"(built on {len(self.variables)}, given {len(grads)}); pass every trainable variable each step")
 
+    def check_built_on(self, variables: Sequence[Any]) -> None:
+        """Refuse building again on other variables than the model's (or, ZeRO-3, the slices) it was built on."""
+        variables = list(variables)
+        same = len(variables) == len(self.variables) and all(a is b for a, b in zip(variables, self.variables))
+        if not same and not (self.model is not None and self.are_slices(variables)):
+            raise StrategyError(
+                f"this sharded optimizer is built on its model's {len(self.variables)} trainable variables and "
+                f"cannot be built again on {len(variables)} others (a second state); make one optimizer per model")
+
     def are_slices(self, variables: Sequence[Any]) -> bool:
         """Whether ``variables`` are exactly this state's slice variables, in order."""
         variables = list(variables)
@@ -243,7 +252,11 @@ class ShardedState:
         return [name for b, name, _ in self._slots() if b == 0]
 
     def gather_state(self, process_set: Any) -> List[np.ndarray]:
-        """The plain optimizer's ``variables`` values: non-slot ones, then each model variable's slots (collective)."""
+        """The plain optimizer's ``variables`` values: non-slot ones, then each model variable's slots (collective).
+
+        Each slot in its model variable's dtype, as a plain optimizer keeps it: a float16 variable's
+        slots are the float32 master slots rounded to float16 (``scatter_state`` takes either).
+        """
         from dualframe.tensorflow.collectives import hvd
 
         assert self.layout is not None
@@ -257,11 +270,16 @@ class ShardedState:
         for t, variable in enumerate(self.variables):
             b, offset, size = self._where(t)
             for name in names:
-                arrays.append(full[(b, name)][offset:offset + size].reshape(tuple(variable.shape)))
+                arrays.append(full[(b, name)][offset:offset + size].reshape(tuple(variable.shape))
+                              .astype(str(variable.dtype), copy=False))
         return arrays
 
     def scatter_state(self, arrays: Sequence[np.ndarray]) -> None:
-        """Assign this rank's slices of the plain optimizer's ``variables`` values (no communication)."""
+        """Assign this rank's slices of the plain optimizer's ``variables`` values (no communication).
+
+        Slots of float16 or bfloat16 variables may come in their variable's dtype (a plain optimizer's,
+        or :meth:`gather_state`'s) or in float32 (kept whole in the float32 master slots).
+        """
         assert self.layout is not None
         replicated, names = self.replicated_variables(), self.slot_names()
         expected = len(replicated) + len(names) * len(self.variables)

@@ -1,0 +1,81 @@
+"""A Keras process pipeline stage's optimizer: its gradients averaged (or sharded, ZeRO-1/2/3) among the stage's replicas."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import keras
+
+from dualframe.dp.zero3 import ZERO3, check_stage_sharding
+from dualframe.errors import StrategyError
+from dualframe.tensorflow.dp.optimizer import DistributedOptimizer
+from dualframe.tensorflow.dp.shard.stage import StageShardedOptimizer
+
+if TYPE_CHECKING:
+    from dualframe.tensorflow.pipeline.distributed import DistributedPipeline
+
+#: ``distributed_optimizer`` arguments a stage's ``shard="parameters"`` optimizer takes (others are refused by name).
+ZERO3_ARGUMENTS = ("shard", "op", "bucket_elements", "scatter", "name")
+
+
+def check_stage_optimizer(pipe: "DistributedPipeline", shard: str, kwargs: Any) -> None:
+    """Refuse, on every rank alike and before any message, what a stage's optimizer cannot do.
+
+    Raises:
+        StrategyError: a second optimizer after one with ``shard="parameters"`` (the stage's variables hold
+            no values between its steps); ``shard="parameters"`` with a schedule holding several stages per
+            rank, with weights several stages read (tied), or with arguments it does not take
+            (``keep_gathered``, ``model``, ``backward_passes_per_step``, ``compression`` ...).
+    """
+    if pipe.sharded is not None:
+        raise StrategyError("this pipeline's stage is sharded by its shard='parameters' optimizer already (its "
+                            "variables hold no values between steps); make one optimizer per pipeline")
+    if shard != ZERO3:
+        return
+    check_stage_sharding(pipe.schedule, pipe.role.layout.virtual_stages)
+    if pipe.tied.plan.tied:
+        raise StrategyError(f"shard='parameters' cannot keep the copies of this model's tied weights "
+                            f"({', '.join(w.key for w in pipe.tied.plan.tied)}) equal yet; use shard='gradients'")
+    if "keep_gathered" in kwargs:
+        raise StrategyError("keep_gathered= has no use in a pipeline stage: with shard='parameters' its "
+                            "variables stay gathered from the step's first forward to its last backward")
+    if "model" in kwargs:
+        raise StrategyError("model= is the stage itself in a pipeline; drop model=")
+    other = sorted(k for k in kwargs if k not in ZERO3_ARGUMENTS)
+    if other:
+        raise StrategyError(f"shard='parameters' in a Keras pipeline stage does not take {', '.join(other)} yet "
+                            f"(it takes {', '.join(ZERO3_ARGUMENTS[1:])}); leave them out, or use shard='gradients'")
+
+
+def stage_optimizer(pipe: "DistributedPipeline", optimizer: keras.optimizers.Optimizer, **kwargs: Any) -> Any:
+    """``optimizer`` wrapped to average (or shard) the stage's gradients among its replicas only.
+
+    ``DistributedOptimizer`` on the stage's process set (the pipeline sums a step's micro-batches, so one
+    ``apply_gradients`` per step); with a single replica, ``optimizer`` itself. ``shard="parameters"``: a
+    ``StageShardedOptimizer``, built now: from here on the stage's variables hold values only within a step.
+    """
+    shard = str(kwargs.get("shard") or "none").lower()
+    check_stage_optimizer(pipe, shard, kwargs)
+    if pipe.stage_process_set is None:
+        return optimizer
+    if shard != ZERO3:
+        return DistributedOptimizer(optimizer, process_set=pipe.stage_process_set, **kwargs)
+    kwargs.pop("shard")
+    inner = [layer for stage in pipe.layers for layer in stage.layers]
+    sharded = StageShardedOptimizer(optimizer, inner, pipe.trainable_variables, pipe.stage_process_set, **kwargs)
+    sharded.build(pipe.trainable_variables)  # opens the variables' shapes: passes traced before would hold the old
+    pipe.sharded = sharded
+    pipe.recompile()
+    return sharded
+
+
+def apply_stage_gradients(pipe: "DistributedPipeline", optimizer: Any) -> None:
+    """``optimizer.apply_gradients`` on the last step's gradients and the stage's variables.
+
+    The stage's ``shard="parameters"`` optimizer takes every gradient (a missing one as zeros) and drops
+    the step's full values; ``pipe.gradients`` is emptied first, so the summed gradients go with the update.
+    """
+    if optimizer is pipe.sharded and optimizer is not None:
+        gradients, pipe.gradients = pipe.gradients, []
+        optimizer.apply(gradients, pipe.trainable_variables)
+        return
+    optimizer.apply_gradients([(g, v) for g, v in zip(pipe.gradients, pipe.trainable_variables) if g is not None])
