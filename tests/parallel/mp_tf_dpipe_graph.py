@@ -13,8 +13,8 @@ import dualframe.tensorflow as hvd
 from dualframe.pipeline.graph_walk import edge_values
 from dualframe.tensorflow.pipeline.distributed import DistributedPipeline
 # tests/parallel is on sys.path (pytest rootdir import)
-from keras_pipeline_models import (T, VOCAB, assert_weights, batches, encoder_batches, make_encoder, one_process,
-                                   train_pipeline)
+from keras_pipeline_models import (T, assert_weights, batches, embedding_batches, encoder_batches, make_embedding_model,
+                                   make_encoder, one_process, train_pipeline)
 
 STEPS, BATCH, CHUNKS = 3, 10, 4
 hvd.init()
@@ -71,20 +71,11 @@ def test_encoder_with_two_inputs_and_a_mask_crossing_trains_as_one_process(sched
 
 
 
-def make_embedding_model():
-    """tokens -> Embedding -> mean over tokens | Dense(tanh) -> Dense: the embedding's rows on stage 0."""
-    keras.utils.set_random_seed(3)
-    return keras.Sequential([keras.Input((T,), dtype="int32"), keras.layers.Embedding(VOCAB, 8),
-                             keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(8, "tanh"), keras.layers.Dense(3)])
-
-
 @pytest.mark.parametrize("schedule", ["gpipe", "zb-h1"])
 def test_embedding_under_adam_trains_as_plain_keras(schedule):
     """The Embedding's gradient reaches Adam as one IndexedSlices listing every micro-batch's rows, as plain Keras's
     tape gives it (made dense, Adam would update every row and the weights would differ)."""
-    rng = np.random.RandomState(5)
-    data = [(rng.randint(0, VOCAB, (BATCH, T)).astype("int32"), rng.randn(BATCH, 3).astype("float32"))
-            for _ in range(STEPS)]
+    data = embedding_batches(STEPS, BATCH)
     expected_losses, expected_weights = one_process(make_embedding_model(), data, keras.optimizers.Adam(0.01))
     pipe = DistributedPipeline(make_embedding_model(), balance=[2, 2], chunks=CHUNKS, schedule=schedule, loss_fn="mse")
     train_pipeline(pipe, keras.optimizers.Adam(0.01), data, expected_losses)
