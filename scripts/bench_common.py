@@ -4,6 +4,8 @@ Imported after ``bench_env.one_thread_per_process()`` where a script calls it (i
 """
 import argparse
 import functools
+import time
+from collections import defaultdict
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 from dualframe.observe.bench_rounds import interleaved, seconds_line, timed_steps
@@ -34,6 +36,24 @@ def parser(doc: str, only_parts: bool = False, helps: Optional[Mapping[str, str]
 def two_stage_header(model: str, args: argparse.Namespace, stages: str = "2 stages") -> str:
     """``<model>, batch B, <stages>, 1 thread per process, R rounds of S steps``: the process pipelines' first line."""
     return f"{model}, batch {args.batch}, {stages}, 1 thread per process, {args.rounds} rounds of {args.steps} steps"
+
+
+class Timers:
+    """Seconds spent in each part, summed over its calls (an inner call's time counts in its caller too)."""
+
+    def __init__(self) -> None:
+        self.seconds: Dict[str, float] = defaultdict(float)
+
+    def wrap(self, owner: object, name: str, label: str) -> None:
+        inner = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.seconds[label] += time.perf_counter() - start
+        setattr(owner, name, timed)
 
 
 def init_two_processes(hvd: Any) -> None:

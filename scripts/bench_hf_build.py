@@ -24,7 +24,6 @@ bench_env.one_thread_per_process(tensorflow=False)
 
 import copy  # noqa: E402
 import statistics  # noqa: E402
-from collections import defaultdict  # noqa: E402
 from typing import Callable, Dict, List, Tuple  # noqa: E402
 
 _T0 = time.perf_counter()
@@ -61,24 +60,6 @@ PARTS = [
 ]
 
 
-class Timers:
-    """Seconds spent in each part, summed over its calls (an inner call's time counts in its caller too)."""
-
-    def __init__(self) -> None:
-        self.seconds: Dict[str, float] = defaultdict(float)
-
-    def wrap(self, owner: object, name: str, label: str) -> None:
-        inner = getattr(owner, name)
-
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                self.seconds[label] += time.perf_counter() - start
-        setattr(owner, name, timed)
-
-
 def gpt2() -> torch.nn.Module:
     config = transformers.GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=4, n_head=4, use_cache=False,
                                      bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
@@ -104,7 +85,8 @@ def timed(call: Callable[[], object]) -> Tuple[object, float]:
     return out, time.perf_counter() - start
 
 
-def build_and_step(model: torch.nn.Module, inputs, target, steps: int, timers: Timers) -> Dict[str, object]:
+def build_and_step(model: torch.nn.Module, inputs, target, steps: int,
+                   timers: "bench_common.Timers") -> Dict[str, object]:
     """One build, its first step and the median of ``steps`` more; the build's parts from ``timers``."""
     timers.seconds.clear()
     hvd.allreduce(torch.zeros(1), name="bench.sync")  # the ranks start the build together
@@ -147,7 +129,7 @@ def report(rank: int, k: int, run: Dict[str, object]) -> str:
 def main() -> None:
     args = bench_common.parser(__doc__, builds=2, steps=20, rows=32, length=32, rounds=3).parse_args()
     bench_common.init_two_processes(hvd)
-    timers = Timers()
+    timers = bench_common.Timers()
     for owner, name, label in PARTS:
         timers.wrap(owner, name, label)
     model = gpt2()

@@ -301,6 +301,36 @@ def batched_weights(lists: ActionLists) -> ActionLists:
     return transformed
 
 
+def fused_last_stage(lists: ActionLists) -> ActionLists:
+    """GPipe's lists (W actions too) with the last stage's ``B i`` right after its ``F i``, the others' B's ascending.
+
+    A last stage that runs a micro-batch's forward, loss and backward in one call (``fusable``) has
+    every gradient for the stage before it once its forward ran; GPipe's order (``B7`` first) made that
+    stage wait for the last forward before any backward. Here the backwards flow down the pipeline in
+    the order they are made, W actions stay where they were (after the last B). Laid on ``clock_table``.
+
+    Example:
+        >>> [" ".join(map(str, a)) for a in fused_last_stage(gpipe(2, 2))]
+        ['F0 F1 B0 B1', 'F0 B0 F1 B1']
+
+    Raises:
+        ScheduleError: lists that do not run every forward first (``forwards_first``).
+    """
+    if not forwards_first(lists):
+        raise ScheduleError("fused_last_stage reorders lists that run every forward first (GPipe's) "
+                            f"(lists: {[' '.join(map(str, actions)) for actions in lists]})")
+    transformed = []
+    for j, actions in enumerate(lists):
+        forwards = [a for a in actions if a.kind == FORWARD]
+        backwards = sorted((a for a in actions if a.kind == BACKWARD), key=lambda a: a.micro)
+        if j == len(lists) - 1:
+            after = {a.micro: a for a in backwards}
+            backwards, forwards = [], [b for a in forwards for b in (a, after[a.micro])]
+        transformed.append(forwards + backwards + [a for a in actions if a.kind == WEIGHT])
+    clock_table(transformed)
+    return transformed
+
+
 register("gpipe", gpipe, one_process=True)
 register("1f1b", one_f_one_b, one_process=False,
          why_not="1f1b interleaves backward with forward (B0 runs before the last forward), which needs "

@@ -23,7 +23,7 @@ from dualframe.pipeline.stage import open_stage
 from dualframe.pipeline.stage_view import StageView
 from dualframe.pipeline.walk import StepRecord
 from dualframe.pipeline.layout import layout_pipeline
-from dualframe.pipeline.schedule import batched_weights, forwards_first
+from dualframe.pipeline.schedule import batched_weights, forwards_first, fused_last_stage
 from dualframe.pipeline.link import check_transport
 from dualframe.tensorflow.backend import BACKEND
 from dualframe.tensorflow.collectives import hvd
@@ -214,8 +214,10 @@ class DistributedPipeline(KerasFit, StageView):
         #: GPipe: a stage whose split passes run computes its micro-batches' weight gradients in one pass
         #: after its last backward (``schedule.batched_weights``); False: each in its backward.
         self.batch_weights = True
-        self._batched_actions = (batched_weights(layout.actions)[j] if forwards_first(layout.actions)
-                                 and not splits_backward(layout.actions[j]) else None)
+        gpipe = forwards_first(layout.actions) and not splits_backward(layout.actions[j])
+        self._batched_actions = fused_last_stage(batched_weights(layout.actions))[j] if gpipe else None
+        #: GPipe on compiled stages: the last stage's backward runs with its forward, the others' in that order.
+        self._fused_actions = fused_last_stage(layout.actions)[j] if gpipe and len(self.held_stages) == 1 else None
 
     def _compile_stages(self) -> None:
         """Make the held stages' compiled passes once their layers are built (variables exist only then)."""
@@ -333,6 +335,8 @@ class DistributedPipeline(KerasFit, StageView):
         if batch_weights:  # W actions send nothing: each stage decides alone
             assert self._batched_actions is not None
             actions = self._batched_actions
+        elif train and self._fused_actions is not None and self._graph_functions and not self.recomputes:
+            actions = self._fused_actions  # every stage takes it: the B's travel in its order
         last = len(self.role.layout.ranges) - 1
         works: Dict[int, Any] = {j: TFGraphStageWork(
             self._all_layers[j], self.split, j, self.captured, self.loss_fn if train else None,
