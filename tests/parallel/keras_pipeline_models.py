@@ -48,6 +48,20 @@ def make_encoder(outputs=3, token_dtype="int32"):
     return keras.Model({"tokens": tokens, "mask": mask}, keras.layers.Dense(outputs, name="head")(h))
 
 
+def make_embedding_model():
+    """tokens -> Embedding -> mean over tokens | Dense(tanh) -> Dense: the embedding's rows on stage 0."""
+    keras.utils.set_random_seed(3)
+    return keras.Sequential([keras.Input((T,), dtype="int32"), keras.layers.Embedding(VOCAB, 8),
+                             keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(8, "tanh"), keras.layers.Dense(3)])
+
+
+def embedding_batches(steps, rows, outputs=3):
+    """(tokens, targets) pairs for ``make_embedding_model``."""
+    rng = np.random.RandomState(5)
+    return [(rng.randint(0, VOCAB, (rows, T)).astype("int32"), rng.randn(rows, outputs).astype("float32"))
+            for _ in range(steps)]
+
+
 def encoder_batches(steps, rows, outputs=3, token_dtype="int32"):
     """({tokens, mask}, targets) pairs: each row's mask is True on its first 2..T tokens."""
     rng = np.random.RandomState(4)

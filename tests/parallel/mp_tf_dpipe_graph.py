@@ -13,8 +13,8 @@ import dualframe.tensorflow as hvd
 from dualframe.pipeline.graph_walk import edge_values
 from dualframe.tensorflow.pipeline.distributed import DistributedPipeline
 # tests/parallel is on sys.path (pytest rootdir import)
-from keras_pipeline_models import (assert_weights, batches, encoder_batches, make_encoder, one_process,
-                                   train_pipeline)
+from keras_pipeline_models import (T, assert_weights, batches, embedding_batches, encoder_batches, make_embedding_model,
+                                   make_encoder, one_process, train_pipeline)
 
 STEPS, BATCH, CHUNKS = 3, 10, 4
 hvd.init()
@@ -67,4 +67,18 @@ def test_encoder_with_two_inputs_and_a_mask_crossing_trains_as_one_process(sched
     pipe = DistributedPipeline(make_encoder(), balance=[7, 5], chunks=chunks, schedule=schedule, loss_fn="mse")
     train_pipeline(pipe, keras.optimizers.SGD(0.1), data, expected_losses)
     assert (pipe._graph_function.weight_pass.tracing_count() > 0) == (schedule == "zb-h1")  # W ran, compiled
+    assert_weights(pipe.gather_weights(), expected_weights)
+
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "zb-h1"])
+def test_embedding_under_adam_trains_as_plain_keras(schedule):
+    """The Embedding's gradient reaches Adam as one IndexedSlices listing every micro-batch's rows, as plain Keras's
+    tape gives it (made dense, Adam would update every row and the weights would differ)."""
+    data = embedding_batches(STEPS, BATCH)
+    expected_losses, expected_weights = one_process(make_embedding_model(), data, keras.optimizers.Adam(0.01))
+    pipe = DistributedPipeline(make_embedding_model(), balance=[2, 2], chunks=CHUNKS, schedule=schedule, loss_fn="mse")
+    train_pipeline(pipe, keras.optimizers.Adam(0.01), data, expected_losses)
+    if pipe.is_first:  # every token of the batch, one row each
+        assert type(pipe.gradients[0]).__name__ == "IndexedSlices" and pipe.gradients[0].indices.shape[0] == BATCH * T
     assert_weights(pipe.gather_weights(), expected_weights)

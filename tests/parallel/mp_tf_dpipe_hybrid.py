@@ -20,8 +20,8 @@ from dualframe.errors import StrategyError
 from dualframe.pipeline.layout import pipeline_process_sets
 from dualframe.tensorflow.pipeline.distributed import DistributedPipeline
 # tests/parallel is on sys.path (pytest rootdir import)
-from keras_pipeline_models import (assert_weights, batches, encoder_batches, make_encoder, mlp, one_process,
-                                   replica_feed, train_pipeline)
+from keras_pipeline_models import (assert_weights, batches, embedding_batches, encoder_batches, make_embedding_model,
+                                   make_encoder, mlp, one_process, replica_feed, train_pipeline)
 
 STEPS, GLOBAL_BATCH, CHUNKS = 3, 16, 4  # each replica 8 rows: micro-batches of 2
 # The process sets the pipeline needs, declared at start-up: neighbour pairs, pipelines, stage replicas.
@@ -67,6 +67,17 @@ def test_hybrid_equals_one_process_on_the_global_batch(schedule, sharding, check
     assert_weights(replicas[pipe.stage_index], replicas[2 + pipe.stage_index], "replica 0 vs replica 1", atol=0)
 
 
+
+def test_embedding_under_adam_with_replicas_equals_plain_keras():
+    """Each replica's step IndexedSlices are allgathered and averaged among the stage's replicas: Adam on the
+    embedding then trains as plain Keras on the global batch (its tape's IndexedSlices)."""
+    data = embedding_batches(STEPS, GLOBAL_BATCH)
+    losses, weights = one_process(make_embedding_model(), data, keras.optimizers.Adam(0.01))
+    pipe = DistributedPipeline(make_embedding_model(), balance=[2, 2], chunks=CHUNKS, schedule="1f1b", loss_fn="mse",
+                               data_parallel=2)
+    train_pipeline(pipe, pipe.distributed_optimizer(keras.optimizers.Adam(0.01)), data, losses, feed=replica_feed)
+    assert_weights(pipe.gather_weights(), weights)
+
 ENCODER = {"outputs": 2, "token_dtype": "int64"}
 
 
@@ -81,7 +92,7 @@ def zero3_case(kind, optimizer):
 
 def dense_one_process(model, data, optimizer):
     """``one_process`` with the embedding's gradient made dense, as a pipeline stage sums it: Keras's Adam on an
-    IndexedSlices gradient leaves the moments of the rows it does not name undecayed (the plain hybrid differs too)."""
+    IndexedSlices gradient leaves the moments of the rows it does not name undecayed (ZeRO makes gradients dense)."""
     losses, loss_fn = [], keras.losses.MeanSquaredError()
     for x, y in data:
         with tf.GradientTape() as tape:

@@ -67,8 +67,11 @@ def clock_walk(model, balance, inputs, chunks, schedule, compiled, fused=False, 
             else:
                 work.weight(i)
     assert not any(work._pending or work._saved for work in works)
-    by_path = {v.path: g for stage, work in zip(stages, works) for v, g in zip(stage.trainable_weights, work.gradients)}
-    return works[-1].loss_sum, [by_path.get(v.path) for v in model.trainable_variables], works
+    # an Embedding's IndexedSlices compared dense
+    by_path = {v.path: g for stage, work in zip(stages, works)
+               for v, g in zip(stage.trainable_weights, work.step_gradients())}
+    return works[-1].loss_sum, [None if by_path.get(v.path) is None else tf.convert_to_tensor(by_path[v.path])
+                                for v in model.trainable_variables], works
 
 
 def reference(model, x, chunks):

@@ -17,7 +17,7 @@ _LOG = logging.getLogger(__name__)
 
 
 def dense(gradients: Sequence[Any]) -> Gradients:
-    """IndexedSlices (embeddings) made dense, so a step's micro-batches sum with one add."""
+    """IndexedSlices (a gather's gradient) made dense: a received value's gradient is sent as a tensor."""
     return [None if g is None else tf.convert_to_tensor(g) for g in gradients]
 
 
@@ -74,7 +74,8 @@ class GraphStageFunction:
     when training, else None; the model's outputs on the last stage when not training, else None).
     A tape records the call as one op, and its backward is one compiled call too.
     ``last_step(values, target, weight, sums)`` is the last stage's whole micro-batch in one call:
-    forward, weighted loss, the gradients of the stage's variables added to ``sums`` (None: the first)
+    forward, weighted loss, the gradients of the stage's variables added to ``sums`` (None: the first; an
+    Embedding's IndexedSlices returned as is, ``sums`` holding None there)
     and those of the received values, by name; the last stage needs no gradient from a neighbour, so a
     micro-batch whose backward directly follows its forward (``fusable``) runs it at forward time.
     ``forward_kept``, ``input_pass``, ``last_input_pass`` and ``weight_pass`` are the split backward's F,
@@ -131,6 +132,6 @@ class GraphStageFunction:
         with tf.GradientTape() as tape:
             tape.watch([values[v] for v in sources])
             _, loss, _ = self._call(values, True, target, weight)
-        found = dense(tape.gradient(loss, variables + [values[v] for v in sources]))
-        grads = dict(zip(sources, found[len(variables):]))
+        found = tape.gradient(loss, variables + [values[v] for v in sources])  # an Embedding's: IndexedSlices
+        grads = dict(zip(sources, dense(found[len(variables):])))
         return loss, summed(sums, found[:len(variables)]), {v: grads.get(v) for v in passes.received}

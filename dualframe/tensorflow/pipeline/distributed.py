@@ -359,7 +359,7 @@ class DistributedPipeline(KerasFit, StageView):
         if self.loss_fn is None:
             raise StrategyError("train_step needs a loss_fn; pass loss_fn= to DistributedPipeline")
         work, _ = self._run(self.actions, inputs, targets, train=True)
-        self.gradients = self.tied.sum_gradients(work.gradients)  # tied copies: summed over their holders
+        self.gradients = self.tied.sum_gradients(work.step_gradients())  # tied copies: summed over their holders
         self.peak_live = max(self.peak_live, work.peak_live)
         return self.role.mean_loss(work.loss_sum)
 

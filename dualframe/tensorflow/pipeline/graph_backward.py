@@ -39,6 +39,7 @@ import tensorflow as tf
 from dualframe.pipeline.graph import GraphSplit
 from dualframe.pipeline.graph_walk import edge_values, stage_edges
 from dualframe.tensorflow.graph.capture import KerasGraph
+from dualframe.tensorflow.pipeline.sparse import added
 
 Gradients = List[Optional[tf.Tensor]]
 #: Per owner node (in ``owners`` order), the gradient of each of its outputs (None: no gradient reached it).
@@ -213,10 +214,10 @@ class GraphSplitPasses:
             pairs = [(o, g) for o, g in zip(outputs, outs) if g is not None and o.dtype.is_floating]
             found = tape.gradient([o for o, _ in pairs], weights, output_gradients=[tf.cast(g, o.dtype) for o, g in pairs])
             for p, g in zip(positions, found):
-                gradients[p] = _summed(gradients[p], g)
+                gradients[p] = added(gradients[p], g)  # an Embedding's stays IndexedSlices
         if sums is None:
             return gradients
-        return [a if b is None else b if a is None else a + b for a, b in zip(sums, gradients)]
+        return [added(a, b) for a, b in zip(sums, gradients)]
 
     def batched_weight_pass(self, inputs: Sequence[Dict[str, Any]], owner_grads: Sequence[OwnerGradients],
                             sums: Optional[Gradients]) -> Gradients:

@@ -19,10 +19,11 @@ from dualframe.pipeline.graph_walk import edge_values, stage_edges
 from dualframe.pipeline import message
 from dualframe.tensorflow.graph.capture import KerasGraph
 from dualframe.tensorflow.pipeline.graph import GraphStage
-from dualframe.tensorflow.pipeline.compiled import Gradients, GraphStageFunction, dense, summed
+from dualframe.tensorflow.pipeline.compiled import Gradients, GraphStageFunction, summed
 from dualframe.tensorflow.pipeline.graph_backward import GraphSplitPasses
 from dualframe.tensorflow.pipeline.link import DTYPES, tf_dtype_code
 from dualframe.tensorflow.pipeline.recompute import StageRecompute
+from dualframe.tensorflow.pipeline.sparse import SparseParts
 
 _LOG = logging.getLogger(__name__)
 _WARNED: List[bool] = []  # the no-split warning, once per process
@@ -119,7 +120,8 @@ class TFGraphStageWork:
         self.outgoing = {c: edge_values(split, j, c) for c in edges.targets}
         # i -> (tape, received tensors by source, sent tensors by target, loss or None)
         self._saved: Dict[int, Tuple[Any, Dict[int, List[Any]], Dict[int, List[Any]], Any]] = {}
-        self.gradients: Gradients = []
+        self.gradients: Gradients = []  # the dense sums; IndexedSlices (embeddings) kept apart in ``sparse``
+        self.sparse = SparseParts()
         self.outputs: List[List[Any]] = []
         self.loss_sum = 0.0
         self.peak_live = 0
@@ -170,8 +172,9 @@ class TFGraphStageWork:
         for p, names in self.incoming.items():
             values.update(zip(names, held[p]))
         with tf.device(self.device):
-            loss, self.gradients, grads = self.function.last_step(
+            loss, sums, grads = self.function.last_step(
                 values, self.targets[i], tf.constant(self.weights[i], tf.float64), self.gradients or None)
+        self.gradients = self.sparse.keep(sums)
         self.loss_sum += float(loss)
         self._keep(i, ("done", held, grads))
         return {}
@@ -284,11 +287,11 @@ class TFGraphStageWork:
             self._add(pending[1])
             return
         with tf.device(self.device):
-            self.gradients = dense(self.passes.weight_pass(pending[1], pending[2], self.gradients or None))
+            self.gradients = self.sparse.keep(self.passes.weight_pass(pending[1], pending[2], self.gradients or None))
 
     def _add(self, gradients: Sequence[Any]) -> None:
         """Add one micro-batch's variable gradients to the step's sums (None: not connected to the loss)."""
-        sums, new = self.gradients or None, dense(gradients)
+        sums, new = self.gradients or None, self.sparse.keep(gradients)
         if sums is not None and self.function is not None:  # one compiled call, not one eager add per variable
             self.gradients = self.function.accumulate(sums, new)
         else:
@@ -304,5 +307,10 @@ class TFGraphStageWork:
         split = [p for p in parts if p[0] == "split"]
         if split:
             with tf.device(self.device):
-                self.gradients = dense(self.function.batched_weight_pass(
+                self.gradients = self.sparse.keep(self.function.batched_weight_pass(
                     [p[1] for p in split], [p[2] for p in split], self.gradients or None))
+
+    def step_gradients(self) -> List[Any]:
+        """The step's gradient sums, aligned with ``stage.trainable_weights``: an Embedding's one IndexedSlices
+        listing every micro-batch's rows (as the full batch's gradient, what Keras's optimizers update), others dense."""
+        return self.sparse.joined(self.gradients)

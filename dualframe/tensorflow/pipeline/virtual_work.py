@@ -6,6 +6,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import tensorflow as tf
 
 from dualframe.pipeline.action import Action
+from dualframe.tensorflow.pipeline.sparse import added
 
 
 def stage_actions(actions: Sequence[Action], j: int) -> List[Action]:
@@ -32,15 +33,13 @@ class VirtualStageWorks:
     def __init__(self, works: Dict[int, Any], last: int) -> None:
         self.works, self.last = works, last
 
-    @property
-    def gradients(self) -> List[Optional[tf.Tensor]]:
+    def step_gradients(self) -> List[Any]:
         """Every held stage's gradient sums, stage by stage, one per variable in the rank's trainable variables' order:
-        a variable two held stages read (a layer called in both) gets the sum of their shares."""
-        sums: Dict[int, Optional[tf.Tensor]] = {}
+        a variable two held stages read (a layer called in both) gets the sum of their shares (IndexedSlices joined)."""
+        sums: Dict[int, Any] = {}
         for j in sorted(self.works):
-            for variable, gradient in zip(self.works[j].stage.trainable_weights, self.works[j].gradients):
-                before = sums.get(id(variable))
-                sums[id(variable)] = gradient if before is None else before if gradient is None else before + gradient
+            for variable, gradient in zip(self.works[j].stage.trainable_weights, self.works[j].step_gradients()):
+                sums[id(variable)] = added(sums.get(id(variable)), gradient)
         return list(sums.values())
 
     @property
