@@ -1,19 +1,9 @@
-"""DistributedPipeline for TensorFlow/Keras 3: layers or a functional model split over processes, one stage per rank.
-
-The TensorFlow twin of ``dualframe.torch.DistributedPipeline``, built on the same core: arguments
-checked by ``dualframe.pipeline.layout``, per-rank action lists from ``dualframe.pipeline.schedule``, the
-graph walk along a split's edges (``dualframe.pipeline.graph_walk``), timing and per-step agreement. A
-chain (a ``keras.Sequential`` or a list of layers) is a graph whose edges are (j - 1, j): one node per
-layer (``graph.capture``), cut by ``balance``; chains and functional models take one walk and one stage
-work (``graph_work.TFGraphStageWork`` over the compiled passes of ``compiled``) and the transport of ``link``.
-"""
+"""DistributedPipeline for Keras 3: a chain (a graph with edges j - 1 -> j) or a functional model split over processes."""
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from dualframe.errors import BalanceError, StrategyError
@@ -26,67 +16,23 @@ from dualframe.pipeline.layout import layout_pipeline
 from dualframe.pipeline.schedule import batched_weights, forwards_first, fused_last_stage
 from dualframe.pipeline.link import check_transport
 from dualframe.tensorflow.backend import BACKEND
-from dualframe.tensorflow.collectives import hvd
 from dualframe.tensorflow.pipeline.recompute import StageRecompute
 from dualframe.pipeline.graph import GraphSplit, stage_count
 from dualframe.tensorflow.graph.capture import KerasGraph, capture
-from dualframe.tensorflow.graph.masks import chain_mask_crossing
-from dualframe.tensorflow.pipeline.graph import GraphStage, process_stages
+from dualframe.tensorflow.pipeline.graph import GraphStage, graph_of, layers_of, process_stages, refuse_masks_crossing
 from dualframe.tensorflow.pipeline.compiled import GraphStageFunction
 from dualframe.tensorflow.pipeline.graph_work import TFGraphStageWork
 from dualframe.tensorflow.pipeline.optimizer import apply_stage_gradients, stage_optimizer
 from dualframe.tensorflow.dp.shard.stage import StageShardedOptimizer
 from dualframe.tensorflow.pipeline.fit import KerasFit, keras_loss
+from dualframe.tensorflow.pipeline.weights import StageWeights
 from dualframe.tensorflow.pipeline.virtual_work import VirtualStageWorks, stage_actions
 from dualframe.tensorflow.pipeline.xla import use_xla
 from dualframe.tensorflow.split.tied import TiedVariables, find_layer_tied
 from dualframe.pipeline.tied import TiedPlan, rank_tied
 
 
-def _layers_of(layers: Any) -> List[Any]:
-    if isinstance(layers, keras.Sequential):
-        return list(layers.layers)
-    if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence) or not all(
-            isinstance(layer, keras.layers.Layer) for layer in layers):
-        raise StrategyError(
-            f"DistributedPipeline splits a keras.Sequential or a list of Keras layers (layers: {type(layers).__name__})")
-    return list(layers)
-
-
-def _refuse_masks_crossing(layers: Sequence[Any], ranges: Sequence[range]) -> None:
-    """Refuse a cut of a chain where a Keras mask may cross: a chain's messages carry tensors, not their masks."""
-    found = chain_mask_crossing(layers, [r.stop for r in ranges[:-1]])
-    if found is not None:
-        raise StrategyError(
-            f"layer {found[0]!r} {found[1]}, which a chain of layers does not carry between processes; pass the "
-            "functional model (keras.Model(inputs, outputs)), whose masks cross, or a keras.Sequential built on a "
-            "keras.Input cut after the layer that reads the mask")
-
-
-def _graph_of(layers: Any) -> Optional[KerasGraph]:
-    """A functional model's graph (a subclassed one: TraceError); None for a Sequential or a list."""
-    if isinstance(layers, keras.Model) and not isinstance(layers, keras.Sequential):
-        return capture(layers)
-    return None
-
-
-def _tied_parts(all_layers: Sequence[Any], mine: Sequence[Any], weights: Sequence[Any]) -> List[Tuple[Any, List[Any]]]:
-    """Per layer this graph stage holds a copy of (``GraphStage.tied``), its values in the full model's list."""
-    offsets: Dict[int, Tuple[Any, int]] = {}
-    start = 0
-    for stage in all_layers:
-        for layer in getattr(stage, "layers", [stage]):
-            offsets[id(layer)] = (layer, start)
-            start += len(layer.weights)
-    parts = []
-    for stage in mine:
-        for layer in getattr(stage, "tied", []):
-            begin = offsets[id(layer)][1]
-            parts.append((layer, list(weights[begin:begin + len(layer.weights)])))
-    return parts
-
-
-class DistributedPipeline(KerasFit, StageView):
+class DistributedPipeline(StageWeights, KerasFit, StageView):
     """Keras layers whose stages are processes: rank j of each pipeline holds stage j.
 
     Every rank builds the same full model (same seed); each keeps its stage. ``train_step`` runs one
@@ -158,17 +104,17 @@ class DistributedPipeline(KerasFit, StageView):
             raise StrategyError(f"jit_compile must be None, True or False (jit_compile: {jit_compile!r})")
         loss_fn = keras_loss(loss_fn)
         world = BACKEND.collectives.world_size()
-        captured = _graph_of(layers)
+        captured = graph_of(layers)
         if captured is None:  # a chain: a graph of one node per layer, cut by balance (edges j - 1 -> j)
             if split_points is not None or stages is not None:
                 raise BalanceError("split_points= and stages= cut a functional keras.Model; a list of layers "
                                    "takes balance=[layers per stage]")
             if balance is None:
                 raise BalanceError("give balance=[layers per stage] to split a list of layers")
-            chain = _layers_of(layers)
+            chain = layers_of(layers)
             layout = layout_pipeline(len(chain), balance, chunks, schedule, loss_fn, devices, data_parallel,
                                      timeout, world, checkpoint, virtual_stages)
-            _refuse_masks_crossing(chain, layout.ranges)
+            refuse_masks_crossing(chain, layout.ranges)
             captured = capture(layers if isinstance(layers, keras.Sequential) else chain)
         else:  # a functional model: one GraphStage per stage, the same cut on every rank
             n = stage_count(split_points, balance, stages)
@@ -231,59 +177,10 @@ class DistributedPipeline(KerasFit, StageView):
         self._graph_functions = {}
         self._compile_stages()
 
-    def _gathered(self) -> Any:
-        """The stage's full values in its variables inside: with ``shard="parameters"``, a collective of its replicas."""
-        return contextlib.nullcontext() if self.sharded is None else self.sharded.gathered()
-
     @property
     def _graph_function(self) -> Optional[GraphStageFunction]:
         """The compiled passes of this rank's own stage (``stage_index``) of a graph."""
         return self._graph_functions.get(self.stage_index)
-
-    @property
-    def all_layers(self) -> List[Any]:
-        """Every layer of the full model, in order (this stage holds ``layers``, those at ``layer_indices``)."""
-        return self._all_layers
-
-    @property
-    def trainable_variables(self) -> List[tf.Variable]:
-        """The local stages' trainable variables, in layer order, each once (two held stages may call one layer)."""
-        return list({id(v): v for layer in self.layers for v in layer.trainable_weights}.values())
-
-    @property
-    def variables(self) -> List[Any]:
-        """All the local stage's variables (``get_weights`` order)."""
-        return [v for layer in self.layers for v in layer.weights]
-
-    def get_weights(self) -> List[np.ndarray]:
-        """The local stage's weights, in the full model's order: the stages' lists concatenate into the model's.
-
-        With a ``shard="parameters"`` optimizer the stage's replicas gather them first: every replica calls it.
-        """
-        with self._gathered():
-            return [w for layer in self.layers for w in layer.get_weights()]
-
-    def set_weights(self, weights: Sequence[Any]) -> None:
-        """Take this stage's part of the full model's ``get_weights()`` list (layers must be built)."""
-        if not all(layer.built for stage in self._all_layers for layer in stage.layers):
-            raise StrategyError("set_weights needs the full model built: give the keras.Sequential a keras.Input")
-        counts = [len(layer.weights) for layer in self._all_layers]
-        if len(weights) != sum(counts):
-            raise StrategyError(f"set_weights takes the full model's list (weights: {len(weights)}, model: {sum(counts)})")
-        for index, layer in zip(self.layer_indices, self.layers):
-            start = sum(counts[:index])
-            layer.set_weights(list(weights[start:start + len(layer.weights)]))
-        for tied, values in _tied_parts(self._all_layers, self.layers, weights):  # this stage's copies of tied layers
-            tied.set_weights(values)
-        if self.sharded is not None:  # this rank keeps its slices of them (no communication)
-            self.sharded.reload()
-
-    def gather_weights(self) -> List[np.ndarray]:
-        """The full model's weights, merged from every stage of this pipeline (a collective: call it on all ranks)."""
-        with self._gathered():
-            mine = [(index, layer.get_weights()) for index, layer in zip(self.layer_indices, self.layers)]
-        parts = hvd.allgather_object(mine, name=f"{self.role.link.prefix}.weights", process_set=self.pipeline_set)
-        return [w for _, layer in sorted(item for part in parts for item in part) for w in layer]
 
     def distributed_optimizer(self, optimizer: keras.optimizers.Optimizer, **kwargs: Any) -> Any:
         """Wrap ``optimizer`` so each stage's gradients are averaged among its replicas only.

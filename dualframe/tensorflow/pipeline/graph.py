@@ -10,8 +10,12 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
+import keras
+
+from dualframe.errors import StrategyError
 from dualframe.pipeline.graph import GraphSplit
-from dualframe.tensorflow.graph.capture import KerasGraph, layers_called, layers_called_first
+from dualframe.tensorflow.graph.capture import KerasGraph, capture, layers_called, layers_called_first
+from dualframe.tensorflow.graph.masks import chain_mask_crossing
 from dualframe.tensorflow.graph.cut import split_model
 
 
@@ -85,3 +89,31 @@ class GraphStage:
         for layer in self.layers:
             layer.set_weights(list(weights[start:start + len(layer.weights)]))
             start += len(layer.weights)
+
+
+def layers_of(layers: Any) -> List[Any]:
+    """The layers of a keras.Sequential or a list of Keras layers (anything else refused by name)."""
+    if isinstance(layers, keras.Sequential):
+        return list(layers.layers)
+    if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence) or not all(
+            isinstance(layer, keras.layers.Layer) for layer in layers):
+        raise StrategyError(
+            f"DistributedPipeline splits a keras.Sequential or a list of Keras layers (layers: {type(layers).__name__})")
+    return list(layers)
+
+
+def refuse_masks_crossing(layers: Sequence[Any], ranges: Sequence[range]) -> None:
+    """Refuse a cut of a chain where a Keras mask may cross: a chain's messages carry tensors, not their masks."""
+    found = chain_mask_crossing(layers, [r.stop for r in ranges[:-1]])
+    if found is not None:
+        raise StrategyError(
+            f"layer {found[0]!r} {found[1]}, which a chain of layers does not carry between processes; pass the "
+            "functional model (keras.Model(inputs, outputs)), whose masks cross, or a keras.Sequential built on a "
+            "keras.Input cut after the layer that reads the mask")
+
+
+def graph_of(layers: Any) -> Optional[KerasGraph]:
+    """A functional model's graph (a subclassed one: TraceError); None for a Sequential or a list."""
+    if isinstance(layers, keras.Model) and not isinstance(layers, keras.Sequential):
+        return capture(layers)
+    return None
