@@ -1,17 +1,7 @@
-"""DistributedPipeline: an nn.Sequential split over processes, one stage per rank, GPipe, 1F1B or ZB-H1.
-
-Rank j of a pipeline group keeps only stage j; micro-batches' activations flow forward and their
-gradients backward between the ranks whose stages exchange them (``dualframe.torch.pipeline.link``),
-in the order the core's per-rank schedule (``dualframe.pipeline.schedule``) gives. A chain is a graph
-whose edges are (j - 1, j) (``graph.chain.ChainPart``): chains and captured models take one walk
-(``dualframe.pipeline.graph_walk``) and one stage work (``graph_work.TorchGraphStageWork``).
-With ``data_parallel`` replicas of the whole pipeline, the ranks holding the same stage average its
-gradients through ``DistributedOptimizer`` on that stage's process set (``distributed_optimizer``).
-"""
+"""DistributedPipeline for torch: an nn.Module split over processes (a chain is a graph with edges j - 1 -> j)."""
 from __future__ import annotations
 
-from collections import OrderedDict
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -33,15 +23,15 @@ from dualframe.torch.pipeline.graph import GraphPart
 from dualframe.torch.graph.devices import place_stage
 from dualframe.torch.graph.capture import Leaves
 from dualframe.torch.pipeline.graph_work import HeldStageWorks
+from dualframe.torch.pipeline.state import StageState
 from dualframe.torch.split.loss import model_loss
 from dualframe.torch.split.model_parallel import is_graph_split
 from dualframe.torch.dp.shard.stage import StageShardedOptimizer
-from dualframe.torch.pipeline.optimizer import (gathered_state_dict, load_sharded_state_dict, sharded_step,
-                                                 stage_optimizer)
-from dualframe.torch.split.tied import TiedCopies, find_stage_tied, model_state_dict, stage_part, tensor_names
+from dualframe.torch.pipeline.optimizer import sharded_step, stage_optimizer
+from dualframe.torch.split.tied import TiedCopies, find_stage_tied, tensor_names
 
 
-class DistributedPipeline(StageView, nn.Module):
+class DistributedPipeline(StageState, StageView, nn.Module):  # type: ignore[misc]  # state_dict: the full model's keys
     """A model whose stages are processes: rank j of each pipeline holds stage j.
 
     An ``nn.Sequential`` is split by ``balance`` (layers per stage); any other model, or one given
@@ -174,35 +164,6 @@ class DistributedPipeline(StageView, nn.Module):
                 else modules[r] if layout.virtual_stages == 1 else
                 nn.ModuleDict({str(j): modules[j] for j in layout.held(r)}) for r in range(self.grid.stages)]
         return modules, held
-
-    def named_parameters(self, prefix: str = "", recurse: bool = True,
-                         remove_duplicate: bool = True) -> Iterator[Tuple[str, nn.Parameter]]:
-        """The local stage's parameters under the full model's names (``"4.weight"``)."""
-        return self.stage.named_parameters(prefix, recurse, remove_duplicate)
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:  # type: ignore[override]
-        """The local stage's tensors under the full model's keys: the stages' dicts merge into the model's.
-
-        A tied weight appears under every name the model has for it, in each stage holding a copy. With
-        ``shard="parameters"`` every replica of the stage calls it (the stage is gathered, then copied).
-        """
-        if self.sharded is None:
-            return self._state_dict(*args, **kwargs)
-        return gathered_state_dict(self.sharded, lambda: self._state_dict(*args, **kwargs))
-
-    def _state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
-        if self._keys is None:
-            return model_state_dict(self.stage, self._names, *args, **kwargs)
-        own = self.stage.state_dict(*args, **kwargs)
-        prefix = kwargs.get("prefix", args[1] if len(args) > 1 else "")
-        return OrderedDict((prefix + key, own[prefix + held]) for held, key in self._keys)
-
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
-        """Load this stage's part of the full model's ``state_dict`` (other stages' keys are ignored)."""
-        if self.sharded is not None:
-            return load_sharded_state_dict(self.sharded, self.stage, self._names, state_dict)
-        part = stage_part(self.stage, self._names, state_dict)
-        return self.stage.load_state_dict(part, strict=strict, assign=assign)
 
     def distributed_optimizer(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> torch.optim.Optimizer:
         """Wrap ``optimizer`` so each stage's gradients are averaged among its replicas only.
