@@ -191,7 +191,10 @@ class DistributedPipeline(StageWeights, KerasFit, StageView):
         single replica, the optimizer itself. Extra arguments (``compression``, ``op`` ...) pass through.
         ``shard="parameters"``: ZeRO-3 among the stage's replicas (``StageShardedOptimizer``: the stage
         gathered once per step; between steps each replica holds 1/R of its values and optimizer state).
-        See ``dualframe.tensorflow.pipeline.optimizer``.
+        A ``LossScaleOptimizer`` (or any optimizer under the ``mixed_float16`` policy, but with
+        ``shard="parameters"``): a ``PipelineLossScaleOptimizer`` around the stage's optimizer, the last
+        stage's loss scaled by it (``dualframe.tensorflow.pipeline.precision``). See
+        ``dualframe.tensorflow.pipeline.optimizer``.
         """
         return stage_optimizer(self, optimizer, **kwargs)
 
