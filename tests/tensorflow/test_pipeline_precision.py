@@ -79,3 +79,25 @@ def test_distributed_optimizer_under_the_mixed_float16_policy_scales_the_loss():
     for scaled, unscaled in zip(pipe.gradients, plain.gradients):  # arrive scaled by 2**15
         np.testing.assert_allclose(np.asarray(scaled) / 2.0 ** 15, np.asarray(unscaled), atol=1e-3, rtol=1e-2)
     assert max(np.abs(np.asarray(g)).max() for g in pipe.gradients) > 100
+
+
+def test_a_stage_checkpoint_keeps_the_scale_and_its_counter(tmp_path):
+    hvd.init()
+    x, y = data()
+    pipe = hvd.DistributedPipeline(build(), stages=1, chunks=2, loss_fn="mse")
+    optimizer = pipe.distributed_optimizer(loss_scaled(2.0 ** 120))
+    for step in range(2):  # two overflowing steps skipped (2**118), then one applied (counter 1)
+        pipe.train_step(x[:16], y[:16])
+        pipe.apply_gradients(optimizer)
+    assert float(optimizer.dynamic_scale) == 2.0 ** 118
+    optimizer.dynamic_scale.assign(2.0 ** 9)
+    pipe.train_step(x[:16], y[:16])
+    pipe.apply_gradients(optimizer)
+    assert (float(optimizer.dynamic_scale), int(optimizer.step_counter)) == (2.0 ** 9, 1)
+    hvd.save_stage_checkpoint(str(tmp_path), pipe, optimizer, step=3)
+    fresh = hvd.DistributedPipeline(build(), stages=1, chunks=2, loss_fn="mse")
+    loaded = fresh.distributed_optimizer(loss_scaled(2.0 ** 15))
+    hvd.load_stage_checkpoint(str(tmp_path), fresh, loaded)
+    assert (float(loaded.dynamic_scale), int(loaded.step_counter)) == (2.0 ** 9, 1)
+    for a, b in zip(fresh.get_weights(), pipe.get_weights()):
+        np.testing.assert_array_equal(a, b)
