@@ -129,3 +129,43 @@ def test_a_parameter_used_outside_a_module_call_gets_its_gradient_in_b():
     assert model.lin.weight.grad is None
     split.weight_pass(0)
     torch.testing.assert_close(model.lin.weight.grad, reference.lin.weight.grad)
+
+
+def linears():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 6, bias=False), nn.Linear(6, 3))
+
+
+@pytest.mark.parametrize("hooked", [False, True])
+def test_w_of_linears_equals_one_backward_per_micro_batch_with_or_without_a_hook(hooked):
+    """A plain Linear's W is two products added into .grad (by autograd's accumulator where a hook watches it)."""
+    model, reference = linears(), linears()
+    xs, grads = torch.randn(2, 5, 2, 4), torch.randn(2, 5, 2, 3)  # 3-d inputs: the products run over every row
+    for x, grad in zip(xs, grads):
+        reference(x).backward(grad)
+    fired = []
+    if hooked:
+        model[2].weight.register_post_accumulate_grad_hook(lambda p: fired.append(p))
+    split = SplitBackward(model)
+    for i, x in enumerate(xs):
+        with split.recording(i):
+            y = model(x.clone().requires_grad_())
+        split.input_pass(i, [y], [grads[i]], [])
+    for i in range(len(xs)):
+        split.weight_pass(i)
+    assert len(fired) == (2 if hooked else 0)  # once per micro-batch: through autograd
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-6)
+
+
+def test_w_refuses_a_linear_input_changed_in_place_after_its_forward():
+    model = linears()
+    split = SplitBackward(model)
+    with split.recording(0):
+        hidden = model[:2](torch.randn(5, 4))
+        y = model[2:](hidden)
+    split.input_pass(0, [y], [torch.ones(5, 3)], [])
+    with torch.no_grad():
+        hidden.add_(1.0)  # the second Linear's input, after its B: its weights' gradient would be wrong
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        split.weight_pass(0)
