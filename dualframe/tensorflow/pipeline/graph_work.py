@@ -41,20 +41,16 @@ def pack(tensors: Sequence[Any], names: Sequence[str]) -> tf.Tensor:
     Raises:
         StrategyError: a value that is not a tensor, or one of more than ``MAX_DIMS`` dimensions: cut elsewhere.
     """
-    _refuse_non_tensors(tensors, names)
+    for name, t in zip(names, tensors):
+        if not tf.is_tensor(t):
+            raise StrategyError(f"value {name!r} crosses between process stages but is a {type(t).__name__}, not a "
+                                "tensor; choose a cut where only tensors cross")
     head = message.header([(name, tf_dtype_code(t.dtype), tuple(t.shape)) for name, t in zip(names, tensors)])
     parts = [np.frombuffer(head, np.uint8)]
     for t in tensors:
         data = np.ascontiguousarray(t.numpy()).reshape(-1).view(np.uint8)
         parts += [data, np.zeros(message.padding(data.size), np.uint8)]
     return tf.constant(np.concatenate(parts))
-
-
-def _refuse_non_tensors(tensors: Sequence[Any], names: Sequence[str]) -> None:
-    for name, t in zip(names, tensors):
-        if not tf.is_tensor(t):
-            raise StrategyError(f"value {name!r} crosses between process stages but is a {type(t).__name__}, not a "
-                                "tensor; choose a cut where only tensors cross")
 
 
 def handed(tensors: Sequence[Any], names: Sequence[str]) -> List[tf.Tensor]:
@@ -65,7 +61,8 @@ def handed(tensors: Sequence[Any], names: Sequence[str]) -> List[tf.Tensor]:
         >>> handed([h], ["h"])[0] is h
         True
     """
-    _refuse_non_tensors(tensors, names)
+    if not all(tf.is_tensor(t) for t in tensors):
+        pack(tensors, names)  # refuses the first value that is not a tensor, naming it, before any copy
     return list(tensors)
 
 
