@@ -7,11 +7,12 @@ respect to its input *and* to the output of every module that owns parameters (r
 forward hook as a ``GradientEdge``, so an in-place op after the module does not move it), keeping
 the graph; autograd then skips every weight product. ``W i`` computes, for a plain ``nn.Linear``, its
 weights' gradient as the products autograd would (``grad_out.T @ input``, ``grad_out.sum(0)``) from the
-input the hook kept, without walking the graph again; for any other module, the backward from its
-output (with the gradient B found) to its own parameters only. Either way the gradients go into
-``.grad`` through the parameters' own accumulator nodes (``AccumulateGrad``), so ``DistributedOptimizer``'s
-and every other gradient hook fire as after ``loss.backward()``. Parameters used outside a module call
-(a graph's ``get_attr``) get their gradient in ``B i`` already.
+input the hook kept, without walking the graph again, added straight into ``.grad`` where no hook
+watches the parameter; for any other module, the backward from its output (with the gradient B found)
+to its own parameters only. Wherever a hook watches a parameter (``DistributedOptimizer``'s, ZeRO's), its
+gradient goes into ``.grad`` through its own accumulator node (``AccumulateGrad``), so the hook fires as
+after ``loss.backward()``. Parameters used outside a module call (a graph's ``get_attr``) get their
+gradient in ``B i`` already.
 """
 from __future__ import annotations
 
@@ -155,9 +156,8 @@ def linear_weight_grads(module: nn.Linear, kept: Tuple[torch.Tensor, int],
 
     The products ``linear``'s backward computes (``grad_out.T @ input``, ``grad_out.sum(0)`` over every
     row). Where nothing watches a parameter's gradient (``_unwatched``), the product is added into its
-    ``.grad`` in the same call (``addmm_``: no separate product to add, which costs as much again as the
-    accumulation autograd does); the others are returned with their accumulator's edge, for autograd to
-    accumulate and fire their hooks.
+    ``.grad`` as it is computed (``addmm_``: one pass, where autograd adds a separate product afterwards);
+    the others are returned with their accumulator's edge, for autograd to accumulate and fire their hooks.
 
     Raises:
         RuntimeError: the input was changed in place after the call (its backward would be wrong), as autograd's.
