@@ -27,8 +27,8 @@ def check_stage_optimizer(pipe: "DistributedPipeline", optimizer: Any, shard: st
     Raises:
         StrategyError: a second optimizer after one with ``shard="parameters"`` (the stage's variables hold
             no values between its steps); ``shard="parameters"`` with a schedule holding several stages per
-            rank, with weights several stages read (tied), with a ``LossScaleOptimizer`` (the pipeline
-            scales no loss), or with arguments it does not take (``keep_gathered``, ``model``, ``groups`` ...).
+            rank, with weights several stages read (tied), with a ``LossScaleOptimizer`` (its loss is
+            not scaled with this mode yet), or with arguments it does not take (``keep_gathered``, ``model``, ``groups`` ...).
     """
     if pipe.sharded is not None:
         raise StrategyError("this pipeline's stage is sharded by its shard='parameters' optimizer already (its "
