@@ -195,10 +195,11 @@ def report(ranks: int, args: argparse.Namespace) -> None:
         print(f"  np={ranks} {args.launcher} step time shard={m!r}: {statistics.median(times[m]) * 1e3:.1f} ms vs "
               f"plain {base * 1e3:.1f} ms, ratio {statistics.median(ratios):.3f} (median of {args.rounds} "
               f"interleaved rounds: {' '.join(f'{r:.2f}' for r in ratios)})", flush=True)
-    for other, what in (("parameters-no-prefetch", "with prefetch / without"),
-                        ("parameters-keep-0", "keep_gathered=1 (default) / 0")):
-        if "parameters" in times and other in times:
-            ratios = [a / b for a, b in zip(times["parameters"], times[other])]
+    for mode, other, what in (("parameters", "parameters-no-prefetch", "with prefetch / without"),
+                              ("parameters", "parameters-keep-0", "keep_gathered=1 (default) / 0"),
+                              ("parameters-keep-all", "parameters-keep-0", "keep_gathered=every layer / 0")):
+        if mode in times and other in times:
+            ratios = [a / b for a, b in zip(times[mode], times[other])]
             print(f"  np={ranks} ZeRO-3 {what}: {statistics.median(ratios):.3f} "
                   f"({' '.join(f'{r:.2f}' for r in ratios)})", flush=True)
 
