@@ -244,7 +244,7 @@ class DistributedPipeline(StageWeights, KerasFit, StageView):
             micro_targets if j == last else [], [s / sum(sizes) for s in sizes], self.device,
             self._graph_functions.get(j), split_backward=splits_backward(actions), recompute=self.recomputes.get(j),
             fused=fusable(stage_actions(actions, j) if len(self.held_stages) > 1 else actions),
-            batch_weights=batch_weights) for j in self.held_stages}
+            batch_weights=batch_weights, local=self.held_stages) for j in self.held_stages}
         if len(works) == 1:
             work = works[self.stage_index]
             return work, self.role.step(actions, micro_inputs, work, train)
