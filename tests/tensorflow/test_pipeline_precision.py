@@ -27,16 +27,19 @@ def loss_scaled(initial_scale):
                                                dynamic_growth_steps=3)
 
 
-@pytest.mark.parametrize("initial_scale", [2.0 ** 10, 2.0 ** 120])
-def test_fit_with_a_loss_scale_optimizer_equals_keras_fit(initial_scale):
-    """2**10: the scale doubles every 3 steps (8 steps: 2**12); 2**120: the first steps overflow and are skipped."""
+@pytest.mark.parametrize("initial_scale, made", [(2.0 ** 10, False), (2.0 ** 120, False), (2.0 ** 10, True)])
+def test_fit_with_a_loss_scale_optimizer_equals_keras_fit(initial_scale, made):
+    """2**10: the scale doubles every 3 steps (8 steps: 2**12); 2**120: the first steps overflow and are skipped.
+    made: compile takes the optimizer ``distributed_optimizer`` returned, and the loss stays scaled."""
     hvd.init()
     x, y = data()
     reference = build()
     reference.compile(loss_scaled(initial_scale), loss="mse")
     want = reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history["loss"]
     pipe = hvd.DistributedPipeline(build(), stages=1, chunks=4)
-    pipe.compile(loss_scaled(initial_scale), loss="mse")
+    given = pipe.distributed_optimizer(loss_scaled(initial_scale)) if made else loss_scaled(initial_scale)
+    pipe.compile(given, loss="mse")
+    assert (pipe.optimizer is given) == made
     got = pipe.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history["loss"]
     assert isinstance(pipe.optimizer, PipelineLossScaleOptimizer)
     assert got == pytest.approx(want, abs=2e-3)

@@ -157,6 +157,8 @@ class DistributedPipeline(StageWeights, KerasFit, StageView):
         self.gradients: List[Optional[tf.Tensor]] = []
         #: The stage's ``shard="parameters"`` optimizer (``distributed_optimizer``), which holds its values between steps.
         self.sharded: Optional[StageShardedOptimizer] = None
+        #: What ``distributed_optimizer`` returned, so ``compile`` takes one of them as it is.
+        self.made_optimizers: List[Any] = []
         self.peak_live = 0
         #: GPipe: a stage whose split passes run computes its micro-batches' weight gradients in one pass
         #: after its last backward (``schedule.batched_weights``); False: each in its backward.
@@ -193,10 +195,12 @@ class DistributedPipeline(StageWeights, KerasFit, StageView):
         gathered once per step; between steps each replica holds 1/R of its values and optimizer state).
         A ``LossScaleOptimizer`` (or any optimizer under the ``mixed_float16`` policy, but with
         ``shard="parameters"``): a ``PipelineLossScaleOptimizer`` around the stage's optimizer, the last
-        stage's loss scaled by it (``dualframe.tensorflow.pipeline.precision``). See
-        ``dualframe.tensorflow.pipeline.optimizer``.
+        stage's loss scaled by it (``dualframe.tensorflow.pipeline.precision``). ``compile`` takes the
+        result as it is. See ``dualframe.tensorflow.pipeline.optimizer``.
         """
-        return stage_optimizer(self, optimizer, **kwargs)
+        made = stage_optimizer(self, optimizer, **kwargs)
+        self.made_optimizers.append(made)
+        return made
 
     def apply_gradients(self, optimizer: Any) -> None:
         """``optimizer.apply_gradients`` on the last step's gradients and the stage's variables."""

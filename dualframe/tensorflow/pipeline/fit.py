@@ -25,7 +25,7 @@ from dualframe.tensorflow.pipeline.compiled import GraphStageFunction
 from dualframe.tensorflow.pipeline.callbacks import (PipelineModel, agree_stop, decides_per_batch, is_reporter,
                                                      rank_callbacks)
 from dualframe.tensorflow.pipeline.data import PipelineData, replica_share, split_validation
-from dualframe.tensorflow.pipeline.precision import PipelineLossScaleOptimizer, unscaled
+from dualframe.tensorflow.pipeline.precision import PipelineLossScaleOptimizer, ScaledLoss, unscaled
 
 
 def _metric(spec: Any) -> keras.metrics.Metric:
@@ -109,9 +109,11 @@ class KerasFit:
         """Set the optimizer, the loss (else the constructor's ``loss_fn``) and the metrics, as ``keras.Model.compile``.
 
         The optimizer steps the stage's own variables; with replicas it is wrapped by
-        ``distributed_optimizer``. Under the ``mixed_float16`` policy (the model's, else the global one) a plain
-        optimizer gets a ``LossScaleOptimizer`` as ``keras.Model.compile`` adds one; with one, the pipeline
-        scales its loss and every rank skips an overflowing step together (``pipeline.precision``). Metrics are computed on the last stage, in training from each
+        ``distributed_optimizer``, unless it is one that ``distributed_optimizer`` returned: that one is
+        taken as it is (``shard=`` among the stage's replicas, ZeRO-3 included). Under the ``mixed_float16``
+        policy (the model's, else the global one) a plain optimizer gets a ``LossScaleOptimizer`` as
+        ``keras.Model.compile`` adds one; with one, the pipeline scales its loss and every rank skips an
+        overflowing step together (``pipeline.precision``). Metrics are computed on the last stage, in training from each
         micro-batch's outputs as the loss is (``MeteredLoss``); their states are summed over the
         replicas after each batch (one allgather per step with metrics, none without), so a metric's
         state must add up over rows (means, sums, counts, confusion matrices).
@@ -126,6 +128,11 @@ class KerasFit:
         base = base.loss if isinstance(base, MeteredLoss) else base
         chosen = [_metric(m) for m in metrics or []]
         use_loss(pipe, MeteredLoss(base, chosen) if chosen else base)
+        if any(optimizer is m for m in pipe.made_optimizers):
+            if isinstance(optimizer, PipelineLossScaleOptimizer):  # the loss just set, scaled by it again
+                use_loss(pipe, ScaledLoss(pipe.loss_fn, optimizer))
+            self._compiled = Compiled(optimizer, base, chosen)
+            return
         optimizer = keras.optimizers.get(optimizer)
         policy = pipe.keras_model.dtype_policy if pipe.keras_model is not None else keras.mixed_precision.global_policy()
         if policy.name == "mixed_float16" and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
@@ -181,11 +188,17 @@ class KerasFit:
         """Replicas of a stage start from replica 0's weights, as Horovod's BroadcastGlobalVariablesCallback does.
 
         So a script need not seed its model alike on every rank: each stage's layers are its own, and
-        the replicas of a stage get the same ones here (a broadcast among the stage's replicas).
+        the replicas of a stage get the same ones here (a broadcast among the stage's replicas). With a
+        ``shard="parameters"`` optimizer the trainable values are its replicas' slices, cut when it was
+        made (seed the model alike, or ``set_weights``, before): only the other variables are broadcast.
         """
         pipe: Any = self
-        if pipe.grid.replicas > 1:
-            broadcast_variables(pipe.variables, root_rank=pipe.stage_ranks[0], process_set=pipe.stage_process_set)
+        if pipe.grid.replicas == 1:
+            return
+        sliced = {id(v) for v in pipe.sharded.stage_variables} if pipe.sharded is not None else set()
+        whole = [v for v in pipe.variables if id(v) not in sliced]
+        if whole:
+            broadcast_variables(whole, root_rank=pipe.stage_ranks[0], process_set=pipe.stage_process_set)
 
     def _share(self, batch: Tuple[Any, Any], what: str) -> Tuple[Any, Any, int]:
         """This rank's part of a global batch: its replica's rows, inputs on the first stage, targets on the last."""
