@@ -264,7 +264,7 @@ class DistributedPipeline(StageWeights, KerasFit, StageView):
         """Inference through the pipeline (no gradients): the model's output on the last stage, None elsewhere."""
         work, _ = self._run(self.role.forward_actions(self.chunks), inputs, None, train=False)
         if self.sharded is not None:
-            self.sharded.free()
+            self.sharded.end_inference()
         if not self.is_last:
             return None
         return self.captured.pack_outputs([BACKEND.batches.concat(list(parts)) for parts in zip(*work.outputs)])
