@@ -9,7 +9,8 @@
 Prints, from interleaved rounds (1f1b, zb-h1, interleaved-1f1b, zb-v, torch's peers, 1f1b, ...; median of
 the per-round ratios), at chunks=8 on 12 x (Linear(512), ReLU), batch 2048: the step throughput of zb-v,
 interleaved-1f1b and zb-h1 over 1f1b's; then, per schedule, the measured bubble (1 - mean rank busy /
-longest rank step) beside the clock table's idle share with equal cells (``clock.table_bubble``); and
+longest rank step) beside the clock table's idle share with equal cells (``clock.table_bubble``) and each
+rank's mean ms per action of each kind (F, B, W; a stage of 6 layers with one stage per rank, 3 with two); and
 torch.distributed.pipelining's ScheduleInterleaved1F1B and ScheduleZBVZeroBubble on the same cut (gloo),
 each over dualframe's same schedule (an error is printed instead where one does not run).
 ``--framework keras``: the same with Keras's DistributedPipeline on blocks x (Dense(width), ReLU), no peers.
@@ -110,6 +111,16 @@ def torch_peer(model, chunks, schedule):
     return step
 
 
+def kind_ms(pipe) -> str:
+    """This rank's mean ms per action of each kind (F, B, W) over its kept steps but the first."""
+    spans = {}
+    for record in pipe.records.records[1:]:
+        for name, start, end in record.actions:
+            kind = next(c for c in name if c in "FBW")
+            spans.setdefault(kind, []).append(end - start)
+    return " ".join(f"{kind} {1e3 * sum(t) / len(t):.2f}" for kind, t in spans.items())
+
+
 def main() -> None:
     parser = bench_common.parser(__doc__, width=512, blocks=12, batch=2048, chunks=8, rounds=7, steps=3)
     parser.add_argument("--framework", choices=("torch", "keras"), default="torch")
@@ -138,8 +149,10 @@ def main() -> None:
     for schedule, pipe in pipes.items():
         busy, walls = bench_common.stage_seconds(pipe, hvd.allgather_object)
         clock = table_bubble(clock_table(rank_schedule(schedule, 2, args.chunks, SCHEDULES[schedule])))
+        kinds = hvd.allgather_object(kind_ms(pipe))
         report.append(f"bubble {schedule} m={args.chunks}: measured {pipeline_bubble(busy, walls):.1%}, clock table "
-                      f"{clock:.1%} (per rank busy s: {' '.join(f'{b:.3f}' for b in busy)})")
+                      f"{clock:.1%} (per rank busy s: {' '.join(f'{b:.3f}' for b in busy)}; ms per action: "
+                      f"{' | '.join(kinds)})")
     layer = "Linear" if FRAMEWORK == "torch" else "Dense"
     header = bench_common.two_stage_header(f"{FRAMEWORK}, {args.blocks} x ({layer}({args.width}), ReLU)", args,
                                            stages="2 processes x 1 or 2 stages")

@@ -1,7 +1,8 @@
 """Keras hybrid on 4 processes: 2 replicas x 2 stages, GPipe and 1F1B, against one process training the whole model on the global batch.
 
 Also ZeRO-3 among each stage's replicas (``shard="parameters"``: a chain and a functional model, SGD with
-momentum and Adam, each rank holding half its stage's values and optimizer state between steps), and the
+momentum and Adam, each rank holding half its stage's values and optimizer state between steps; with
+``backward_passes_per_step=2``, fp16 compression, float16 and mixed_float16 layers), and the
 hybrid's stage checkpoints, plain and ZeRO-3: k steps, save (one writer per stage), a fresh perturbed pipeline
 on every rank, load (broadcast among each stage's replicas), the remaining steps == the straight run;
 the merged stages == one process.
@@ -113,6 +114,20 @@ def check_held_half(optimizer):
     assert full / 2 <= held <= full / 2 + padding, f"rank {hvd.rank()}: held {held} of the stage's {full} bytes"
 
 
+def check_built_once(pipe, optimizer):
+    """``build`` again, on the stage's variables or on the slices, keeps the slices, their values and the slots
+    (before, it cut the emptied variables again); other variables are refused by name (no message: each rank alike)."""
+    slices, values = optimizer._zero.slices, [s.numpy() for s in optimizer._zero.slices]
+    inner = list(optimizer._zero.inner.variables)
+    for variables in (pipe.trainable_variables, optimizer.parameter_slices()):
+        optimizer.build(variables)
+    assert len(optimizer._zero.slices) == len(slices) and all(a is b for a, b in zip(optimizer._zero.slices, slices))
+    assert all(np.array_equal(s.numpy(), v) for s, v in zip(slices, values))
+    assert len(optimizer._zero.inner.variables) == len(inner)
+    with pytest.raises(StrategyError, match=r"cannot be built again on 1 others"):
+        optimizer.build(make_model().trainable_variables[:1])
+
+
 @pytest.mark.parametrize("kind, schedule, adam, checkpoint", [("chain", "gpipe", False, "never"),
                                                               ("chain", "1f1b", True, "never"),
                                                               ("chain", "zb-h1", False, "always"),
@@ -128,6 +143,7 @@ def test_zero3_among_stage_replicas_equals_one_process(kind, schedule, adam, che
                                checkpoint=checkpoint, **cut)
     optimizer = pipe.distributed_optimizer(make_optimizer(), shard="parameters")
     assert pipe.sharded is optimizer and optimizer.sharded_for() == 2
+    check_built_once(pipe, optimizer)
     check_held_half(optimizer)
     train_pipeline(pipe, optimizer, data, losses, feed=replica_feed)
     check_held_half(optimizer)
@@ -150,9 +166,10 @@ def test_zero3_among_stage_replicas_refuses_what_is_not_built():
     sgd = keras.optimizers.SGD(0.1)
     with pytest.raises(StrategyError, match=r"keep_gathered= has no use in a pipeline stage"):
         pipe.distributed_optimizer(sgd, shard="parameters", keep_gathered=1)
-    with pytest.raises(StrategyError, match=r"does not take backward_passes_per_step, compression yet"):
-        pipe.distributed_optimizer(sgd, shard="parameters", compression=hvd.Compression.fp16,
-                                   backward_passes_per_step=2)
+    with pytest.raises(StrategyError, match=r"does not take groups yet"):
+        pipe.distributed_optimizer(sgd, shard="parameters", groups=2)
+    with pytest.raises(StrategyError, match=r"cannot take a LossScaleOptimizer: the pipeline's stages compute"):
+        pipe.distributed_optimizer(keras.optimizers.LossScaleOptimizer(sgd), shard="parameters")
     with pytest.raises(StrategyError, match=r"shard= needs an optimizer that updates each element"):
         pipe.distributed_optimizer(keras.optimizers.Lamb(), shard="parameters")
     pipe.distributed_optimizer(sgd, shard="parameters")
@@ -163,6 +180,79 @@ def test_zero3_among_stage_replicas_refuses_what_is_not_built():
     with pytest.raises(StrategyError, match=r"runs one stage per rank with schedule 'gpipe', '1f1b' or 'zb-h1' "
                                             r"\(schedule: 'interleaved-1f1b', virtual_stages: 2\)"):
         virtual.distributed_optimizer(sgd, shard="parameters")
+
+
+def zero3_pipe(model=None, **kwargs):
+    """A 1F1B hybrid of the MLP (or ``model``) and its ``shard="parameters"`` SGD with momentum (``kwargs`` its)."""
+    pipe = DistributedPipeline(model or make_model(), balance=[3, 2], chunks=CHUNKS, schedule="1f1b", loss_fn="mse",
+                               data_parallel=2)
+    return pipe, pipe.distributed_optimizer(keras.optimizers.SGD(0.2, momentum=0.9), shard="parameters", **kwargs)
+
+
+def test_zero3_backward_passes_per_step_equals_one_process_on_the_k_times_batch():
+    """backward_passes_per_step=2, averaged: the 2 steps' gradients summed in full on each rank (the stage stays
+    gathered between them, as torch's), reduced once, one update: one process on the 2 batches joined (1e-5)."""
+    data = global_batches(4, seed=21)
+    joined = [(np.concatenate([a[0], b[0]]), np.concatenate([a[1], b[1]])) for a, b in zip(data[::2], data[1::2])]
+    losses, weights = one_process(make_model(), joined, keras.optimizers.SGD(0.2, momentum=0.9))
+    pipe, optimizer = zero3_pipe(backward_passes_per_step=2, average_aggregated_gradients=True)
+    got = []
+    for step, (x, y) in enumerate(data):
+        got.append(hybrid_step(pipe, optimizer, x, y))
+        if step % 2 == 0:  # within the update: the values stay, no update yet; reading them keeps them
+            assert all(v.numpy().size for v in optimizer.stage_variables) and int(optimizer.iterations) == step // 2
+            pipe.get_weights()
+            assert all(v.numpy().size for v in optimizer.stage_variables)
+            with pytest.raises(StrategyError, match=r"1 of 2 steps into an update"):
+                optimizer.state_arrays()
+        else:
+            check_held_half(optimizer)
+    assert int(optimizer.iterations) == 2
+    # Each update's loss: the mean of its two steps' (the same weights), as one process's on the joined batch.
+    np.testing.assert_allclose([(a + b) / 2 for a, b in zip(got[::2], got[1::2])], losses, atol=1e-5)
+    assert_weights(pipe.gather_weights(), weights)
+
+
+# fp16 compression: each replica's summed gradients go through float16 before the average (Horovod's
+# compress/decompress around the allreduce); SGD's weights stay within 3e-3 of one process (mp_tf_shard.py's bound).
+def test_zero3_fp16_compression_within_fp16_tolerance():
+    data = global_batches(seed=23)
+    losses, weights = one_process(make_model(), data, keras.optimizers.SGD(0.2, momentum=0.9))
+    pipe, optimizer = zero3_pipe(compression=hvd.Compression.fp16)
+    assert optimizer.reduction.compression is hvd.Compression.fp16
+    train_pipeline(pipe, optimizer, data, losses, feed=replica_feed, atol=3e-3)
+    got = pipe.gather_weights()
+    assert_weights(got, weights, "fp16 compression vs one process", 3e-3)
+    worst = max(np.abs(a - b).max() for a, b in zip(got, weights))
+    assert worst > 1e-5, f"rank {hvd.rank()}: {worst}: within float32's error, the gradients were not compressed"
+
+
+def half_model(dtype):
+    """``make_model``'s MLP with its first four layers in ``dtype`` ("float16": float16 variables; "mixed_float16":
+    float32 variables, float16 compute); the last Dense float32 (the loss in float32)."""
+    init = keras.initializers.GlorotUniform
+    return keras.Sequential([
+        keras.Input((5,)), keras.layers.Dense(12, kernel_initializer=init(3), dtype=dtype),
+        keras.layers.Activation("tanh", dtype=dtype), keras.layers.Dense(12, kernel_initializer=init(4), dtype=dtype),
+        keras.layers.Activation("tanh", dtype=dtype), keras.layers.Dense(2, kernel_initializer=init(5))])
+
+
+@pytest.mark.parametrize("dtype", ["float16", "mixed_float16"])
+def test_zero3_float16_layers_equal_one_process(dtype):
+    """float16 variables step through float32 master slices, against one process training the same layers as
+    mixed_float16 (float32 variables) from the same values; 2e-3 as mp_tf_zero3.py's float16 test (a float16
+    weight is its master's cast, a float16 step at |w| < 2 is 9.8e-4). mixed_float16: against one process alike."""
+    data = global_batches(seed=25)
+    pipe, optimizer = zero3_pipe(half_model(dtype))
+    assert str(optimizer.stage_variables[0].dtype) == ("float16" if dtype == "float16" and pipe.is_first else "float32")
+    assert all(s.dtype == "float32" for s in optimizer._zero.slices)
+    reference = half_model("mixed_float16")
+    reference.set_weights([w.astype("float32") for w in half_model(dtype).get_weights()])
+    losses, weights = one_process(reference, data, keras.optimizers.SGD(0.2, momentum=0.9))
+    train_pipeline(pipe, optimizer, data, losses, feed=replica_feed, atol=2e-3)
+    got = pipe.gather_weights()
+    assert got[0].dtype == (np.float16 if dtype == "float16" else np.float32)
+    assert_weights([w.astype("float32") for w in got], weights, f"{dtype} vs one process", 2e-3)
 
 
 RESUME_STEPS, SAVE_AFTER = 4, 2

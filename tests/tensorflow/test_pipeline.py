@@ -119,3 +119,33 @@ def test_a_failing_layer_names_its_cell():
     with pytest.raises(StageError, match=r"stage 1 failed on micro-batch 2 \(F2 at tick 3\): RuntimeError: (?s:.*)bad rows") as info:
         pipe(tf.zeros((8, 6)))
     assert ">F2<" in str(info.value)
+
+
+class Counted(keras.layers.Layer):
+    """A Dense that counts its (eager) calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense, self.calls = keras.layers.Dense(4, activation="tanh"), 0
+
+    def build(self, input_shape):
+        self.dense.build(input_shape)
+
+    def call(self, x):
+        self.calls += 1
+        return self.dense(x)
+
+
+@pytest.mark.parametrize("checkpoint, replays", [("never", 0), ("except_last", 2), ("always", 3)])
+def test_checkpointed_micro_batches_run_their_stages_again_in_backward_only(checkpoint, replays):
+    counted = [Counted(), Counted()]
+    pipe = hvd.Pipeline(counted, [1, 1], ["/CPU:1", "/CPU:2"], chunks=3, checkpoint=checkpoint)
+    x = tf.random.normal((6, 4), seed=3)
+    pipe(x)  # builds the layers (a symbolic call each)
+    for layer in counted:
+        layer.calls = 0
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(pipe(x, training=True) ** 2)
+    assert [layer.calls for layer in counted] == [3, 3]
+    tape.gradient(loss, pipe.trainable_variables)
+    assert [layer.calls for layer in counted] == [3 + replays, 3 + replays]

@@ -240,7 +240,7 @@ class DistributedPipeline(StageWeights, KerasFit, StageView):
             micro_targets if j == last else [], [s / sum(sizes) for s in sizes], self.device,
             self._graph_functions.get(j), split_backward=splits_backward(actions), recompute=self.recomputes.get(j),
             fused=fusable(stage_actions(actions, j) if len(self.held_stages) > 1 else actions),
-            batch_weights=batch_weights) for j in self.held_stages}
+            batch_weights=batch_weights, local=self.held_stages) for j in self.held_stages}
         if len(works) == 1:
             work = works[self.stage_index]
             return work, self.role.step(actions, micro_inputs, work, train)
@@ -264,7 +264,7 @@ class DistributedPipeline(StageWeights, KerasFit, StageView):
         """Inference through the pipeline (no gradients): the model's output on the last stage, None elsewhere."""
         work, _ = self._run(self.role.forward_actions(self.chunks), inputs, None, train=False)
         if self.sharded is not None:
-            self.sharded.free()
+            self.sharded.end_inference()
         if not self.is_last:
             return None
         return self.captured.pack_outputs([BACKEND.batches.concat(list(parts)) for parts in zip(*work.outputs)])

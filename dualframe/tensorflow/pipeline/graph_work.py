@@ -2,7 +2,8 @@
 
 Each message holds what one edge carries, in ``dualframe.pipeline.message``'s layout (an int64 header,
 then each tensor's bytes; Keras sends tensors only, so no structure tail); this module converts
-TensorFlow tensors to and from those bytes.
+TensorFlow tensors to and from those bytes. An edge between two stages of one rank (ZB-V's turn)
+carries the tensors themselves (``handed``).
 """
 from __future__ import annotations
 
@@ -52,6 +53,19 @@ def pack(tensors: Sequence[Any], names: Sequence[str]) -> tf.Tensor:
     return tf.constant(np.concatenate(parts))
 
 
+def handed(tensors: Sequence[Any], names: Sequence[str]) -> List[tf.Tensor]:
+    """The tensors for a stage on this rank, in place of a message: themselves (immutable), refused as ``pack`` does.
+
+    Example:
+        >>> h = tf.ones(2)
+        >>> handed([h], ["h"])[0] is h
+        True
+    """
+    if not all(tf.is_tensor(t) for t in tensors):
+        pack(tensors, names)  # refuses the first value that is not a tensor, naming it, before any copy
+    return list(tensors)
+
+
 def unpack(raw: Any) -> List[tf.Tensor]:
     """The tensors of a ``pack`` message (fresh tensors, same dtypes and shapes)."""
     data = np.asarray(raw.numpy() if tf.is_tensor(raw) else raw, np.uint8)
@@ -75,6 +89,9 @@ class TFGraphStageWork:
     the weights' gradients to the sums; on the last stage F runs F and B in one call. A stage that is
     not ``splittable`` (a layer with state) runs B as the full backward and W only adds its weights' part.
 
+    An edge to or from a stage in ``local`` (held by the same rank) carries the tensors themselves
+    (``handed``) rather than a packed message.
+
     With ``recompute`` (activation checkpointing), a micro-batch it names runs its forward without a tape,
     keeping only the values the stage read, and again under a tape at the start of its backward (the
     last stage's F+B of a split backward keep nothing and run as before).
@@ -96,8 +113,9 @@ class TFGraphStageWork:
                  loss_fn: Optional[Callable[[Any, Any], Any]], targets: Sequence[Any], weights: Sequence[float],
                  device: Optional[str] = None, function: Optional[GraphStageFunction] = None,
                  split_backward: bool = False, recompute: Optional[StageRecompute] = None,
-                 fused: Collection[int] = (), batch_weights: bool = False) -> None:
+                 fused: Collection[int] = (), batch_weights: bool = False, local: Collection[int] = ()) -> None:
         self.stage, self.split, self.j, self.captured, self.device = stage, split, j, captured, device
+        self.local = frozenset(local)
         self.function, self.recompute = function, recompute
         self.split_backward = split_backward and loss_fn is not None
         self.last = j == split.stages - 1
@@ -129,7 +147,7 @@ class TFGraphStageWork:
     def forward(self, i: int, received: Mapping[int, Any]) -> Dict[int, tf.Tensor]:
         training = self.loss_fn is not None
         values: Dict[str, Any] = dict(received.get(-1, {}))
-        held: Dict[int, List[Any]] = {p: unpack(received[p]) for p in self.incoming}
+        held: Dict[int, List[Any]] = {p: self._values(p, received[p]) for p in self.incoming}
         if self.split_passes and not (self.recompute is not None and i in self.recompute and not self.last):
             return self._forward_split(i, values, held)
         if training and i in self.fused:  # keeps nothing a checkpoint would save
@@ -144,7 +162,7 @@ class TFGraphStageWork:
         if loss is not None:
             self.loss_sum += float(loss)
         self._keep(i, ("replay", held, values))
-        return {c: pack(sent[c], names) for c, names in self.outgoing.items()}
+        return self._messages(sent)
 
     def _forward_taped(self, i: int, values: Dict[str, Any], held: Dict[int, List[Any]],
                        training: bool) -> Dict[int, tf.Tensor]:
@@ -156,7 +174,7 @@ class TFGraphStageWork:
                     tape.watch([t for t in held[p] if t.dtype.is_floating])
                 values.update(zip(names, held[p]))
             sent, loss, outputs = self._stage(i, values, training)
-        messages = {c: pack(sent[c], names) for c, names in self.outgoing.items()}
+        messages = self._messages(sent)
         if not training:
             if self.last:
                 self.outputs.append(outputs)
@@ -178,6 +196,17 @@ class TFGraphStageWork:
         self.loss_sum += float(loss)
         self._keep(i, ("done", held, grads))
         return {}
+
+    def _messages(self, sent: Mapping[int, Sequence[Any]]) -> Dict[int, Any]:
+        return {c: self._message(c, sent[c], names) for c, names in self.outgoing.items()}
+
+    def _message(self, peer: int, tensors: Sequence[Any], names: Sequence[str]) -> Any:
+        """What goes to stage ``peer``: the tensors handed over on this rank, else packed."""
+        return handed(tensors, names) if peer in self.local else pack(tensors, names)
+
+    def _values(self, peer: int, message: Any) -> List[Any]:
+        """The tensors of a message from stage ``peer``."""
+        return list(message) if peer in self.local else unpack(message)
 
     def _replay(self, i: int, held: Dict[int, List[Any]], values: Dict[str, Any]) -> Tuple[Any, ...]:
         """A checkpointed micro-batch's forward again, keeping what its backward needs (as F i would have)."""
@@ -204,7 +233,7 @@ class TFGraphStageWork:
             if not self.last:
                 sent, kept = self.passes.forward_kept(values)
                 self._keep(i, ("split", held, kept))
-                return {c: pack(sent[c], names) for c, names in self.outgoing.items()}
+                return self._messages(sent)
             loss, grads, inputs, owner_grads = self.passes.last_input_pass(
                 values, self.targets[i], tf.constant(self.weights[i], tf.float64))
         self.loss_sum += float(loss)
@@ -236,7 +265,7 @@ class TFGraphStageWork:
         tape, held, sent, loss = saved
         roots: Dict[int, Tuple[Any, Any]] = {}  # a value sent to two stages: both gradients add up
         for c, message in grads.items():
-            for t, g in zip(sent[c], unpack(message)):
+            for t, g in zip(sent[c], self._values(c, message)):
                 if t.dtype.is_floating:
                     root, total = roots.get(id(t), (t, None))
                     roots[id(t)] = (root, g if total is None else total + g)
@@ -255,8 +284,8 @@ class TFGraphStageWork:
         else:
             self._add(found[:len(variables)])
         by_id = {id(t): g for t, g in zip(sources, found[len(variables):])}
-        return {p: pack([tf.zeros_like(t) if by_id.get(id(t)) is None else tf.convert_to_tensor(by_id[id(t)])
-                         for t in tensors], self.incoming[p])
+        return {p: self._message(p, [tf.zeros_like(t) if by_id.get(id(t)) is None
+                                     else tf.convert_to_tensor(by_id[id(t)]) for t in tensors], self.incoming[p])
                 for p, tensors in held.items()}
 
     def _backward_split(self, i: int, saved: Tuple[Any, ...], grads: Mapping[int, Any]) -> Dict[int, tf.Tensor]:
@@ -265,14 +294,14 @@ class TFGraphStageWork:
         if kind == "split":
             roots: Dict[str, Any] = {}  # a value sent to two stages: both gradients add up
             for c, message in grads.items():
-                for name, g in zip(self.outgoing[c], unpack(message)):
+                for name, g in zip(self.outgoing[c], self._values(c, message)):
                     if g.dtype.is_floating:
                         roots[name] = g if name not in roots else roots[name] + g
             with tf.device(self.device):
                 found, owner_grads = self.passes.input_pass(found, roots)
             self._pending[i] = ("split", self.bodies.owner_inputs(saved[2]), owner_grads)
-        return {p: pack([tf.zeros_like(t) if found.get(name) is None else tf.convert_to_tensor(found[name])
-                         for name, t in zip(self.incoming[p], tensors)], self.incoming[p])
+        return {p: self._message(p, [tf.zeros_like(t) if found.get(name) is None else tf.convert_to_tensor(found[name])
+                                     for name, t in zip(self.incoming[p], tensors)], self.incoming[p])
                 for p, tensors in held.items()}
 
     def weight(self, i: int) -> None:

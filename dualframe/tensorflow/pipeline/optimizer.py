@@ -14,17 +14,18 @@ if TYPE_CHECKING:
     from dualframe.tensorflow.pipeline.distributed import DistributedPipeline
 
 #: ``distributed_optimizer`` arguments a stage's ``shard="parameters"`` optimizer takes (others are refused by name).
-ZERO3_ARGUMENTS = ("shard", "op", "bucket_elements", "scatter", "name")
+ZERO3_ARGUMENTS = ("shard", "op", "bucket_elements", "scatter", "name", "backward_passes_per_step",
+                   "average_aggregated_gradients", "compression")
 
 
-def check_stage_optimizer(pipe: "DistributedPipeline", shard: str, kwargs: Any) -> None:
+def check_stage_optimizer(pipe: "DistributedPipeline", optimizer: Any, shard: str, kwargs: Any) -> None:
     """Refuse, on every rank alike and before any message, what a stage's optimizer cannot do.
 
     Raises:
         StrategyError: a second optimizer after one with ``shard="parameters"`` (the stage's variables hold
             no values between its steps); ``shard="parameters"`` with a schedule holding several stages per
-            rank, with weights several stages read (tied), or with arguments it does not take
-            (``keep_gathered``, ``model``, ``backward_passes_per_step``, ``compression`` ...).
+            rank, with weights several stages read (tied), with a ``LossScaleOptimizer`` (the pipeline
+            scales no loss), or with arguments it does not take (``keep_gathered``, ``model``, ``groups`` ...).
     """
     if pipe.sharded is not None:
         raise StrategyError("this pipeline's stage is sharded by its shard='parameters' optimizer already (its "
@@ -35,6 +36,11 @@ def check_stage_optimizer(pipe: "DistributedPipeline", shard: str, kwargs: Any) 
     if pipe.tied.plan.tied:
         raise StrategyError(f"shard='parameters' cannot keep the copies of this model's tied weights "
                             f"({', '.join(w.key for w in pipe.tied.plan.tied)}) equal yet; use shard='gradients'")
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        raise StrategyError("shard='parameters' in a Keras pipeline stage cannot take a LossScaleOptimizer: the "
+                            "pipeline's stages compute their gradients from an unscaled loss, which it would "
+                            "unscale; give its inner optimizer (float16 variables step through float32 master "
+                            "slices), or use the mixed_bfloat16 policy")
     if "keep_gathered" in kwargs:
         raise StrategyError("keep_gathered= has no use in a pipeline stage: with shard='parameters' its "
                             "variables stay gathered from the step's first forward to its last backward")
@@ -54,7 +60,7 @@ def stage_optimizer(pipe: "DistributedPipeline", optimizer: keras.optimizers.Opt
     ``StageShardedOptimizer``, built now: from here on the stage's variables hold values only within a step.
     """
     shard = str(kwargs.get("shard") or "none").lower()
-    check_stage_optimizer(pipe, shard, kwargs)
+    check_stage_optimizer(pipe, optimizer, shard, kwargs)
     if pipe.stage_process_set is None:
         return optimizer
     if shard != ZERO3:

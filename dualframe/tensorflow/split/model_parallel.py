@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import re
-import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import keras
@@ -10,14 +9,14 @@ import tensorflow as tf
 
 from dualframe.errors import ChunksError, DeviceError
 from dualframe.pipeline.microbatch import micro_batch_sizes
-from dualframe.pipeline.executor import RecordFn, run_ticks
+from dualframe.pipeline.executor import run_ticks
 from dualframe.pipeline.schedule import one_process_ticks
 from dualframe.pipeline.split import Split, validate_split
 from dualframe.observe.timeline import Recording
 from dualframe.pipeline.graph import GraphSplit, graph_units
 from dualframe.tensorflow.graph.capture import KerasGraph, capture, layers_called, layers_called_first, place_variables
 from dualframe.tensorflow.graph.cut import describe_split, split_model
-from dualframe.tensorflow.pipeline.recompute import swapped
+from dualframe.tensorflow.split.backward import recomputed, timed_backward
 
 _NAME = re.compile(r"^/?(?:.*device:)?(cpu|gpu|tpu)(?::(\d+))?$", re.IGNORECASE)
 HINT = ("; more CPU devices for testing: dualframe.tensorflow.logical_cpus(n) before TensorFlow runs any op")
@@ -235,9 +234,9 @@ class ModelParallel(Recording, keras.Model):
         def cell(i: int, j: int) -> None:
             fn = self._stage(j, training)
             if self.plan.checkpointed(i) and training:
-                fn = _recomputed(fn, self._state_of(j))
+                fn = recomputed(fn, self._state_of(j))
             if record is not None:
-                fn = _timed_backward(fn, i, j, record)
+                fn = timed_backward(fn, i, j, record)
             with tf.device(self.plan.devices[j]):
                 # Each value this stage reads is copied onto its device once, whichever stage made it.
                 outputs = fn(*[tf.identity(values[i][v]) for v in split.reads[j]])
@@ -287,57 +286,3 @@ class ModelParallel(Recording, keras.Model):
             return super().load_weights(filepath, **kwargs)
         return self.captured.model.load_weights(filepath, **kwargs)
 
-
-def _recomputed(fn: Callable[..., Tuple[tf.Tensor, ...]], state: Sequence[Any]) -> Callable[..., Tuple[tf.Tensor, ...]]:
-    """``tf.recompute_grad(fn)`` over floating-point values only: integer and boolean inputs and outputs
-    (token ids, masks) carry no gradient, and a traced ``recompute_grad`` cannot make one for them; the
-    non-float outputs are taken from the forward call (the backward's recomputation does not need them).
-
-    The recomputation starts from the ``state`` variables' values of the forward (a Dropout draws the
-    forward's mask again, BatchNormalization's moving statistics move once) and puts back what they
-    held before it (later micro-batches' forwards may have moved them since)."""
-
-    def run(*xs: tf.Tensor) -> Tuple[tf.Tensor, ...]:
-        where = [k for k, x in enumerate(xs) if x.dtype.is_floating]
-        others: List[List[Any]] = []
-        before = [tf.identity(v) for v in state]
-
-        def floats_only(*floats: tf.Tensor) -> Tuple[tf.Tensor, ...]:
-            args = list(xs)
-            for k, x in zip(where, floats):
-                args[k] = x
-            with swapped(state if others else [], before):  # the recomputation (not the forward) replays
-                ys = fn(*args)
-            if not others:
-                others.append([None if y.dtype.is_floating else y for y in ys])
-            return tuple(y for y in ys if y.dtype.is_floating)
-
-        floats = iter(tf.recompute_grad(floats_only)(*[xs[k] for k in where]))
-        return tuple(next(floats) if y is None else y for y in others[0])
-
-    return run
-
-
-def _timed_backward(fn: Callable[..., Tuple[tf.Tensor, ...]], i: int, j: int,
-                    record: RecordFn) -> Callable[..., Tuple[tf.Tensor, ...]]:
-    """``fn`` whose gradient, when eager, is timed as the backward cell (i, j) of the timeline."""
-
-    @tf.custom_gradient
-    def timed(*xs: tf.Tensor) -> Any:
-        floats = [x for x in xs if x.dtype.is_floating]
-        with tf.GradientTape() as tape:
-            tape.watch(floats)
-            ys = fn(*xs)
-
-        def grad(*dys: tf.Tensor, variables: Optional[List[tf.Variable]] = None) -> Any:
-            start = time.perf_counter()
-            pairs = [(y, dy) for y, dy in zip(ys, dys) if y.dtype.is_floating]
-            grads = tape.gradient([y for y, _ in pairs], floats + list(variables or []),
-                                  output_gradients=[dy for _, dy in pairs])
-            record("B", i, j, start, time.perf_counter())
-            by_input = iter(grads[:len(floats)])
-            return [next(by_input) if x.dtype.is_floating else None for x in xs], grads[len(floats):]
-
-        return ys, grad
-
-    return timed

@@ -1,4 +1,4 @@
-"""``Pipeline`` for Keras 3: a split model run in one process with micro-batching (GPipe) and tf.recompute_grad checkpointing."""
+"""``Pipeline`` for Keras 3: a split model run in one process, micro-batched (GPipe), checkpointing activations."""
 from __future__ import annotations
 
 from typing import Any, Optional, Sequence
@@ -13,7 +13,8 @@ class Pipeline(ModelParallel):
     The graph is built cell by cell in the core's clock-tick order, each cell under ``tf.device`` of its
     stage; inside ``fit`` (a ``tf.function``) TensorFlow's executor runs independent cells on different
     devices at the same time. Checkpointed micro-batches keep only their stage inputs and recompute
-    activations in backward (``tf.recompute_grad``).
+    activations in backward. An Embedding's gradient stays ``tf.IndexedSlices`` in every mode, as in
+    ``fit`` on the unsplit model, so Adam updates only the rows read.
 
     Example:
         >>> import dualframe.tensorflow as hvd

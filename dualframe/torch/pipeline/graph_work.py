@@ -3,6 +3,7 @@
 Each message holds what one edge carries, in ``dualframe.pipeline.message``'s layout (an int64 header,
 each tensor's bytes, a JSON tail for values that are not one tensor: a traced size (torch.export's
 ``sym_size_int``), a shape, a flag or None); this module converts torch tensors to and from those bytes.
+An edge between two stages of one rank (ZB-V's turn) carries the values themselves (``handed``).
 """
 from __future__ import annotations
 
@@ -100,7 +101,8 @@ def pack(values: Sequence[Any], names: Sequence[str], device: torch.device) -> t
     if not all(isinstance(v, torch.Tensor) for v in values):
         message.check_sendable(values, names, _leaf)
     tensors, tail = message.structure(values, _LEAVES)
-    head = message.header([(name, dtype_code(t.dtype), tuple(t.shape)) for name, t in zip(names, tensors)], len(tail))
+    named = [name for name, v in zip(names, values) for _ in tensor_leaves(v)]  # a value may hold several tensors
+    head = message.header([(name, dtype_code(t.dtype), tuple(t.shape)) for name, t in zip(named, tensors)], len(tail))
     parts = [torch.frombuffer(bytearray(head), dtype=torch.uint8).to(device)]
     for t in tensors:
         data = t.detach().contiguous().reshape(-1).view(torch.uint8).to(device)
@@ -111,11 +113,33 @@ def pack(values: Sequence[Any], names: Sequence[str], device: torch.device) -> t
 
 
 def unpack(raw: torch.Tensor) -> List[Any]:
-    """The values of a ``pack`` message (fresh tensors on the message's device)."""
+    """The values of a ``pack`` message: views of its bytes (each receive fills a fresh buffer), copies where
+    the message does not start at a multiple of 8 bytes."""
     layout = message.read_layout(lambda n: raw[:8 * n].clone().view(torch.int64).tolist())
-    tensors = [raw[p.offset:p.offset + p.size].clone().view(DTYPES[p.code]).reshape(p.shape) for p in layout.parts]
+    aligned = raw.storage_offset() % 8 == 0
+    tensors = [(part if aligned else part.clone()).view(DTYPES[p.code]).reshape(p.shape)
+               for p, part in ((p, raw[p.offset:p.offset + p.size]) for p in layout.parts)]
     tail = bytes(raw[layout.tail_offset:layout.tail_offset + layout.tail_size].cpu().tolist())
     return message.rebuild(tail, tensors, _LEAVES)
+
+
+def handed(values: Sequence[Any], names: Sequence[str], training: bool) -> List[Any]:
+    """The values for a stage on this rank, in place of a message: each floating tensor detached when training
+    (the receiver's own leaf, no copy), other tensors copied; refused as ``pack`` refuses them.
+
+    Example:
+        >>> h = torch.ones(2, requires_grad=True) * 2
+        >>> [(t.requires_grad, t.data_ptr() == h.data_ptr()) for t in handed([h], ["h"], training=True)]
+        [(False, True)]
+    """
+    if not all(isinstance(v, torch.Tensor) for v in values):
+        message.check_sendable(values, names, _leaf)
+
+    def leaf(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        return t.detach() if training and t.is_floating_point() else t.clone()
+    return [leaf(v) if isinstance(v, torch.Tensor) else pytree.tree_map(leaf, v) for v in values]
 
 
 class TorchGraphStageWork:
@@ -126,15 +150,17 @@ class TorchGraphStageWork:
     to it), rebuilds the model's return value (``unflatten``: ``Captured.unflatten``, a chain's
     ``ChainPart.unflatten``) and turns it into the loss weighted by the micro-batch's share of rows. A
     micro-batch in ``recompute`` (activation checkpointing) keeps only the values its stage read until
-    its backward, which runs the stage again first.
+    its backward, which runs the stage again first. An edge to or from a stage in ``local`` (held by the same
+    rank) carries the values themselves (``handed``) rather than a packed message.
     """
 
     def __init__(self, stage: nn.Module, split: GraphSplit, j: int, unflatten: Callable[[Dict[str, Any]], Any],
                  device: torch.device, loss_fn: Optional[Callable[[Any, Any], torch.Tensor]],
                  targets: List[torch.Tensor], weights: List[float], meter: ActivationMeter,
-                 split_backward: Optional[SplitBackward] = None, recompute: Optional[StageRecompute] = None) -> None:
+                 split_backward: Optional[SplitBackward] = None, recompute: Optional[StageRecompute] = None,
+                 local: FrozenSet[int] = frozenset()) -> None:
         self.stage, self.split, self.j, self.unflatten, self.device = stage, split, j, unflatten, device
-        self.split_backward, self.recompute = split_backward, recompute
+        self.split_backward, self.recompute, self.local = split_backward, recompute, local
         self.loss_fn, self.targets, self.weights, self.meter = loss_fn, targets, weights, meter
         self.last = j == split.stages - 1
         edges = stage_edges(split, j)
@@ -148,12 +174,12 @@ class TorchGraphStageWork:
         self.outputs: List[Dict[str, Any]] = []
         self.loss_sum = 0.0
 
-    def forward(self, i: int, received: Mapping[int, Any]) -> Dict[int, torch.Tensor]:
+    def forward(self, i: int, received: Mapping[int, Any]) -> Dict[int, Any]:
         training = self.loss_fn is not None
         values: Dict[str, Any] = dict(received.get(-1, {}))
         held: Dict[int, List[torch.Tensor]] = {}
         for p, names in self.incoming.items():
-            got = unpack(received[p])
+            got = received[p] if p in self.local else unpack(received[p])
             tensors = [t for value in got for t in tensor_leaves(value)]
             for t in tensors:
                 if training and t.is_floating_point():
@@ -199,17 +225,23 @@ class TorchGraphStageWork:
     def _sent(self, values: Mapping[str, Any]) -> Dict[int, List[Any]]:
         return {c: [values[v] for v in names] for c, names in self.outgoing.items()}
 
-    def _messages(self, values: Mapping[str, Any]) -> Dict[int, torch.Tensor]:
-        return {c: pack([values[v] for v in names], names, self.device) for c, names in self.outgoing.items()}
+    def _messages(self, values: Mapping[str, Any]) -> Dict[int, Any]:
+        return {c: self._message(c, [values[v] for v in names], names) for c, names in self.outgoing.items()}
 
-    def backward(self, i: int, grads: Mapping[int, torch.Tensor]) -> Dict[int, torch.Tensor]:
+    def _message(self, peer: int, values: Sequence[Any], names: Sequence[str]) -> Any:
+        """What goes to stage ``peer``: the values handed over on this rank, else packed."""
+        if peer in self.local:
+            return handed(values, names, self.loss_fn is not None)
+        return pack(values, names, self.device)
+
+    def backward(self, i: int, grads: Mapping[int, Any]) -> Dict[int, Any]:
         held, sent, loss, read = self._saved.pop(i)
         self._kept.pop(i, None)
         if read is not None:
             assert self.recompute is not None
             values, loss = self.recompute.replay(i, lambda: self._train(i, read))
             sent = None if self.last else self._sent(values)
-        roots, upstream = ([loss], [None]) if loss is not None else self._roots(sent, grads)
+        roots, upstream = ([loss], [None]) if loss is not None else self._roots(sent, grads, self.local)
         if self.split_backward is not None:
             inputs = [t for tensors in held.values() for t in tensors if t.requires_grad]
             found = iter(self.split_backward.input_pass(i, roots, upstream, inputs))
@@ -219,8 +251,8 @@ class TorchGraphStageWork:
                 torch.autograd.backward(roots, upstream)  # a value sent to two stages: both gradients add up
             back = {p: [t.grad for t in tensors] for p, tensors in held.items()}
         received = self._received.pop(i)
-        return {p: pack(_with_tensors(received[p], [g if g is not None else torch.zeros_like(t)
-                                                    for t, g in zip(held[p], gs)]), self.incoming[p], self.device)
+        return {p: self._message(p, _with_tensors(received[p], [g if g is not None else torch.zeros_like(t)
+                                                               for t, g in zip(held[p], gs)]), self.incoming[p])
                 for p, gs in back.items()}
 
     def weight(self, i: int) -> None:
@@ -228,10 +260,11 @@ class TorchGraphStageWork:
         self.split_backward.weight_pass(i)
 
     @staticmethod
-    def _roots(sent: Mapping[int, List[Any]], grads: Mapping[int, torch.Tensor]) -> Tuple[List[Any], List[Any]]:
+    def _roots(sent: Mapping[int, List[Any]], grads: Mapping[int, Any],
+               local: FrozenSet[int]) -> Tuple[List[Any], List[Any]]:
         roots, upstream = [], []
         for c, message in grads.items():
-            grads_of = [g for value in unpack(message) for g in tensor_leaves(value)]
+            grads_of = [g for value in (message if c in local else unpack(message)) for g in tensor_leaves(value)]
             for t, g in zip([t for value in sent[c] for t in tensor_leaves(value)], grads_of):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     roots.append(t)
@@ -268,7 +301,8 @@ class HeldStageWorks:
               weights: Sequence[float], meter: ActivationMeter) -> Dict[int, TorchGraphStageWork]:
         """One step's stage work per held stage (the last stage's reads ``targets``)."""
         last = self.split.stages - 1
+        local = frozenset(self.calls)  # the edges between them are handed over in memory (``LocalLink``)
         return {j: TorchGraphStageWork(call, self.split, j, self.unflatten, self.device, loss_fn,
                                        list(targets) if j == last else [], list(weights), meter,
-                                       self.split_backwards.get(j), self.recomputes.get(j))
+                                       self.split_backwards.get(j), self.recomputes.get(j), local)
                 for j, call in self.calls.items()}

@@ -16,15 +16,20 @@ pages). Between steps a rank holds 1/R of the stage's trainable values (float32 
 the optimizer state of its slices only (R: the stage's replicas); within a step, the stage's full
 values and summed gradients, as ZeRO-2 would. Non-trainable variables (batch-norm statistics) stay
 whole on every replica, as in plain data parallelism.
+
+``backward_passes_per_step=k`` (as torch's stage): the k steps of an update sum their gradients in
+full on each rank, the stage staying gathered between them; the k-th step reduces the sum once.
+``compression=`` applies to that reduction (Horovod's compress and decompress around it).
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, List, Optional, Sequence
 
 import keras
 import tensorflow as tf
 
+from dualframe.dp.precision import master_dtype
 from dualframe.errors import StrategyError
 from dualframe.tensorflow.collectives import hvd
 from dualframe.tensorflow.dp.gradients import SHARD_SCOPE, collective_scope, named
@@ -97,13 +102,27 @@ class StageShardedOptimizer(ShardedOptimizer):
         self._zero.planned, self._zero.blocks = layers_plan(layers, variables, process_set.size(),
                                                            self.bucket_elements)
         self.stage_variables = list(variables)
+        #: The full gradients summed over the steps of an update not yet applied (``backward_passes_per_step``).
+        self._summed: Optional[List[Any]] = None
+        self._passes = 0
+        self._holds_values = False
 
     def __repr__(self) -> str:
         return f"DistributedOptimizer(shard='parameters', stage, {self._zero.inner!r})"
 
     def build(self, var_list: Sequence[Any]) -> None:
-        """Cut the stage's current values into this rank's slices, build the inner optimizer on them, free the values."""
+        """Cut the stage's current values into this rank's slices, build the inner optimizer on them, free the values.
+
+        Built once (``distributed_optimizer`` builds it): a later call on the same variables (or on the slices)
+        keeps the slices and slots as they are.
+
+        Raises:
+            StrategyError: built already on other variables.
+        """
         variables = list(var_list)
+        if self.built:
+            self._zero.check_built_on(variables)
+            return
         zero = self._zero
         zero.model = self  # fp32 master slices of float16 / bfloat16 variables (the slices are the only copy)
         with tf.init_scope():
@@ -114,7 +133,12 @@ class StageShardedOptimizer(ShardedOptimizer):
         self.free()
 
     def begin_step(self) -> None:
-        """Write every variable's full value, allgathered from the replicas' slices in one grouped call."""
+        """Write every variable's full value, allgathered from the replicas' slices in one grouped call.
+
+        A stage still gathered (an update's steps under way, ``backward_passes_per_step``) is left as it is.
+        """
+        if self._holds_values:
+            return
         zero = self._zero
         values = [tf.convert_to_tensor(s) for s in zero.slices]
         if self.reduction.process_set.size() > 1:
@@ -123,12 +147,19 @@ class StageShardedOptimizer(ShardedOptimizer):
                                                     process_set=self.reduction.process_set))
         for variable, value in zip(zero.variables, zero.unflatten(values)):
             variable._value.assign(tf.cast(value, variable.dtype))
+        self._holds_values = True
 
     def free(self) -> None:
         """Empty every trainable variable of the stage (zero-size placeholders) until the next ``begin_step``."""
         for variable in self._zero.variables:
             if variable.shape.rank:
                 variable._value.assign(tf.zeros([0] * variable.shape.rank, variable.dtype))
+        self._holds_values = False
+
+    def end_inference(self) -> None:
+        """After an inference walk: free the stage, unless an update's steps are under way (they keep it)."""
+        if not self._passes:
+            self.free()
 
     def reload(self) -> None:
         """Take this rank's slices of the values just written into the stage's variables, then free them."""
@@ -136,23 +167,61 @@ class StageShardedOptimizer(ShardedOptimizer):
         self.free()
 
     def apply(self, grads: Sequence[Any], trainable_variables: Optional[Sequence[Any]] = None) -> None:
-        """Reduce the step's summed ``grads`` into this rank's slices, free the full values, update the slices."""
+        """Reduce the step's summed ``grads`` into this rank's slices, free the full values, update the slices.
+
+        With ``backward_passes_per_step=k`` the first k - 1 calls only add ``grads`` to the update's sum
+        (the stage stays gathered: its values do not change till the update); the k-th reduces the sum.
+        """
         grads = list(grads)
         self._zero.check_variables(grads, trainable_variables)
         self._check_once()
-        slice_grads = self._reduce_scatter(grads)
+        summed = self._accumulated(grads)
         del grads
+        if summed is None:
+            return
+        slice_grads = self._reduce_scatter(summed)
+        del summed
         self.free()
         self._update(slice_grads)
 
+    def _accumulated(self, grads: List[Any]) -> Optional[List[Any]]:
+        """``grads``, or every k-th call the k steps' sum (divided by k with ``average_aggregated_gradients``)."""
+        steps = self.accumulation.steps
+        if steps == 1:
+            return grads
+        dense = [tf.cast(g, master_dtype(g.dtype.name)) for g in self._zero.dense(grads)]  # float16: summed in float32
+        self._summed = dense if self._summed is None else [a + g for a, g in zip(self._summed, dense)]
+        self._passes += 1
+        if self._passes < steps:
+            return None
+        summed, self._summed, self._passes = self._summed, None, 0
+        return [g / steps for g in summed] if self.accumulation.average else summed
+
+    def state_arrays(self) -> List[Any]:
+        """The plain optimizer's state, gathered (every replica calls); refused within an update's steps.
+
+        Raises:
+            StrategyError: some of an update's ``backward_passes_per_step`` steps ran (their summed gradients
+                are no state a checkpoint keeps), the same on every replica.
+        """
+        if self._passes:
+            raise StrategyError(f"the stage's optimizer is {self._passes} of {self.accumulation.steps} steps into "
+                                f"an update (backward_passes_per_step); save after the update's last step")
+        return super().state_arrays()
+
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:
-        """The stage's full values in its variables inside (a collective on the replica set), freed after."""
+        """The stage's full values in its variables inside (a collective on the replica set), freed after.
+
+        A stage gathered already (an update's steps under way) stays gathered.
+        """
+        held = self._holds_values
         self.begin_step()
         try:
             yield
         finally:
-            self.free()
+            if not held:
+                self.free()
 
     def held_bytes(self) -> int:
         """Bytes this rank holds for the stage's trainable values: the variables' storage, slices, optimizer state."""
