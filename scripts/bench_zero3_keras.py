@@ -3,6 +3,7 @@
     flock /tmp/dualframe-bench.lock .venv/bin/python scripts/bench_zero3_keras.py               # np=2 and np=4
     .venv/bin/python scripts/bench_zero3_keras.py --ranks 2 --rounds 5 --width 2048 --layers 5
     .venv/bin/python scripts/bench_zero3_keras.py --ranks 2 --policy mixed_float16   # every mode under the policy
+    .venv/bin/python scripts/bench_zero3_keras.py --ranks 2 --time-only --timed plain parameters-keep-0 parameters
 
 For each number of ranks, under mpirun (``--launcher gloo``: horovodrun --gloo), an MLP of ``layers``
 Dense(width x width) layers (5 x 2048^2: 21M parameters) with Adam, under Keras's dtype ``--policy``
@@ -15,7 +16,9 @@ memory: one launch per mode (plain ``DistributedOptimizer``, ``shard="gradients"
         the steps (``/proc/self/statm``) and its peak (``ru_maxrss``); printed against plain's, beside
         ``dualframe plan``'s figures for the same MLP (its parameters + Adam state, to the byte, and the
         change of its whole per-rank total against plain, to set beside the change of the peak).
-time:   one launch holding the three models and ZeRO-3 without prefetch; rounds interleave them (order rotated each round), each times
+time:   one launch holding the models of ``--timed`` (default: the three and ZeRO-3 without prefetch; also
+        ZeRO-3 with ``keep_gathered=0``, every layer gathered again and recomputed in its backward, or with
+        every layer kept); rounds interleave them (order rotated each round), each times
         ``steps`` fit steps; the median of the per-round ratios to plain (the issue's goal for ZeRO-3: <= 1.3).
 """
 from __future__ import annotations
@@ -40,6 +43,8 @@ from dualframe.launch.commands import horovodrun_command, mpirun_command, thread
 MODES = ("plain", "gradients", "parameters")
 #: Timed beside MODES: ZeRO-3 with each layer's gather waiting for its own inputs (no prefetch).
 TIMED = MODES + ("parameters-no-prefetch",)
+#: ZeRO-3 with ``keep_gathered=k`` (the mode above: the default, 1); "all": every layer, none recomputed.
+KEPT = ("parameters-keep-0", "parameters-keep-all")
 
 
 def _model_and_data(width: int, layers: int, batch: int, steps: int, mode: str, policy: str) -> tuple:
@@ -54,8 +59,15 @@ def _model_and_data(width: int, layers: int, batch: int, steps: int, mode: str, 
                                                         for _ in range(layers - 1)] + [keras.layers.Dense(10)])
     model.compile(optimizer=keras.optimizers.Adam(1e-4),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    shard = "none" if mode == "plain" else mode.replace("-no-prefetch", "")
-    model = hvd.distribute(model, dualframe.DataParallel(shard=shard))
+    if mode in KEPT:  # as distribute builds ZeRO-3, with keep_gathered= given
+        keep = layers if mode.endswith("-all") else int(mode.rsplit("-", 1)[1])
+        optimizer = hvd.DistributedOptimizer(model.optimizer, shard="parameters", keep_gathered=keep)
+        loss = model.loss
+        model = optimizer.shard_model(model)
+        model.compile(optimizer=optimizer, loss=loss)
+    else:
+        shard = "none" if mode == "plain" else mode.replace("-no-prefetch", "")
+        model = hvd.distribute(model, dualframe.DataParallel(shard=shard))
     if mode.endswith("-no-prefetch"):
         sharded(model.optimizer)._zero.ahead.prefetch = False  # before fit traces the step
     gc.collect()  # ZeRO-3's distribute returns a copy without values: the given model goes here
@@ -128,10 +140,11 @@ def worker(part: str, mode: str, args: argparse.Namespace) -> None:
         values = hvd.allgather(tf.constant([row], dtype=tf.int64)).numpy().max(axis=0)
         result = dict(zip(("parameters", "slots", "resident", "peak"), (int(v) for v in values)))
     else:
-        models = {m: _model_and_data(args.width, args.layers, args.batch, args.steps, m, args.policy) for m in TIMED}
-        result = {m: [] for m in TIMED}
+        timed = args.timed
+        models = {m: _model_and_data(args.width, args.layers, args.batch, args.steps, m, args.policy) for m in timed}
+        result = {m: [] for m in timed}
         for k in range(args.rounds):
-            for m in TIMED[k % len(TIMED):] + TIMED[:k % len(TIMED)]:  # the first in a round pays for waking up
+            for m in timed[k % len(timed):] + timed[:k % len(timed)]:  # the first in a round pays for waking up
                 model, x, y = models[m]
                 hvd.barrier()
                 start = time.perf_counter()
@@ -147,7 +160,7 @@ def launch(ranks: int, part: str, mode: str, args: argparse.Namespace) -> dict:
     env["PATH"] = f"{pathlib.Path(sys.executable).parent}:{env['PATH']}"
     program = [sys.executable, __file__, "--worker", part, "--mode", mode, "--width", str(args.width),
                "--layers", str(args.layers), "--batch", str(args.batch), "--steps", str(args.steps),
-               "--rounds", str(args.rounds), "--policy", args.policy]
+               "--rounds", str(args.rounds), "--policy", args.policy, "--timed", *args.timed]
     if args.launcher == "gloo":
         command = horovodrun_command(ranks, program, hosts=f"localhost:{ranks}")
     else:
@@ -177,14 +190,18 @@ def report(ranks: int, args: argparse.Namespace) -> None:
                   f"total {(plan_total - plan_plain) / 2**20:+.1f} MiB against plain)", flush=True)
     times = launch(ranks, "time", "all", args)
     base = statistics.median(times["plain"])
-    for m in TIMED[1:]:
+    for m in args.timed[1:]:
         ratios = [t / p for t, p in zip(times[m], times["plain"])]
         print(f"  np={ranks} {args.launcher} step time shard={m!r}: {statistics.median(times[m]) * 1e3:.1f} ms vs "
               f"plain {base * 1e3:.1f} ms, ratio {statistics.median(ratios):.3f} (median of {args.rounds} "
               f"interleaved rounds: {' '.join(f'{r:.2f}' for r in ratios)})", flush=True)
-    ratios = [a / b for a, b in zip(times["parameters"], times["parameters-no-prefetch"])]
-    print(f"  np={ranks} ZeRO-3 with prefetch / without: {statistics.median(ratios):.3f} "
-          f"({' '.join(f'{r:.2f}' for r in ratios)})", flush=True)
+    for mode, other, what in (("parameters", "parameters-no-prefetch", "with prefetch / without"),
+                              ("parameters", "parameters-keep-0", "keep_gathered=1 (default) / 0"),
+                              ("parameters-keep-all", "parameters-keep-0", "keep_gathered=every layer / 0")):
+        if mode in times and other in times:
+            ratios = [a / b for a, b in zip(times[mode], times[other])]
+            print(f"  np={ranks} ZeRO-3 {what}: {statistics.median(ratios):.3f} "
+                  f"({' '.join(f'{r:.2f}' for r in ratios)})", flush=True)
 
 
 def main() -> None:
@@ -199,6 +216,8 @@ def main() -> None:
     parser.add_argument("--policy", choices=["float32", "mixed_float16", "mixed_bfloat16"], default="float32",
                         help="Keras's global dtype policy for every mode")
     parser.add_argument("--time-only", action="store_true", help="skip the memory launches")
+    parser.add_argument("--timed", nargs="+", choices=TIMED + KEPT, default=list(TIMED),
+                        help="the modes timed in one launch, plain first (ratios are to it)")
     parser.add_argument("--worker", choices=["memory", "time"], help=argparse.SUPPRESS)
     parser.add_argument("--mode", default="plain", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -55,6 +55,7 @@ torch mpirun     2 torch_examples/pipeline_processes.py
 torch mpirun     4 torch_examples/hybrid.py
 torch mpirun     4 torch_examples/hybrid.py --shard parameters
 tf    mpirun     2 tf_examples/pipeline_processes.py
+tf    mpirun     4 tf_examples/hybrid.py --shard parameters
 torch single     1 torch_examples/transformer_split.py
 torch mpirun     2 torch_examples/transformer_split.py
 torch mpirun     2 torch_examples/hf_pipeline.py

@@ -1,6 +1,7 @@
 """Hybrid data x pipeline parallelism in Keras: replicas of a 2-stage process pipeline trained with fit, gradients averaged per stage.
 
     mpirun -np 4 python tf_examples/hybrid.py                               # 2 replicas x 2 stages
+    mpirun -np 4 python tf_examples/hybrid.py --shard parameters            # each replica 1/2 of its stage (ZeRO-3)
     horovodrun -np 2 -H localhost:2 --gloo python tf_examples/hybrid.py     # 1 replica x 2 stages
 """
 import argparse
@@ -25,19 +26,25 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=512)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--steps", type=int, default=12, help="global batches per epoch")
-    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--shard", default="none", choices=["none", "optimizer", "gradients", "parameters"],
+                        help="shard among each stage's replicas: optimizer state (ZeRO-1), + gradients (ZeRO-2), "
+                             "+ parameters between steps (ZeRO-3)")
     args = parser.parse_args()
 
     hvd.init(process_sets=pipeline_process_sets(dualframe.detect_topology().size, STAGES))  # dualframe: stage pairs, stage replicas
     replicas = hvd.size() // STAGES
-    keras.utils.set_random_seed(0)  # the same full model on every rank
+    keras.utils.set_random_seed(0)  # the same full model on every rank (ZeRO-3 cuts its slices from it)
     model = keras.Sequential([keras.Input((args.width,))] + [
         layer for _ in range(3) for layer in (keras.layers.Dense(args.width), keras.layers.ReLU())
     ] + [keras.layers.Dense(1)])
     pipe = hvd.DistributedPipeline(model, [4, 3], chunks=args.chunks, schedule=args.schedule,  # dualframe:
                                    data_parallel=replicas)
-    # dualframe: each stage's gradients are averaged among that stage's replicas only (its process set)
-    pipe.compile(keras.optimizers.SGD(0.01), loss="mse")
+    # dualframe: averages each stage's gradients among that stage's replicas only (and shards among them);
+    # compile takes the optimizer distributed_optimizer returns as it is
+    optimizer = pipe.distributed_optimizer(keras.optimizers.SGD(0.01, momentum=0.9),
+                                           shard=None if args.shard == "none" else args.shard)
+    pipe.compile(optimizer, loss="mse")
 
     rng = np.random.RandomState(1)
     x = rng.randn(args.global_batch * args.steps, args.width).astype("float32")
@@ -46,12 +53,16 @@ def main() -> None:
     # dualframe: every rank passes the global batches; each replica trains on its share of each
     history = pipe.fit(x, y, batch_size=args.global_batch, epochs=args.epochs, verbose=2)
     elapsed = time.perf_counter() - start
-    loss = history.history["loss"][-1]  # the mean over the global batches, the same on every rank
+    losses = history.history["loss"]  # each epoch's mean over the global batches, the same on every rank
 
     timings = pipe.timings()  # dualframe: every stage's line (a collective)
     if hvd.rank() == 0:
-        print(f"{replicas} replicas x {STAGES} stages, {args.schedule}, chunks {args.chunks}: "
-              f"{args.epochs * len(x) / elapsed:.0f} samples/s, final loss {loss:.5f}")
+        print(f"{replicas} replicas x {STAGES} stages, {args.schedule}, chunks {args.chunks}, shard {args.shard}: "
+              f"{args.epochs * len(x) / elapsed:.0f} samples/s, loss per epoch "
+              + " -> ".join(f"{loss:.5f}" for loss in losses))
+        if pipe.sharded is not None:  # dualframe: ZeRO-3 keeps 1/replicas of the stage between steps
+            print(f"  stage 0 holds {pipe.sharded.held_bytes() / 2**20:.2f} MiB of values and optimizer state "
+                  f"between steps on this rank, of {pipe.sharded.full_bytes() / 2**20:.2f} MiB unsharded")
         for line in timings:
             print("  " + line)
         theory = table_bubble(clock_table(rank_schedule(args.schedule, STAGES, args.chunks)))

@@ -222,6 +222,36 @@ class ParameterShardPlan:
         return ShardLayout(sizes=tuple(sizes), ranks=self.ranks, buckets=tuple(buckets)), owned
 
 
+def refuse_zero3_only(argument: str, shard: object) -> None:
+    """Refuse an argument only ZeRO-3 takes (``model=``, ``keep_gathered=``) given with another ``shard``.
+
+    Example:
+        >>> refuse_zero3_only("keep_gathered", "gradients")
+        Traceback (most recent call last):
+        ...
+        dualframe.errors.StrategyError: keep_gathered= is for shard='parameters' (ZeRO-3), which gathers each block's parameters in the model's forward (shard: 'gradients'); drop keep_gathered=
+    """
+    raise StrategyError(f"{argument}= is for shard='parameters' (ZeRO-3), which gathers each block's parameters "
+                        f"in the model's forward (shard: {shard!r}); drop {argument}=")
+
+
+def check_keep_gathered(keep_gathered: object) -> int:
+    """``keep_gathered``, refused unless an int >= 0: how many of the forward's last blocks stay gathered to their backward.
+
+    Example:
+        >>> check_keep_gathered(2)
+        2
+        >>> check_keep_gathered(-1)
+        Traceback (most recent call last):
+        ...
+        dualframe.errors.StrategyError: keep_gathered must be an int >= 0: how many of the forward's last blocks stay gathered until their backward (keep_gathered: -1)
+    """
+    if isinstance(keep_gathered, bool) or not isinstance(keep_gathered, int) or keep_gathered < 0:
+        raise StrategyError(f"keep_gathered must be an int >= 0: how many of the forward's last blocks stay "
+                            f"gathered until their backward (keep_gathered: {keep_gathered!r})")
+    return keep_gathered
+
+
 @dataclass
 class GatherOrder:
     """The blocks' forward order, recorded in the first forward, and which block to gather ahead.

@@ -3,7 +3,8 @@
 A functional model split over 4 processes (4 stages) and over 2 replicas x 2 stages: per-epoch losses,
 metrics and validation logs, EarlyStopping's stop, ReduceLROnPlateau's rate, ModelCheckpoint's saved
 model and the final weights equal ``keras.Model.fit`` in one process (float32, 1e-5), with SGD and
-Adam; logs equal on every rank; one rank's stop stops all; BackupAndRestore resumes at the epoch;
+Adam, also compiled with ``distributed_optimizer(opt, shard="gradients" | "parameters")`` (ZeRO-2 / ZeRO-3
+among a stage's replicas); logs equal on every rank; one rank's stop stops all; BackupAndRestore resumes at the epoch;
 bad input refused on every rank before any step.
 """
 import os
@@ -52,25 +53,21 @@ def shared_folder(tmp_path):
     return hvd.broadcast_object(str(tmp_path), 0, name="fit.folder")
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("optimizer", OPTIMIZERS)
-def test_fit_equals_keras_fit_of_the_unsplit_model(layout, optimizer, tmp_path):
+def check_fit_equals_keras_fit(pipe, optimizer, name, tmp_path):
+    """``pipe.fit`` (compiled with ``optimizer``) against ``keras.Model.fit`` of the unsplit model: logs, weights, saved model."""
     folder = shared_folder(tmp_path)
     (x, y), validation = data(64, 1), data(32, 2)
     arguments = dict(batch_size=16, epochs=5, shuffle=False, validation_data=validation, verbose=0)
     reference = make_model()
-    reference.compile(OPTIMIZERS[optimizer](), loss="mse", metrics=["mae"])
+    reference.compile(OPTIMIZERS[name](), loss="mse", metrics=["mae"])
     want = reference.fit(x, y, callbacks=callbacks(os.path.join(folder, f"one-{hvd.rank()}.keras")), **arguments)
 
-    pipe = hvd.DistributedPipeline(make_model(), chunks=4, **LAYOUTS[layout])  # dualframe: the split
-    for variable in pipe.trainable_variables if pipe.replica == 1 else []:  # fit starts from replica 0's weights
-        variable.assign(variable + 1.0)
-    pipe.compile(OPTIMIZERS[optimizer](), loss="mse", metrics=["mae"])  # dualframe: same compile
+    pipe.compile(optimizer, loss="mse", metrics=["mae"])  # dualframe: same compile
     got = pipe.fit(x, y, callbacks=callbacks(os.path.join(folder, "pipe.keras")), **arguments)
 
     assert len(want.history["loss"]) == 3, "EarlyStopping should stop the reference after epoch 3"
     assert want.history["learning_rate"][-1] == pytest.approx(want.history["learning_rate"][0] / 2)
-    histories = hvd.allgather_object(got.history, name=f"fit.{layout}.{optimizer}.history")
+    histories = hvd.allgather_object(got.history, name=f"fit.{name}.history")
     assert all(h == histories[0] for h in histories), f"histories differ between ranks: {histories}"
     assert sorted(got.history) == sorted(want.history), (got.history, want.history)
     for key, values in want.history.items():
@@ -79,6 +76,27 @@ def test_fit_equals_keras_fit_of_the_unsplit_model(layout, optimizer, tmp_path):
     saved = keras.models.load_model(os.path.join(folder, "pipe.keras"))  # written once, by rank 0
     best = keras.models.load_model(os.path.join(folder, f"one-{hvd.rank()}.keras"))
     assert_weights(saved.get_weights(), best.get_weights(), "ModelCheckpoint's model vs keras fit's")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_fit_equals_keras_fit_of_the_unsplit_model(layout, optimizer, tmp_path):
+    pipe = hvd.DistributedPipeline(make_model(), chunks=4, **LAYOUTS[layout])  # dualframe: the split
+    for variable in pipe.trainable_variables if pipe.replica == 1 else []:  # fit starts from replica 0's weights
+        variable.assign(variable + 1.0)
+    check_fit_equals_keras_fit(pipe, OPTIMIZERS[optimizer](), optimizer, tmp_path)
+
+
+@pytest.mark.parametrize("shard, optimizer", [("gradients", "adam"), ("parameters", "sgd"), ("parameters", "adam")])
+def test_fit_with_a_sharded_stage_optimizer_equals_keras_fit(shard, optimizer, tmp_path):
+    """compile takes ``distributed_optimizer(opt, shard=...)`` as it is: ZeRO-2 / ZeRO-3 among each stage's 2 replicas."""
+    pipe = hvd.DistributedPipeline(make_model(), chunks=4, **LAYOUTS["2 x 2"])
+    sharded = pipe.distributed_optimizer(OPTIMIZERS[optimizer](), shard=shard)  # dualframe: ZeRO-2 / ZeRO-3
+    check_fit_equals_keras_fit(pipe, sharded, optimizer, tmp_path)
+    assert pipe.optimizer is sharded, "compile wrapped distributed_optimizer's result again"
+    if shard == "parameters":  # between steps each replica keeps its half of the stage's values and state
+        padding = 64  # each layer's slices padded to a multiple of the replicas: an element or so per copy
+        assert pipe.sharded is sharded and sharded.held_bytes() <= 0.5 * sharded.full_bytes() + padding
 
 
 def test_evaluate_and_predict_equal_the_unsplit_model():

@@ -30,11 +30,15 @@ def data():
     return x, np.tanh(x.sum(1, keepdims=True))
 
 
-@pytest.mark.parametrize("bucket_elements", [None, 20])
-def test_fit_with_dropout_and_batch_norm_equals_plain(bucket_elements):
-    """The recompute draws the forward's dropout mask; the forward's batch-norm updates are kept, once."""
+@pytest.mark.parametrize("bucket_elements, keep_gathered", [(None, 1), (20, 1), (None, 0), (None, 4)])
+def test_fit_with_dropout_and_batch_norm_equals_plain(bucket_elements, keep_gathered):
+    """The recompute draws the forward's dropout mask; the forward's batch-norm updates are kept, once.
+
+    ``keep_gathered``: the last layers' backward on the forward's own tape (1: the last; 4: every layer, none
+    recomputed; 0: every layer recomputed)."""
     x, y = data()
-    opt = hvd.DistributedOptimizer(keras.optimizers.Adam(0.05), shard="parameters", bucket_elements=bucket_elements)
+    opt = hvd.DistributedOptimizer(keras.optimizers.Adam(0.05), shard="parameters", bucket_elements=bucket_elements,
+                                   keep_gathered=keep_gathered)
     sharded = opt.shard_model(model())
     sharded.compile(optimizer=opt, loss="mse")
     plain = model()
@@ -50,6 +54,8 @@ def test_fit_with_dropout_and_batch_norm_equals_plain(bucket_elements):
     owned = sorted(b for buckets in opt._zero.blocks.values() for b in buckets)
     assert owned == list(range(len(opt._zero.layout.buckets))) == list(range(4 if bucket_elements is None else 6))
     assert len(opt._zero.blocks) == 4
+    kept = [layer.call.args[0].kept for layer in sharded.layers if layer.trainable_weights]
+    assert kept == [False] * (4 - keep_gathered) + [True] * keep_gathered  # the last ones of the forward
 
 
 def test_set_weights_and_the_refusals():
@@ -69,6 +75,12 @@ def test_set_weights_and_the_refusals():
     with pytest.raises(dualframe.StrategyError, match="cannot be re-cut"):
         opt.reshard()
     assert hvd.DistributedOptimizer.from_config(opt.get_config()).shard == "parameters"
+    with pytest.raises(dualframe.StrategyError, match="keep_gathered= is for shard='parameters'"):
+        hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), shard="gradients", keep_gathered=1)
+    with pytest.raises(dualframe.StrategyError, match="keep_gathered= is for shard='parameters'"):
+        hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), keep_gathered=1)
+    with pytest.raises(dualframe.StrategyError, match="keep_gathered must be an int >= 0"):
+        hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), shard="parameters", keep_gathered=-1)
     # Keras's own LossScaleOptimizer around it would decide each rank's skip alone: refused when fit traces.
     scaled = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), shard="parameters")
     wrapped = scaled.shard_model(model(1))
@@ -100,10 +112,11 @@ def test_embeddings_of_token_ids_frozen_and_trained_equal_plain():
     assert np.abs(plain.get_weights()[1] - embedded().get_weights()[1]).max() > 1e-3  # the trained one moved
 
 
-@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
-def test_mixed_policy_gathers_the_float32_masters_and_keeps_the_state_exact(policy):
+@pytest.mark.parametrize("policy, keep_gathered", [("mixed_float16", 1), ("mixed_bfloat16", 1), ("mixed_float16", 5)])
+def test_mixed_policy_gathers_the_float32_masters_and_keeps_the_state_exact(policy, keep_gathered):
     """Eager (no fused kernels): the slices' gradients equal the plain model's bit for bit, in float32; a
-    frozen kernel and batch-norm statistics read in the compute dtype are not written back rounded to it."""
+    frozen kernel and batch-norm statistics read in the compute dtype are not written back rounded to it.
+    ``keep_gathered=5``: no layer recomputed, each backward on its forward's tape."""
     def mixed():
         keras.utils.set_random_seed(4)
         inputs = keras.Input((5,))
@@ -114,7 +127,7 @@ def test_mixed_policy_gathers_the_float32_masters_and_keeps_the_state_exact(poli
     keras.mixed_precision.set_dtype_policy(policy)
     try:
         x, y = data()
-        opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), shard="parameters")
+        opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), shard="parameters", keep_gathered=keep_gathered)
         sharded, plain = opt.shard_model(mixed()), mixed()
         gradients = []
         for model, wrt in ((sharded, opt.parameter_slices()), (plain, plain.trainable_variables)):

@@ -10,6 +10,7 @@ from keras import ops
 
 from dualframe.dp.checks import check_bool, compression_name
 from dualframe.dp.shard import check_scatter, check_shard
+from dualframe.dp.zero3 import refuse_zero3_only
 from dualframe.errors import StrategyError
 from dualframe.tensorflow.collectives import hvd
 from dualframe.tensorflow.dp.compression import Compression
@@ -165,6 +166,8 @@ class DistributedOptimizer(InnerAttributes, keras.optimizers.Optimizer):
 
             return ShardedOptimizer(optimizer, **named)
         check_scatter(named.get("scatter"), None)  # scatter= without shard=: refused before anything
+        if "keep_gathered" in named:
+            refuse_zero3_only("keep_gathered", shard)
         if _wants_loss_scaling(optimizer):
             named.pop("shard", None), named.pop("scatter", None)
             return DistributedLossScaleOptimizer.wrap(optimizer, **named)

@@ -156,6 +156,8 @@ class DistributedPipeline(StageWeights, KerasFit, StageView):
         self.gradients: List[Optional[tf.Tensor]] = []
         #: The stage's ``shard="parameters"`` optimizer (``distributed_optimizer``), which holds its values between steps.
         self.sharded: Optional[StageShardedOptimizer] = None
+        #: What ``distributed_optimizer`` returned, so ``compile`` takes one of them as it is.
+        self.made_optimizers: List[Any] = []
         self.peak_live = 0
         #: GPipe: a stage whose split passes run computes its micro-batches' weight gradients in one pass
         #: after its last backward (``schedule.batched_weights``); False: each in its backward.
@@ -190,9 +192,11 @@ class DistributedPipeline(StageWeights, KerasFit, StageView):
         single replica, the optimizer itself. Extra arguments (``compression``, ``op`` ...) pass through.
         ``shard="parameters"``: ZeRO-3 among the stage's replicas (``StageShardedOptimizer``: the stage
         gathered once per step; between steps each replica holds 1/R of its values and optimizer state).
-        See ``dualframe.tensorflow.pipeline.optimizer``.
+        ``compile`` takes the result as it is. See ``dualframe.tensorflow.pipeline.optimizer``.
         """
-        return stage_optimizer(self, optimizer, **kwargs)
+        made = stage_optimizer(self, optimizer, **kwargs)
+        self.made_optimizers.append(made)
+        return made
 
     def apply_gradients(self, optimizer: Any) -> None:
         """``optimizer.apply_gradients`` on the last step's gradients and the stage's variables."""

@@ -108,7 +108,8 @@ class KerasFit:
         """Set the optimizer, the loss (else the constructor's ``loss_fn``) and the metrics, as ``keras.Model.compile``.
 
         The optimizer steps the stage's own variables; with replicas it is wrapped by
-        ``distributed_optimizer``. Metrics are computed on the last stage, in training from each
+        ``distributed_optimizer``, unless it is one that ``distributed_optimizer`` returned: that one is
+        taken as it is (``shard=`` among the stage's replicas, ZeRO-3 included). Metrics are computed on the last stage, in training from each
         micro-batch's outputs as the loss is (``MeteredLoss``); their states are summed over the
         replicas after each batch (one allgather per step with metrics, none without), so a metric's
         state must add up over rows (means, sums, counts, confusion matrices).
@@ -123,7 +124,9 @@ class KerasFit:
         base = base.loss if isinstance(base, MeteredLoss) else base
         chosen = [_metric(m) for m in metrics or []]
         _use_loss(pipe, MeteredLoss(base, chosen) if chosen else base)
-        self._compiled = Compiled(pipe.distributed_optimizer(keras.optimizers.get(optimizer)), base, chosen)
+        made = any(optimizer is m for m in pipe.made_optimizers)
+        self._compiled = Compiled(optimizer if made else pipe.distributed_optimizer(keras.optimizers.get(optimizer)),
+                                  base, chosen)
 
     def _needs_compile(self, what: str) -> Compiled:
         if self._compiled is None:
@@ -174,11 +177,17 @@ class KerasFit:
         """Replicas of a stage start from replica 0's weights, as Horovod's BroadcastGlobalVariablesCallback does.
 
         So a script need not seed its model alike on every rank: each stage's layers are its own, and
-        the replicas of a stage get the same ones here (a broadcast among the stage's replicas).
+        the replicas of a stage get the same ones here (a broadcast among the stage's replicas). With a
+        ``shard="parameters"`` optimizer the trainable values are its replicas' slices, cut when it was
+        made (seed the model alike, or ``set_weights``, before): only the other variables are broadcast.
         """
         pipe: Any = self
-        if pipe.grid.replicas > 1:
-            broadcast_variables(pipe.variables, root_rank=pipe.stage_ranks[0], process_set=pipe.stage_process_set)
+        if pipe.grid.replicas == 1:
+            return
+        sliced = {id(v) for v in pipe.sharded.stage_variables} if pipe.sharded is not None else set()
+        whole = [v for v in pipe.variables if id(v) not in sliced]
+        if whole:
+            broadcast_variables(whole, root_rank=pipe.stage_ranks[0], process_set=pipe.stage_process_set)
 
     def _share(self, batch: Tuple[Any, Any], what: str) -> Tuple[Any, Any, int]:
         """This rank's part of a global batch: its replica's rows, inputs on the first stage, targets on the last."""

@@ -14,6 +14,7 @@ import torch
 
 from dualframe.dp.settings import ReduceSettings
 from dualframe.dp.shard import check_scatter, check_shard
+from dualframe.dp.zero3 import refuse_zero3_only
 from dualframe.errors import StrategyError
 from dualframe.torch.dp import checks as dp_checks
 from dualframe.torch.collectives import OPS, check_initialized, hvd
@@ -68,8 +69,7 @@ class DistributedOptimizer(ReducedGradients, WrappedOptimizer):
             return super().__new__(ParameterShardedOptimizer)
         for zero3_only in ("model", "keep_gathered"):
             if zero3_only in kwargs:
-                raise StrategyError(f"{zero3_only}= is for shard='parameters' (ZeRO-3), which gathers each block's "
-                                    f"parameters in the model's forward (shard: {shard!r}); drop {zero3_only}=")
+                refuse_zero3_only(zero3_only, shard)
         if cls is DistributedOptimizer and not (shard is None or str(shard).lower() == "none"):  # shard: that class
             from dualframe.torch.dp.shard.optimizer import ShardedOptimizer
             return super().__new__(ShardedOptimizer)

@@ -11,6 +11,9 @@ gradient of this rank's slices. In a traced step each gather starts one layer ah
 in the core's ``GatherOrder``): forward, when the previous layer's inputs are ready; backward, when the
 gradient reaches the layer after it. So at most two layers' full values and one layer's full gradient
 exist at a time, at the cost of a second forward of each layer and two gathers per layer and step.
+The model's last ``keep_gathered`` layers holding variables (the optimizer's, default 1) keep their
+values and inner activations from forward to backward instead: their backward runs on the forward's
+own tape, with no second gather and no recomputation (the last layer's regather would come at once).
 
 Non-trainable variables (batch-norm statistics, dropout seeds) are read from their replicated copies;
 the recomputation reads the same values the forward read, so dropout draws the same mask, and the
@@ -81,6 +84,8 @@ def install(optimizer: Any, model: keras.Model) -> None:
     index = {id(v): t for t, v in enumerate(zero.variables)}
     replicated = {id(v): holder for v, holder in zip(model.non_trainable_variables, zero.replicated)}
     ahead = zero.ahead = Ahead()
+    # The last layers of the forward are the first of the backward: kept, they skip a gather and a recomputation.
+    order = GatherOrder(order=[j for j in range(len(model.layers)) if zero.blocks.get(j)], settled=True)
     for j, layer in enumerate(model.layers):
         if not layer.variables:  # (a Dropout has no weights, but its seed generator's state)
             continue
@@ -88,6 +93,7 @@ def install(optimizer: Any, model: keras.Model) -> None:
                      [index[id(v)] for v in layer.trainable_variables],
                      [replicated[id(v)] for v in layer.non_trainable_variables], j)
         unit.ahead = ahead
+        unit.kept = order.kept(j, optimizer.keep_gathered)
         layer.call = functools.partial(_gathered_call, unit)
 
 
@@ -133,6 +139,7 @@ class _Unit:
         self.optimizer, self.layer, self.call, self.buckets = optimizer, layer, call, buckets
         self.tensors, self.holders, self.j = tensors, holders, j
         self.ahead = Ahead()  # install shares one among the model's layers
+        self.kept = False  # its gathered values (and inner activations) kept from its forward to its backward
 
     def gather(self, slices: Sequence[Any], role: str) -> List[Any]:
         """The layer's trainable values, in ``layer.trainable_variables`` order, allgathered from ``slices``."""
@@ -158,6 +165,16 @@ class _Unit:
         with cast, scope:
             outputs = self.call(*args, **kwargs)
         return outputs, [scope.get_current_value(v) for v in layer.non_trainable_variables]
+
+    def recomputed(self, own: List[Any], inputs: List[Any], stats: Sequence[Any], args: Any, kwargs: Dict[str, Any],
+                   autocast: Any, upstream: Sequence[Any], waited: List[Any]) -> List[Any]:
+        """The gradients for ``inputs`` and the values: gathered again after ``waited``, the call recomputed on a tape."""
+        with tf.control_dependencies(waited):
+            values = self.gather(own, "regather")
+        with tf.GradientTape() as tape:
+            tape.watch(inputs + values)
+            again, _ = self.run(values, stats, args, kwargs, autocast)  # updates dropped
+        return list(tape.gradient(tf.nest.flatten(again), inputs + values, output_gradients=list(upstream)))
 
 
 class _StoredDtypes:
@@ -209,17 +226,19 @@ def _gathered_call(unit: _Unit, *args: Any, **kwargs: Any) -> Any:
         with tf.control_dependencies(unit.ahead.inputs(unit.j, inputs)):
             values = unit.gather(own, "gather")
         autocast = get_autocast_scope()
-        outputs, updated = unit.run(values, stats, with_inputs(inputs), kwargs)
+        with tf.GradientTape() if unit.kept else contextlib.nullcontext() as kept:
+            if kept is not None:
+                kept.watch(inputs + values)
+            outputs, updated = unit.run(values, stats, with_inputs(inputs), kwargs)
         structure.append(outputs)
         updates.extend(updated)
 
         def backward(*upstream: Any) -> List[Any]:
-            with tf.control_dependencies(unit.ahead.upstream(unit.j, [g for g in upstream if g is not None])):
-                values = unit.gather(own, "regather")
-            with tf.GradientTape() as tape:
-                tape.watch(inputs + values)
-                again, _ = unit.run(values, stats, with_inputs(inputs), kwargs, autocast)  # updates dropped
-            grads = tape.gradient(tf.nest.flatten(again), inputs + values, output_gradients=list(upstream))
+            waited = unit.ahead.upstream(unit.j, [g for g in upstream if g is not None])
+            if kept is not None:  # the forward's own tape: no second gather, no recomputation
+                grads = kept.gradient(tf.nest.flatten(outputs), inputs + values, output_gradients=list(upstream))
+            else:
+                grads = unit.recomputed(own, inputs, stats, with_inputs(inputs), kwargs, autocast, upstream, waited)
             by_variable: List[Any] = [None] * len(unit.optimizer._zero.variables)
             for t, grad in zip(unit.tensors, grads[len(inputs):]):
                 by_variable[t] = grad

@@ -28,6 +28,7 @@ from keras import ops
 
 from dualframe.dp.shard import (BUCKET_ELEMENTS, ShardLayout, check_same_parameters, check_scatter, check_shard,
                                 parameter_signature)
+from dualframe.dp.zero3 import check_keep_gathered, refuse_zero3_only
 from dualframe.errors import StrategyError
 from dualframe.tensorflow.collectives import hvd
 from dualframe.tensorflow.dp.shard import parameters as sharded_parameters
@@ -66,6 +67,10 @@ class ShardedOptimizer(SliceGradients, PlainState, KerasTwoNames, keras.optimize
             per dtype). Keep buckets well under 32 MiB on CPU: glibc serves larger blocks with a fresh
             mmap each time, and every temporary of the update then pays page faults (a 67 MiB bucket made
             Adam's update 4x slower than on the separate variables).
+        keep_gathered: ``shard="parameters"`` only (default 1): the model's last ``keep_gathered`` layers
+            holding variables keep their gathered values from their forward to their backward, which then
+            neither gathers again nor recomputes their call (each costs its full values and inner
+            activations in memory meanwhile; 0: every layer gathered again and recomputed).
         Other arguments: as ``DistributedOptimizer``; ``op`` must be Average or Sum.
 
     Example:
@@ -81,7 +86,7 @@ class ShardedOptimizer(SliceGradients, PlainState, KerasTwoNames, keras.optimize
                  backward_passes_per_step: int = 1, average_aggregated_gradients: bool = False,
                  process_set: Any = None, shard: str = "optimizer",
                  bucket_elements: Optional[int] = BUCKET_ELEMENTS,
-                 scatter: str = "auto") -> None:
+                 scatter: str = "auto", keep_gathered: Optional[int] = None) -> None:
         settings, accumulation = wrap_settings(
             optimizer, compression, op, sparse_as_dense, gradient_predivide_factor, backward_passes_per_step,
             average_aggregated_gradients, process_set, device_dense, device_sparse)
@@ -91,9 +96,13 @@ class ShardedOptimizer(SliceGradients, PlainState, KerasTwoNames, keras.optimize
                                 "shard=None use hvd.DistributedOptimizer")
         check_elementwise(optimizer)
         scatter = check_scatter(scatter, mode)  # type: ignore[assignment]
+        if keep_gathered is not None and mode != "parameters":
+            refuse_zero3_only("keep_gathered", shard)
+        keep = check_keep_gathered(1 if keep_gathered is None else keep_gathered)
         ShardLayout.build([], 1, bucket_elements=bucket_elements)  # checks bucket_elements now, not at build
         super().__init__(learning_rate=0.0, name=name or f"sharded_{optimizer.name}")
         self.shard = mode
+        self.keep_gathered = keep  # ZeRO-3: how many of the model's last layers keep their values to their backward
         self.bucket_elements = bucket_elements
         self.scatter = scatter
         self.reduction = settings
@@ -306,6 +315,7 @@ class ShardedOptimizer(SliceGradients, PlainState, KerasTwoNames, keras.optimize
         inner["config"]["global_clipnorm"] = self.global_clipnorm_value  # the user's optimizer, as given
         return {"name": self.name, "optimizer": inner,
                 "shard": self.shard, "bucket_elements": self.bucket_elements, "scatter": self.scatter,
+                **({"keep_gathered": self.keep_gathered} if self.shard == "parameters" else {}),
                 **_config(self.reduction, self.accumulation)}
 
     @classmethod

@@ -17,7 +17,7 @@ import torch
 
 from dualframe.dp.precision import SlicePrecision
 from dualframe.dp.shard import check_shard
-from dualframe.dp.zero3 import ZERO3, ParameterShardPlan, block_paths, check_unshared
+from dualframe.dp.zero3 import ZERO3, ParameterShardPlan, block_paths, check_keep_gathered, check_unshared
 from dualframe.errors import StrategyError
 from dualframe.torch.collectives import hvd
 from dualframe.torch.dp.shard.blocks import BlockGather, BlockRun
@@ -91,10 +91,7 @@ class ParameterShardedOptimizer(ShardedOptimizer):
                  **kwargs: Any) -> None:
         if check_shard(shard) != ZERO3:
             raise StrategyError(f"ParameterShardedOptimizer is shard='parameters' (shard: {shard!r})")
-        if isinstance(keep_gathered, bool) or not isinstance(keep_gathered, int) or keep_gathered < 0:
-            raise StrategyError(f"keep_gathered must be an int >= 0: how many of the forward's last blocks stay "
-                                f"gathered until their backward (keep_gathered: {keep_gathered!r})")
-        self.keep_gathered = keep_gathered
+        self.keep_gathered = check_keep_gathered(keep_gathered)
         if os.environ.get("HOROVOD_ELASTIC") == "1":
             raise StrategyError("shard='parameters' cannot re-cut parameters at an elastic reset (the full weights "
                                 "live on no rank); use shard='gradients' with elastic Horovod")
