@@ -11,6 +11,7 @@ from dualframe.dp.zero3 import ZERO3, check_stage_sharding
 from dualframe.errors import StrategyError
 from dualframe.tensorflow.dp.optimizer import DistributedOptimizer
 from dualframe.tensorflow.dp.shard.stage import StageShardedOptimizer
+from dualframe.tensorflow.functions import broadcast_variables
 
 if TYPE_CHECKING:
     from dualframe.tensorflow.pipeline.distributed import DistributedPipeline
@@ -59,7 +60,7 @@ def stage_optimizer(pipe: "DistributedPipeline", optimizer: keras.optimizers.Opt
 
     ``DistributedOptimizer`` on the stage's process set (the pipeline sums a step's micro-batches, so one
     ``apply_gradients`` per step); with a single replica, ``optimizer`` itself. ``shard="parameters"``: a
-    ``StageShardedOptimizer``, built now: from here on the stage's variables hold values only within a step.
+    ``StageShardedOptimizer``, built now from replica 0's values (broadcast among the stage's replicas first): from here on the stage's variables hold values only within a step.
     """
     shard = str(kwargs.get("shard") or "none").lower()
     check_stage_optimizer(pipe, optimizer, shard, kwargs)
@@ -68,6 +69,8 @@ def stage_optimizer(pipe: "DistributedPipeline", optimizer: keras.optimizers.Opt
     if shard != ZERO3:
         return DistributedOptimizer(optimizer, process_set=pipe.stage_process_set, **kwargs)
     kwargs.pop("shard")
+    # the replicas cut their slices from one start, replica 0's (plain Keras ZeRO-3 broadcasts root's values first)
+    broadcast_variables(pipe.trainable_variables, root_rank=pipe.stage_ranks[0], process_set=pipe.stage_process_set)
     inner = [layer for stage in pipe.layers for layer in stage.layers]
     sharded = StageShardedOptimizer(optimizer, inner, pipe.trainable_variables, pipe.stage_process_set, **kwargs)
     sharded.build(pipe.trainable_variables)  # opens the variables' shapes: passes traced before would hold the old
