@@ -1,9 +1,11 @@
 """A Keras process pipeline stage's optimizer: its gradients averaged (or sharded, ZeRO-1/2/3) among the stage's replicas."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import weakref
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import keras
+import tensorflow as tf
 
 from dualframe.dp.zero3 import ZERO3, check_stage_sharding
 from dualframe.errors import StrategyError
@@ -87,4 +89,41 @@ def apply_stage_gradients(pipe: "DistributedPipeline", optimizer: Any) -> None:
         gradients, pipe.gradients = pipe.gradients, []
         optimizer.apply(gradients, pipe.trainable_variables)
         return
-    optimizer.apply_gradients([(g, v) for g, v in zip(pipe.gradients, pipe.trainable_variables) if g is not None])
+    chosen = [(g, v) for g, v in zip(pipe.gradients, pipe.trainable_variables) if g is not None]
+    compiled = compiled_apply(optimizer, pipe.trainable_variables, [v for _, v in chosen])
+    if compiled is None:
+        optimizer.apply_gradients(chosen)
+    else:
+        compiled([g for g, _ in chosen])
+
+
+#: Each plain Keras optimizer's updates as ``tf.function``s, one per set of variables (dropped with the optimizer).
+_COMPILED: "weakref.WeakKeyDictionary[Any, Dict[Tuple[int, ...], Callable[..., Any]]]" = weakref.WeakKeyDictionary()
+
+
+def compiled_apply(optimizer: Any, variables: List[Any], chosen: List[Any]) -> Optional[Callable[[List[Any]], Any]]:
+    """``optimizer.apply_gradients`` on the variables ``chosen`` as one ``tf.function`` of their gradients, or None.
+
+    Eager, a Keras optimizer runs several ops per variable from Python (about 5 ms a step for twelve
+    variables here, docs/benchmarks.md); compiled, as ``Model.fit``'s train step runs it, one call.
+    Only a Keras optimizer itself (not Horovod's or dualframe's wrappers, whose reductions run outside
+    a function). It is built first, eagerly, on the stage's ``variables`` (a function may not make its
+    variables); the function holds ``chosen`` (variables cannot be its arguments: they would arrive as
+    tensors) and is made once per set of them.
+
+    Example:
+        >>> update = compiled_apply(keras.optimizers.SGD(0.1), [v], [v])       # doctest: +SKIP
+        >>> update([g])                                                      # doctest: +SKIP
+    """
+    if not type(optimizer).__module__.startswith("keras."):
+        return None
+    made = _COMPILED.setdefault(optimizer, {})
+    key = tuple(id(v) for v in chosen)
+    if key not in made:
+        if not optimizer.built:
+            optimizer.build(variables)
+
+        def update(gradients: List[Any]) -> None:
+            optimizer.apply_gradients(zip(gradients, chosen))
+        made[key] = tf.function(update, reduce_retracing=True)
+    return made[key]
