@@ -34,7 +34,7 @@ def main() -> None:
 
     hvd.init(process_sets=pipeline_process_sets(dualframe.detect_topology().size, STAGES))  # dualframe: stage pairs, stage replicas
     replicas = hvd.size() // STAGES
-    keras.utils.set_random_seed(0)  # the same full model on every rank (ZeRO-3 cuts its slices from it)
+    keras.utils.set_random_seed(0)  # the same data on every rank; the stage's replicas start from replica 0's weights
     model = keras.Sequential([keras.Input((args.width,))] + [
         layer for _ in range(3) for layer in (keras.layers.Dense(args.width), keras.layers.ReLU())
     ] + [keras.layers.Dense(1)])

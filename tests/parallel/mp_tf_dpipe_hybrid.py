@@ -182,6 +182,21 @@ def test_zero3_among_stage_replicas_refuses_what_is_not_built():
         virtual.distributed_optimizer(sgd, shard="parameters")
 
 
+def test_zero3_replicas_cut_their_slices_from_replica_0s_weights():
+    """A replica whose weights differ when the optimizer is made (no common seed) still trains as one process
+    from replica 0's: the stage's values are broadcast among its replicas before the slices are cut."""
+    data = global_batches(seed=27)
+    losses, weights = one_process(make_model(), data, keras.optimizers.SGD(0.2, momentum=0.9))
+    pipe = DistributedPipeline(make_model(), balance=[3, 2], chunks=CHUNKS, schedule="1f1b", loss_fn="mse",
+                               data_parallel=2)
+    if pipe.replica:
+        for variable in pipe.trainable_variables:
+            variable.assign(variable + 0.5)
+    optimizer = pipe.distributed_optimizer(keras.optimizers.SGD(0.2, momentum=0.9), shard="parameters")
+    train_pipeline(pipe, optimizer, data, losses, feed=replica_feed)
+    assert_weights(pipe.gather_weights(), weights)
+
+
 def zero3_pipe(model=None, **kwargs):
     """A 1F1B hybrid of the MLP (or ``model``) and its ``shard="parameters"`` SGD with momentum (``kwargs`` its)."""
     pipe = DistributedPipeline(model or make_model(), balance=[3, 2], chunks=CHUNKS, schedule="1f1b", loss_fn="mse",

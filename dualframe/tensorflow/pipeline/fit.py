@@ -189,8 +189,8 @@ class KerasFit:
 
         So a script need not seed its model alike on every rank: each stage's layers are its own, and
         the replicas of a stage get the same ones here (a broadcast among the stage's replicas). With a
-        ``shard="parameters"`` optimizer the trainable values are its replicas' slices, cut when it was
-        made (seed the model alike, or ``set_weights``, before): only the other variables are broadcast.
+        ``shard="parameters"`` optimizer the trainable values are its replicas' slices, cut from replica 0's
+        values when it was made: only the other variables are broadcast here.
         """
         pipe: Any = self
         if pipe.grid.replicas == 1:

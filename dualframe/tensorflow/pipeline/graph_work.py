@@ -30,8 +30,11 @@ _LOG = logging.getLogger(__name__)
 _WARNED: List[bool] = []  # the no-split warning, once per process
 
 
-def pack(tensors: Sequence[Any], names: Sequence[str]) -> tf.Tensor:
-    """The tensors as one flat uint8 message (``dualframe.pipeline.message``'s layout).
+def pack(tensors: Sequence[Any], names: Sequence[str]) -> np.ndarray:
+    """The tensors as one flat uint8 message (``dualframe.pipeline.message``'s layout), written in one copy.
+
+    Each tensor's bytes go straight from its host memory into the message (the transports send a host
+    array as it is), once: no joined copy, no tensor made of it.
 
     Example:
         >>> ids = tf.constant([2 ** 40 + 1], tf.int64)
@@ -46,11 +49,16 @@ def pack(tensors: Sequence[Any], names: Sequence[str]) -> tf.Tensor:
             raise StrategyError(f"value {name!r} crosses between process stages but is a {type(t).__name__}, not a "
                                 "tensor; choose a cut where only tensors cross")
     head = message.header([(name, tf_dtype_code(t.dtype), tuple(t.shape)) for name, t in zip(names, tensors)])
-    parts = [np.frombuffer(head, np.uint8)]
-    for t in tensors:
-        data = np.ascontiguousarray(t.numpy()).reshape(-1).view(np.uint8)
-        parts += [data, np.zeros(message.padding(data.size), np.uint8)]
-    return tf.constant(np.concatenate(parts))
+    arrays = [np.asarray(t).reshape(-1).view(np.uint8) for t in tensors]  # views of the tensors' memory
+    buffer = np.empty(len(head) + sum(a.size + message.padding(a.size) for a in arrays), np.uint8)
+    buffer[:len(head)] = np.frombuffer(head, np.uint8)
+    offset = len(head)
+    for data in arrays:
+        end = offset + data.size
+        buffer[offset:end] = data
+        buffer[end:end + message.padding(data.size)] = 0
+        offset = end + message.padding(data.size)
+    return buffer
 
 
 def handed(tensors: Sequence[Any], names: Sequence[str]) -> List[tf.Tensor]:
@@ -67,11 +75,14 @@ def handed(tensors: Sequence[Any], names: Sequence[str]) -> List[tf.Tensor]:
 
 
 def unpack(raw: Any) -> List[tf.Tensor]:
-    """The tensors of a ``pack`` message (fresh tensors, same dtypes and shapes)."""
-    data = np.asarray(raw.numpy() if tf.is_tensor(raw) else raw, np.uint8)
+    """The tensors of a ``pack`` message (same dtypes and shapes), each made from its bytes in one copy.
+
+    A received message is a host array of its own (``link.TFWire.empty``), so its parts are read in place.
+    """
+    data = raw.numpy() if tf.is_tensor(raw) else np.asarray(raw, np.uint8)
     layout = message.read_layout(lambda n: data[:8 * n].view(np.int64).tolist())
-    return [tf.convert_to_tensor(data[p.offset:p.offset + p.size].copy().view(DTYPES[p.code].as_numpy_dtype)
-                                 .reshape(p.shape)) for p in layout.parts]
+    return [tf.constant(data[p.offset:p.offset + p.size].view(DTYPES[p.code].as_numpy_dtype).reshape(p.shape))
+            for p in layout.parts]
 
 
 class TFGraphStageWork:
@@ -144,7 +155,7 @@ class TFGraphStageWork:
         self.loss_sum = 0.0
         self.peak_live = 0
 
-    def forward(self, i: int, received: Mapping[int, Any]) -> Dict[int, tf.Tensor]:
+    def forward(self, i: int, received: Mapping[int, Any]) -> Dict[int, Any]:
         training = self.loss_fn is not None
         values: Dict[str, Any] = dict(received.get(-1, {}))
         held: Dict[int, List[Any]] = {p: self._values(p, received[p]) for p in self.incoming}
@@ -165,7 +176,7 @@ class TFGraphStageWork:
         return self._messages(sent)
 
     def _forward_taped(self, i: int, values: Dict[str, Any], held: Dict[int, List[Any]],
-                       training: bool) -> Dict[int, tf.Tensor]:
+                       training: bool) -> Dict[int, Any]:
         """F i under its own tape (training), kept until B i."""
         tape = tf.GradientTape() if training else None
         with tf.device(self.device), (tape if tape is not None else nullcontext()):
@@ -184,7 +195,7 @@ class TFGraphStageWork:
         self._keep(i, (tape, held, sent, loss))
         return messages
 
-    def _last_step(self, i: int, values: Dict[str, Any], held: Dict[int, List[Any]]) -> Dict[int, tf.Tensor]:
+    def _last_step(self, i: int, values: Dict[str, Any], held: Dict[int, List[Any]]) -> Dict[int, Any]:
         """F and B i of the last stage in one compiled call: the loss, the sums, the received values' gradients kept."""
         assert self.function is not None
         for p, names in self.incoming.items():
@@ -225,7 +236,7 @@ class TFGraphStageWork:
         self._saved[i] = saved
         self.peak_live = max(self.peak_live, len(set(self._saved) | set(self._pending)))
 
-    def _forward_split(self, i: int, values: Dict[str, Any], held: Dict[int, List[Any]]) -> Dict[int, tf.Tensor]:
+    def _forward_split(self, i: int, values: Dict[str, Any], held: Dict[int, List[Any]]) -> Dict[int, Any]:
         """F i of a split backward: keep what B needs (the last stage: run B now, keep the inputs' gradients)."""
         for p, names in self.incoming.items():
             values.update(zip(names, held[p]))
@@ -256,7 +267,7 @@ class TFGraphStageWork:
         loss = tf.reduce_mean(self.loss_fn(target, self.captured.pack_outputs(flat)))
         return sent, loss * tf.cast(weight, loss.dtype), None
 
-    def backward(self, i: int, grads: Mapping[int, Any]) -> Dict[int, tf.Tensor]:
+    def backward(self, i: int, grads: Mapping[int, Any]) -> Dict[int, Any]:
         saved = self._saved.pop(i)
         if saved[0] == "replay":
             saved = self._replay(i, saved[1], saved[2])  # type: ignore[arg-type]  # ("replay", held, values)
@@ -288,7 +299,7 @@ class TFGraphStageWork:
                                      else tf.convert_to_tensor(by_id[id(t)]) for t in tensors], self.incoming[p])
                 for p, tensors in held.items()}
 
-    def _backward_split(self, i: int, saved: Tuple[Any, ...], grads: Mapping[int, Any]) -> Dict[int, tf.Tensor]:
+    def _backward_split(self, i: int, saved: Tuple[Any, ...], grads: Mapping[int, Any]) -> Dict[int, Any]:
         """B i of a split backward: the received values' gradients only (the last stage: computed in F i)."""
         kind, held, found = saved
         if kind == "split":

@@ -160,20 +160,21 @@ class TFWire:
     def tensor(self, values: Sequence[float], code: int) -> tf.Tensor:
         return tf.constant(list(values), DTYPES[code])
 
-    def empty(self, shape: Tuple[int, ...], code: int) -> tf.Tensor:
-        return tf.zeros(shape, DTYPES[code])
+    def empty(self, shape: Tuple[int, ...], code: int) -> Any:
+        # A host array, not a tensor: point-to-point receives write into it as it is (no zeros, no second buffer).
+        return np.empty(shape, DTYPES[code].as_numpy_dtype)
 
-    def describe(self, tensor: tf.Tensor) -> Shape:
+    def describe(self, tensor: Any) -> Shape:
         return tuple(int(d) for d in tensor.shape), tf_dtype_code(tensor.dtype)
 
-    def values(self, tensor: tf.Tensor) -> List[Any]:
-        return list(tensor.numpy().flatten().tolist())
+    def values(self, tensor: Any) -> List[Any]:
+        return list(np.asarray(tensor).flatten().tolist())
 
-    def broadcast(self, tensor: tf.Tensor, root_rank: int, name: str, process_set: Any) -> Pending:
-        return broadcast(tensor, root_rank, name, process_set)
+    def broadcast(self, tensor: Any, root_rank: int, name: str, process_set: Any) -> Pending:
+        return broadcast(tf.convert_to_tensor(tensor), root_rank, name, process_set)
 
-    def allreduce(self, tensor: tf.Tensor, op: str, name: str, process_set: Any) -> Pending:
-        return allreduce(tensor, hvd.Sum if op == "sum" else hvd.Average, name, process_set)
+    def allreduce(self, tensor: Any, op: str, name: str, process_set: Any) -> Pending:
+        return allreduce(tf.convert_to_tensor(tensor), hvd.Sum if op == "sum" else hvd.Average, name, process_set)
 
     def done(self, handle: Pending, timeout: float) -> bool:
         return handle.done(timeout)
@@ -187,15 +188,16 @@ class TFWire:
         return (error.message.strip().splitlines() or [""])[0]
 
 
-def _byte_view(tensor: tf.Tensor) -> Any:
-    # A flat byte view of the host copy: MPI moves any dtype (bfloat16 included) as bytes.
-    return np.ascontiguousarray(tensor.numpy()).reshape(-1).view(np.uint8)
+def _byte_view(tensor: Any) -> Any:
+    # A flat byte view of the host memory (a packed message is a host array already): MPI moves any dtype as bytes.
+    return np.ascontiguousarray(np.asarray(tensor)).reshape(-1).view(np.uint8)
 
 
-def _receive_into(buffer: tf.Tensor) -> Tuple[Any, Callable[[], tf.Tensor]]:
-    # A fresh host array of the buffer's shape and dtype for MPI to write (a TF tensor's memory is not ours to write).
-    array = np.empty(tuple(buffer.shape), buffer.dtype.as_numpy_dtype)
-    return array.reshape(-1).view(np.uint8), lambda: tf.convert_to_tensor(array)
+def _receive_into(buffer: Any) -> Tuple[Any, Callable[[], Any]]:
+    # The wire's buffers are host arrays of their own (``TFWire.empty``): the transport writes into them, the receiver
+    # reads them as they are. A tensor's memory is not ours to write: another buffer of its shape then.
+    array = buffer if isinstance(buffer, np.ndarray) else np.empty(tuple(buffer.shape), buffer.dtype.as_numpy_dtype)
+    return array.reshape(-1).view(np.uint8), lambda: array
 
 
 def point_to_point(device: Optional[str], chunks: int, name: str, transport: Optional[str] = None) -> Optional[Direct]:

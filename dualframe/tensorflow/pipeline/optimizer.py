@@ -1,9 +1,11 @@
 """A Keras process pipeline stage's optimizer: its gradients averaged (or sharded, ZeRO-1/2/3) among the stage's replicas."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import weakref
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import keras
+import tensorflow as tf
 
 from dualframe.dp.zero3 import ZERO3, check_stage_sharding
 from dualframe.errors import StrategyError
@@ -12,6 +14,7 @@ from dualframe.tensorflow.dp.shard.optimizer import ShardedOptimizer
 from dualframe.tensorflow.dp.wrapped_optimizer import optimizer_subclass
 from dualframe.tensorflow.pipeline.precision import PipelineLossScaleOptimizer, pipeline_loss_scale, wants_loss_scaling
 from dualframe.tensorflow.dp.shard.stage import StageShardedOptimizer
+from dualframe.tensorflow.functions import broadcast_variables
 
 if TYPE_CHECKING:
     from dualframe.tensorflow.pipeline.distributed import DistributedPipeline
@@ -60,7 +63,7 @@ def stage_optimizer(pipe: "DistributedPipeline", optimizer: keras.optimizers.Opt
 
     ``DistributedOptimizer`` on the stage's process set (the pipeline sums a step's micro-batches, so one
     ``apply_gradients`` per step); with a single replica, ``optimizer`` itself. ``shard="parameters"``: a
-    ``StageShardedOptimizer``, built now: from here on the stage's variables hold values only within a step.
+    ``StageShardedOptimizer``, built now from replica 0's values (broadcast among the stage's replicas first): from here on the stage's variables hold values only within a step.
     """
     shard = str(kwargs.get("shard") or "none").lower()
     check_stage_optimizer(pipe, optimizer, shard, kwargs)
@@ -71,6 +74,8 @@ def stage_optimizer(pipe: "DistributedPipeline", optimizer: keras.optimizers.Opt
     if shard != ZERO3:
         return DistributedOptimizer(optimizer, process_set=pipe.stage_process_set, **kwargs)
     kwargs.pop("shard")
+    # the replicas cut their slices from one start, replica 0's (plain Keras ZeRO-3 broadcasts root's values first)
+    broadcast_variables(pipe.trainable_variables, root_rank=pipe.stage_ranks[0], process_set=pipe.stage_process_set)
     inner = [layer for stage in pipe.layers for layer in stage.layers]
     sharded = StageShardedOptimizer(optimizer, inner, pipe.trainable_variables, pipe.stage_process_set, **kwargs)
     sharded.build(pipe.trainable_variables)  # opens the variables' shapes: passes traced before would hold the old
@@ -111,4 +116,41 @@ def apply_stage_gradients(pipe: "DistributedPipeline", optimizer: Any) -> None:
         gradients, pipe.gradients = pipe.gradients, []
         optimizer.apply(gradients, pipe.trainable_variables)
         return
-    optimizer.apply_gradients([(g, v) for g, v in zip(pipe.gradients, pipe.trainable_variables) if g is not None])
+    chosen = [(g, v) for g, v in zip(pipe.gradients, pipe.trainable_variables) if g is not None]
+    compiled = compiled_apply(optimizer, pipe.trainable_variables, [v for _, v in chosen])
+    if compiled is None:
+        optimizer.apply_gradients(chosen)
+    else:
+        compiled([g for g, _ in chosen])
+
+
+#: Each plain Keras optimizer's updates as ``tf.function``s, one per set of variables (dropped with the optimizer).
+_COMPILED: "weakref.WeakKeyDictionary[Any, Dict[Tuple[int, ...], Callable[..., Any]]]" = weakref.WeakKeyDictionary()
+
+
+def compiled_apply(optimizer: Any, variables: List[Any], chosen: List[Any]) -> Optional[Callable[[List[Any]], Any]]:
+    """``optimizer.apply_gradients`` on the variables ``chosen`` as one ``tf.function`` of their gradients, or None.
+
+    Eager, a Keras optimizer runs several ops per variable from Python (about 5 ms a step for twelve
+    variables here, docs/benchmarks.md); compiled, as ``Model.fit``'s train step runs it, one call.
+    Only a Keras optimizer itself (not Horovod's or dualframe's wrappers, whose reductions run outside
+    a function). It is built first, eagerly, on the stage's ``variables`` (a function may not make its
+    variables); the function holds ``chosen`` (variables cannot be its arguments: they would arrive as
+    tensors) and is made once per set of them.
+
+    Example:
+        >>> update = compiled_apply(keras.optimizers.SGD(0.1), [v], [v])       # doctest: +SKIP
+        >>> update([g])                                                      # doctest: +SKIP
+    """
+    if not type(optimizer).__module__.startswith("keras."):
+        return None
+    made = _COMPILED.setdefault(optimizer, {})
+    key = tuple(id(v) for v in chosen)
+    if key not in made:
+        if not optimizer.built:
+            optimizer.build(variables)
+
+        def update(gradients: List[Any]) -> None:
+            optimizer.apply_gradients(zip(gradients, chosen))
+        made[key] = tf.function(update, reduce_retracing=True)
+    return made[key]
