@@ -1,5 +1,9 @@
 """Keras process pipelines trained the Keras way (compile, fit, evaluate, predict) on 4 processes, against ``fit`` of the unsplit model.
 
+Loss scaling (mixed_float16 layers, a ``LossScaleOptimizer`` given or added by ``compile`` under the policy):
+losses and weights equal ``fit`` of the unsplit model within float16's tolerance, the same scale on every
+rank; an overflowing step skipped on every rank (the last stage's own gradients finite), the scale halved.
+
 A functional model split over 4 processes (4 stages) and over 2 replicas x 2 stages: per-epoch losses,
 metrics and validation logs, EarlyStopping's stop, ReduceLROnPlateau's rate, ModelCheckpoint's saved
 model and the final weights equal ``keras.Model.fit`` in one process (float32, 1e-5), with SGD and
@@ -15,7 +19,8 @@ import numpy as np
 import pytest
 
 import dualframe.tensorflow as hvd
-from dualframe.errors import ChunksError, DataError
+from dualframe.errors import ChunksError, DataError, StrategyError
+from dualframe.tensorflow.pipeline.precision import PipelineLossScaleOptimizer
 from dualframe.pipeline.layout import pipeline_process_sets
 # tests/parallel is on sys.path (pytest rootdir import)
 from keras_pipeline_models import assert_weights
@@ -28,13 +33,13 @@ LAYOUTS = {"4 stages": dict(split_points=["t1", "d2", "d3"]), "2 x 2": dict(spli
 OPTIMIZERS = {"sgd": lambda: keras.optimizers.SGD(0.1, momentum=0.9), "adam": lambda: keras.optimizers.Adam(0.01)}
 
 
-def make_model():
-    """A seeded functional MLP: d1 -> tanh -> d2 -> relu -> d3 (5 features in, 2 out)."""
+def make_model(dtype=None):
+    """A seeded functional MLP: d1 -> tanh -> d2 -> relu -> d3 (5 features in, 2 out); ``dtype`` for all but d3 (float32)."""
     keras.utils.set_random_seed(3)
     x = keras.Input((5,), name="x")
-    h = keras.layers.Activation("tanh", name="t1")(keras.layers.Dense(12, name="d1")(x))
-    h = keras.layers.Activation("relu", name="t2")(keras.layers.Dense(12, name="d2")(h))
-    return keras.Model(x, keras.layers.Dense(2, name="d3")(h))
+    h = keras.layers.Activation("tanh", name="t1", dtype=dtype)(keras.layers.Dense(12, name="d1", dtype=dtype)(x))
+    h = keras.layers.Activation("relu", name="t2", dtype=dtype)(keras.layers.Dense(12, name="d2", dtype=dtype)(h))
+    return keras.Model(x, keras.layers.Dense(2, name="d3", dtype="float32" if dtype else None)(h))
 
 
 def data(rows, seed):
@@ -192,3 +197,65 @@ def test_backup_and_restore_resumes_at_the_epoch_with_the_optimizer_state(layout
     written = hvd.allgather_object(os.path.exists(log), name=f"fit.{layout}.csv")
     reporter = 0 if "zb-v" in layout else 1  # zb-v's last stage is on the pipeline's first rank
     assert written == [rank == reporter for rank in range(4)], "CSVLogger writes on the last stage of replica 0 only"
+
+
+def loss_scaled(initial_scale=2.0 ** 15):
+    return keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), initial_scale=initial_scale)
+
+
+@pytest.mark.parametrize("layout", ["4 stages", "2 x 2"])
+@pytest.mark.parametrize("given", ["LossScaleOptimizer", "mixed_float16 policy"])
+def test_loss_scaled_fit_equals_keras_fit_of_the_unsplit_model(layout, given):
+    """4 stages: t1's stage has no weights and still takes its part in each step's decision."""
+    (x, y), arguments = data(64, 8), dict(batch_size=16, epochs=2, shuffle=False, verbose=0)
+    policy = keras.mixed_precision.global_policy()
+    try:
+        if given == "LossScaleOptimizer":
+            reference, pipe_model, optimizer = make_model("mixed_float16"), make_model("mixed_float16"), loss_scaled
+        else:  # compile adds the LossScaleOptimizer, as keras.Model.compile does
+            keras.mixed_precision.set_global_policy("mixed_float16")
+            reference, pipe_model = make_model(), make_model()
+            optimizer = lambda: keras.optimizers.SGD(0.1, momentum=0.9)  # noqa: E731
+        reference.compile(optimizer(), loss="mse")
+        want = reference.fit(x, y, **arguments).history["loss"]
+        pipe = hvd.DistributedPipeline(pipe_model, chunks=4, **LAYOUTS[layout])
+        pipe.compile(optimizer(), loss="mse")
+        got = pipe.fit(x, y, **arguments).history["loss"]
+    finally:
+        keras.mixed_precision.set_global_policy(policy)
+    assert isinstance(pipe.optimizer, PipelineLossScaleOptimizer)
+    assert isinstance(reference.optimizer, keras.optimizers.LossScaleOptimizer)
+    assert got == pytest.approx(want, abs=2e-3), f"rank {hvd.rank()}: losses {got} vs keras {want}"
+    assert_weights(pipe.gather_weights(), reference.get_weights(), "loss-scaled fit vs keras fit", atol=2e-3)
+    scales = hvd.allgather_object(float(pipe.optimizer.dynamic_scale), name=f"fit.scale.{layout}.{given}")
+    assert scales == [float(reference.optimizer.dynamic_scale)] * 4, scales
+
+
+@pytest.mark.parametrize("shard", [None, "optimizer"])
+def test_an_overflowing_step_is_skipped_on_every_rank_and_the_scale_halved(shard):
+    """A scale of 2**120: the last stage's float32 gradients stay finite, the float16 ones before it overflow."""
+    x, y = data(16, 9)
+    pipe = hvd.DistributedPipeline(make_model("mixed_float16"), chunks=4, split_points=["d3"], data_parallel=2,
+                                   loss_fn="mse")
+    optimizer = pipe.distributed_optimizer(loss_scaled(2.0 ** 120), **({"shard": shard} if shard else {}))
+    reference = make_model("mixed_float16")
+    reference.compile(loss_scaled(2.0 ** 120), loss="mse")
+    want = reference.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0).history["loss"]
+    before = pipe.get_weights()
+    rows = slice(8 * pipe.replica, 8 * pipe.replica + 8)
+    loss = pipe.train_step(x[rows] if pipe.is_first else None, y[rows] if pipe.is_last else None)
+    finite = all(bool(np.all(np.isfinite(g))) for g in pipe.gradients if g is not None)
+    pipe.apply_gradients(optimizer)
+    assert finite == pipe.is_last, f"rank {hvd.rank()}: finite gradients {finite}"
+    assert loss == pytest.approx(want[0], abs=2e-3)
+    assert_weights(pipe.get_weights(), before, "weights after a skipped step", atol=0)
+    assert float(optimizer.dynamic_scale) == float(reference.optimizer.dynamic_scale) == 2.0 ** 119
+    assert int(optimizer.step_counter) == 0 and int(optimizer.iterations) == 0
+
+
+def test_a_loss_scale_optimizer_the_pipeline_did_not_make_is_refused():
+    x, y = data(16, 9)
+    pipe = hvd.DistributedPipeline(make_model("mixed_float16"), chunks=2, loss_fn="mse", **LAYOUTS["4 stages"])
+    pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None)
+    with pytest.raises(StrategyError, match="never scaled"):
+        pipe.apply_gradients(loss_scaled())

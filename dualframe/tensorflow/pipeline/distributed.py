@@ -23,6 +23,7 @@ from dualframe.tensorflow.pipeline.graph import GraphStage, graph_of, layers_of,
 from dualframe.tensorflow.pipeline.compiled import GraphStageFunction
 from dualframe.tensorflow.pipeline.graph_work import TFGraphStageWork
 from dualframe.tensorflow.pipeline.optimizer import apply_stage_gradients, stage_optimizer
+from dualframe.tensorflow.pipeline.precision import ScaledLoss
 from dualframe.tensorflow.dp.shard.stage import StageShardedOptimizer
 from dualframe.tensorflow.pipeline.fit import KerasFit, keras_loss
 from dualframe.tensorflow.pipeline.weights import StageWeights
@@ -192,7 +193,10 @@ class DistributedPipeline(StageWeights, KerasFit, StageView):
         single replica, the optimizer itself. Extra arguments (``compression``, ``op`` ...) pass through.
         ``shard="parameters"``: ZeRO-3 among the stage's replicas (``StageShardedOptimizer``: the stage
         gathered once per step; between steps each replica holds 1/R of its values and optimizer state).
-        ``compile`` takes the result as it is. See ``dualframe.tensorflow.pipeline.optimizer``.
+        A ``LossScaleOptimizer`` (or any optimizer under the ``mixed_float16`` policy, but with
+        ``shard="parameters"``): a ``PipelineLossScaleOptimizer`` around the stage's optimizer, the last
+        stage's loss scaled by it (``dualframe.tensorflow.pipeline.precision``). ``compile`` takes the
+        result as it is. See ``dualframe.tensorflow.pipeline.optimizer``.
         """
         made = stage_optimizer(self, optimizer, **kwargs)
         self.made_optimizers.append(made)
@@ -262,7 +266,8 @@ class DistributedPipeline(StageWeights, KerasFit, StageView):
         work, _ = self._run(self.actions, inputs, targets, train=True)
         self.gradients = self.tied.sum_gradients(work.step_gradients())  # tied copies: summed over their holders
         self.peak_live = max(self.peak_live, work.peak_live)
-        return self.role.mean_loss(work.loss_sum)
+        scaled = self.loss_fn.optimizer.dynamic_scale if isinstance(self.loss_fn, ScaledLoss) else None
+        return self.role.mean_loss(work.loss_sum / (1.0 if scaled is None else float(scaled)))
 
     def __call__(self, inputs: Any) -> Any:
         """Inference through the pipeline (no gradients): the model's output on the last stage, None elsewhere."""

@@ -25,6 +25,7 @@ from dualframe.tensorflow.pipeline.compiled import GraphStageFunction
 from dualframe.tensorflow.pipeline.callbacks import (PipelineModel, agree_stop, decides_per_batch, is_reporter,
                                                      rank_callbacks)
 from dualframe.tensorflow.pipeline.data import PipelineData, replica_share, split_validation
+from dualframe.tensorflow.pipeline.precision import PipelineLossScaleOptimizer, ScaledLoss, unscaled
 
 
 def _metric(spec: Any) -> keras.metrics.Metric:
@@ -63,7 +64,7 @@ def keras_loss(loss: Any) -> Any:
         raise StrategyError(f"unknown Keras loss {loss!r}; use a name such as 'mse' or a callable") from None
 
 
-def _use_loss(pipe: Any, loss: Any) -> None:
+def use_loss(pipe: Any, loss: Any) -> None:
     """Make ``loss`` the pipeline's loss: its stage functions are made again around it (traced at the next step)."""
     if loss is pipe.loss_fn:
         return
@@ -109,7 +110,10 @@ class KerasFit:
 
         The optimizer steps the stage's own variables; with replicas it is wrapped by
         ``distributed_optimizer``, unless it is one that ``distributed_optimizer`` returned: that one is
-        taken as it is (``shard=`` among the stage's replicas, ZeRO-3 included). Metrics are computed on the last stage, in training from each
+        taken as it is (``shard=`` among the stage's replicas, ZeRO-3 included). Under the ``mixed_float16``
+        policy (the model's, else the global one) a plain optimizer gets a ``LossScaleOptimizer`` as
+        ``keras.Model.compile`` adds one; with one, the pipeline scales its loss and every rank skips an
+        overflowing step together (``pipeline.precision``). Metrics are computed on the last stage, in training from each
         micro-batch's outputs as the loss is (``MeteredLoss``); their states are summed over the
         replicas after each batch (one allgather per step with metrics, none without), so a metric's
         state must add up over rows (means, sums, counts, confusion matrices).
@@ -120,13 +124,20 @@ class KerasFit:
         pipe: Any = self
         if loss is None and pipe.loss_fn is None:
             raise StrategyError("compile needs a loss: pass loss= here or loss_fn= to DistributedPipeline")
-        base = keras_loss(loss) if loss is not None else pipe.loss_fn
+        base = keras_loss(loss) if loss is not None else unscaled(pipe.loss_fn)
         base = base.loss if isinstance(base, MeteredLoss) else base
         chosen = [_metric(m) for m in metrics or []]
-        _use_loss(pipe, MeteredLoss(base, chosen) if chosen else base)
-        made = any(optimizer is m for m in pipe.made_optimizers)
-        self._compiled = Compiled(optimizer if made else pipe.distributed_optimizer(keras.optimizers.get(optimizer)),
-                                  base, chosen)
+        use_loss(pipe, MeteredLoss(base, chosen) if chosen else base)
+        if any(optimizer is m for m in pipe.made_optimizers):
+            if isinstance(optimizer, PipelineLossScaleOptimizer):  # the loss just set, scaled by it again
+                use_loss(pipe, ScaledLoss(pipe.loss_fn, optimizer))
+            self._compiled = Compiled(optimizer, base, chosen)
+            return
+        optimizer = keras.optimizers.get(optimizer)
+        policy = pipe.keras_model.dtype_policy if pipe.keras_model is not None else keras.mixed_precision.global_policy()
+        if policy.name == "mixed_float16" and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            optimizer = keras.optimizers.LossScaleOptimizer(optimizer)  # as keras.Model.compile (auto_scale_loss)
+        self._compiled = Compiled(pipe.distributed_optimizer(optimizer), base, chosen)
 
     def _needs_compile(self, what: str) -> Compiled:
         if self._compiled is None:
@@ -207,7 +218,8 @@ class KerasFit:
         pipe: Any = self
         x, y, rows = self._share(batch, "a training batch")
         loss = pipe.train_step(x, y)
-        if pipe.trainable_variables:  # a stage of weightless layers (an activation) has nothing to step
+        # A stage of weightless layers (an activation) has nothing to step, but takes its part in the loss scale's decision
+        if pipe.trainable_variables or isinstance(compiled.optimizer, PipelineLossScaleOptimizer):
             pipe.apply_gradients(compiled.optimizer)
         compiled.steps += 1
         compiled.loss_tracker.update_state(loss, sample_weight=rows)

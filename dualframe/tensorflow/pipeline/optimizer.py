@@ -10,6 +10,9 @@ import tensorflow as tf
 from dualframe.dp.zero3 import ZERO3, check_stage_sharding
 from dualframe.errors import StrategyError
 from dualframe.tensorflow.dp.optimizer import DistributedOptimizer
+from dualframe.tensorflow.dp.shard.optimizer import ShardedOptimizer
+from dualframe.tensorflow.dp.wrapped_optimizer import optimizer_subclass
+from dualframe.tensorflow.pipeline.precision import PipelineLossScaleOptimizer, pipeline_loss_scale, wants_loss_scaling
 from dualframe.tensorflow.dp.shard.stage import StageShardedOptimizer
 from dualframe.tensorflow.functions import broadcast_variables
 
@@ -27,8 +30,8 @@ def check_stage_optimizer(pipe: "DistributedPipeline", optimizer: Any, shard: st
     Raises:
         StrategyError: a second optimizer after one with ``shard="parameters"`` (the stage's variables hold
             no values between its steps); ``shard="parameters"`` with a schedule holding several stages per
-            rank, with weights several stages read (tied), with a ``LossScaleOptimizer`` (the pipeline
-            scales no loss), or with arguments it does not take (``keep_gathered``, ``model``, ``groups`` ...).
+            rank, with weights several stages read (tied), with a ``LossScaleOptimizer`` (its loss is
+            not scaled with this mode yet), or with arguments it does not take (``keep_gathered``, ``model``, ``groups`` ...).
     """
     if pipe.sharded is not None:
         raise StrategyError("this pipeline's stage is sharded by its shard='parameters' optimizer already (its "
@@ -64,6 +67,8 @@ def stage_optimizer(pipe: "DistributedPipeline", optimizer: keras.optimizers.Opt
     """
     shard = str(kwargs.get("shard") or "none").lower()
     check_stage_optimizer(pipe, optimizer, shard, kwargs)
+    if shard != ZERO3 and wants_loss_scaling(optimizer):
+        return pipeline_loss_scale(pipe, optimizer, lambda inner: replica_optimizer(pipe, inner, kwargs))
     if pipe.stage_process_set is None:
         return optimizer
     if shard != ZERO3:
@@ -79,12 +84,34 @@ def stage_optimizer(pipe: "DistributedPipeline", optimizer: keras.optimizers.Opt
     return sharded
 
 
+def replica_optimizer(pipe: "DistributedPipeline", optimizer: keras.optimizers.Optimizer, kwargs: Any) -> Any:
+    """``optimizer`` averaging (or sharding, ZeRO-1/2) among the stage's replicas, without a loss scale of its own.
+
+    Built from the wrapper classes themselves: ``DistributedOptimizer(...)`` would add a
+    ``LossScaleOptimizer`` under the ``mixed_float16`` policy, deciding among the stage's replicas only.
+    """
+    if pipe.stage_process_set is None:
+        return optimizer
+    if kwargs.get("shard") is not None:
+        return ShardedOptimizer(optimizer, process_set=pipe.stage_process_set, **kwargs)
+    wrapper = optimizer_subclass(DistributedOptimizer, type(optimizer))
+    return wrapper(optimizer, process_set=pipe.stage_process_set, **{k: v for k, v in kwargs.items() if k != "shard"})
+
+
 def apply_stage_gradients(pipe: "DistributedPipeline", optimizer: Any) -> None:
     """``optimizer.apply_gradients`` on the last step's gradients and the stage's variables.
 
     The stage's ``shard="parameters"`` optimizer takes every gradient (a missing one as zeros) and drops
     the step's full values; ``pipe.gradients`` is emptied first, so the summed gradients go with the update.
     """
+    if isinstance(optimizer, PipelineLossScaleOptimizer):  # every rank: the finite flag's allreduce
+        pairs = [(g, v) for g, v in zip(pipe.gradients, pipe.trainable_variables) if g is not None]
+        optimizer.apply([g for g, _ in pairs], [v for _, v in pairs])
+        return
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        raise StrategyError(f"{type(optimizer).__name__} would unscale gradients the pipeline never scaled: make it "
+                            f"with pipe.distributed_optimizer(keras.optimizers.LossScaleOptimizer(opt)) (or compile), "
+                            f"which scales the pipeline's loss and skips an overflowing step on every rank alike")
     if optimizer is pipe.sharded and optimizer is not None:
         gradients, pipe.gradients = pipe.gradients, []
         optimizer.apply(gradients, pipe.trainable_variables)
