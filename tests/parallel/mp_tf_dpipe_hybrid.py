@@ -175,6 +175,16 @@ def test_zero3_among_stage_replicas_refuses_what_is_not_built():
     pipe.distributed_optimizer(sgd, shard="parameters")
     with pytest.raises(StrategyError, match=r"sharded by its shard='parameters' optimizer already"):
         pipe.distributed_optimizer(keras.optimizers.SGD(0.1))
+    keras.mixed_precision.set_global_policy("mixed_float16")  # compile would scale the loss, as Keras's does
+    try:
+        half = DistributedPipeline(make_model(), balance=[3, 2], chunks=CHUNKS, schedule="1f1b", loss_fn="mse",
+                                   data_parallel=2)
+        zero3 = half.distributed_optimizer(keras.optimizers.SGD(0.1), shard="parameters")
+        with pytest.raises(StrategyError, match=r"a shard='parameters' stage optimizer cannot do yet: use "
+                                                r"mixed_bfloat16"):
+            half.compile(zero3, loss="mse")
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
     virtual = DistributedPipeline(make_model(), balance=[2, 1, 1, 1], chunks=CHUNKS, schedule="interleaved-1f1b",
                                   loss_fn="mse", data_parallel=2, virtual_stages=2)
     with pytest.raises(StrategyError, match=r"runs one stage per rank with schedule 'gpipe', '1f1b' or 'zb-h1' "

@@ -119,7 +119,8 @@ class KerasFit:
         state must add up over rows (means, sums, counts, confusion matrices).
 
         Raises:
-            StrategyError: no loss here nor in the constructor, or an unknown loss name.
+            StrategyError: no loss here nor in the constructor, an unknown loss name, or a ``shard="parameters"``
+                stage optimizer under the ``mixed_float16`` policy (its loss would need a scale it cannot take).
         """
         pipe: Any = self
         if loss is None and pipe.loss_fn is None:
@@ -128,13 +129,17 @@ class KerasFit:
         base = base.loss if isinstance(base, MeteredLoss) else base
         chosen = [_metric(m) for m in metrics or []]
         use_loss(pipe, MeteredLoss(base, chosen) if chosen else base)
+        policy = pipe.keras_model.dtype_policy if pipe.keras_model is not None else keras.mixed_precision.global_policy()
         if any(optimizer is m for m in pipe.made_optimizers):
+            if optimizer is pipe.sharded and policy.name == "mixed_float16":
+                raise StrategyError("compile under the mixed_float16 policy scales the loss (as keras.Model.compile "
+                                    "does), which a shard='parameters' stage optimizer cannot do yet: use "
+                                    "mixed_bfloat16 (no loss scale needed) or shard='gradients'")
             if isinstance(optimizer, PipelineLossScaleOptimizer):  # the loss just set, scaled by it again
                 use_loss(pipe, ScaledLoss(pipe.loss_fn, optimizer))
             self._compiled = Compiled(optimizer, base, chosen)
             return
         optimizer = keras.optimizers.get(optimizer)
-        policy = pipe.keras_model.dtype_policy if pipe.keras_model is not None else keras.mixed_precision.global_policy()
         if policy.name == "mixed_float16" and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
             optimizer = keras.optimizers.LossScaleOptimizer(optimizer)  # as keras.Model.compile (auto_scale_loss)
         self._compiled = Compiled(pipe.distributed_optimizer(optimizer), base, chosen)
