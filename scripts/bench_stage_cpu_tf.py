@@ -60,7 +60,8 @@ def stage_arm(model_name, jit, x, y, first, chunks, split_blocks=False):
     from dualframe.tensorflow.graph.capture import capture
     from dualframe.tensorflow.pipeline.compiled import GraphStageFunction
     from dualframe.tensorflow.pipeline.graph import process_stages
-    from dualframe.tensorflow.pipeline.graph_work import TFGraphStageWork, pack
+    from dualframe.tensorflow.pipeline.graph_work import TFGraphStageWork
+    from dualframe.tensorflow.pipeline.message import pack
     from dualframe.tensorflow.pipeline.xla import use_xla
     layers, shape, batch = make_layers(model_name)
     keras.Sequential([keras.Input(shape)] + layers)  # builds them

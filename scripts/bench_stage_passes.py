@@ -109,7 +109,8 @@ def keras_arms(args) -> Dict[str, Callable[[], Phases]]:
     from dualframe.tensorflow.graph.capture import capture
     from dualframe.tensorflow.pipeline.compiled import GraphStageFunction
     from dualframe.tensorflow.pipeline.graph import process_stages
-    from dualframe.tensorflow.pipeline.graph_work import TFGraphStageWork, pack, unpack
+    from dualframe.tensorflow.pipeline.graph_work import TFGraphStageWork
+    from dualframe.tensorflow.pipeline.message import pack, unpack
     from dualframe.pipeline.graph_walk import edge_values
 
     model = build_model(args.width, 3 * args.blocks)  # three stages of ``blocks``: the middle one is timed

@@ -12,7 +12,8 @@ from dualframe.pipeline.schedule import deferred_weights, rank_schedule
 from dualframe.tensorflow.graph.capture import capture
 from dualframe.tensorflow.pipeline.compiled import GraphStageFunction
 from dualframe.tensorflow.pipeline.graph import process_stages
-from dualframe.tensorflow.pipeline.graph_work import TFGraphStageWork, pack, unpack
+from dualframe.tensorflow.pipeline.graph_work import TFGraphStageWork
+from dualframe.tensorflow.pipeline.message import pack, unpack
 
 SIZES = [3, 3, 2, 2]  # 10 rows in 4 micro-batches
 

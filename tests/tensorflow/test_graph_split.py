@@ -397,7 +397,7 @@ def test_process_stages_along_edges_equal_the_model(make, balance, x, edges, chu
 
 
 def test_messages_carry_every_dtype_exactly():
-    from dualframe.tensorflow.pipeline.graph_work import pack, unpack
+    from dualframe.tensorflow.pipeline.message import pack, unpack
 
     values = [tf.constant([[2 ** 53 + 1, -7]], tf.int64), tf.constant([True, False, True]),
               tf.constant(np.arange(7, dtype=np.uint8)), tf.random.normal((2, 3, 1)), tf.constant(2 ** 31 - 1, tf.int32),

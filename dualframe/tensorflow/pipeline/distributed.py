@@ -25,7 +25,8 @@ from dualframe.tensorflow.pipeline.graph_work import TFGraphStageWork
 from dualframe.tensorflow.pipeline.optimizer import apply_stage_gradients, stage_optimizer
 from dualframe.tensorflow.pipeline.precision import ScaledLoss
 from dualframe.tensorflow.dp.shard.stage import StageShardedOptimizer
-from dualframe.tensorflow.pipeline.fit import KerasFit, keras_loss
+from dualframe.tensorflow.pipeline.fit import KerasFit
+from dualframe.tensorflow.pipeline.losses import keras_loss
 from dualframe.tensorflow.pipeline.weights import StageWeights
 from dualframe.tensorflow.pipeline.virtual_work import VirtualStageWorks, stage_actions
 from dualframe.tensorflow.pipeline.xla import use_xla

@@ -21,56 +21,11 @@ from dualframe.errors import DataError, StrategyError
 from dualframe.pipeline.fit_plan import check_same
 from dualframe.tensorflow.collectives import hvd
 from dualframe.tensorflow.functions import broadcast_variables
-from dualframe.tensorflow.pipeline.compiled import GraphStageFunction
 from dualframe.tensorflow.pipeline.callbacks import (PipelineModel, agree_stop, decides_per_batch, is_reporter,
                                                      rank_callbacks)
 from dualframe.tensorflow.pipeline.data import PipelineData, replica_share, split_validation
+from dualframe.tensorflow.pipeline.losses import MeteredLoss, keras_loss, keras_metric, use_loss
 from dualframe.tensorflow.pipeline.precision import PipelineLossScaleOptimizer, ScaledLoss, unscaled
-
-
-def _metric(spec: Any) -> keras.metrics.Metric:
-    """A Keras metric object from what ``keras.Model.compile`` takes (a name, a function or a Metric), named as Keras names it."""
-    metric = spec if isinstance(spec, keras.metrics.Metric) else keras.metrics.get(spec)
-    if not isinstance(metric, keras.metrics.Metric):
-        return keras.metrics.MeanMetricWrapper(metric, name=spec if isinstance(spec, str) else metric.__name__)
-    if isinstance(spec, str) and metric.name != spec:  # "mae" logs as "mae", as in Keras
-        metric = type(metric).from_config({**metric.get_config(), "name": spec})
-    return metric
-
-
-class MeteredLoss:
-    """The loss, also adding each micro-batch's (targets, outputs) to the training metrics.
-
-    The last stage calls the loss once per micro-batch inside its compiled forward pass (every schedule),
-    so the metrics' states add up over the step's rows as Keras's do over the batch's.
-    """
-
-    def __init__(self, loss: Callable[[Any, Any], Any], metrics: Sequence[keras.metrics.Metric]) -> None:
-        self.loss, self.metrics = loss, list(metrics)
-
-    def __call__(self, targets: Any, outputs: Any) -> Any:
-        for metric in self.metrics:
-            metric.update_state(targets, outputs)
-        return self.loss(targets, outputs)
-
-
-def keras_loss(loss: Any) -> Any:
-    """A loss given by name (``"mse"``) as Keras's function; a callable as it is."""
-    if not isinstance(loss, str):
-        return loss
-    try:
-        return keras.losses.get(loss)
-    except ValueError:
-        raise StrategyError(f"unknown Keras loss {loss!r}; use a name such as 'mse' or a callable") from None
-
-
-def use_loss(pipe: Any, loss: Any) -> None:
-    """Make ``loss`` the pipeline's loss: its stage functions are made again around it (traced at the next step)."""
-    if loss is pipe.loss_fn:
-        return
-    pipe.loss_fn = loss
-    pipe._graph_functions = {j: GraphStageFunction(old.stage, old.split, j, old.captured, loss, old.call.jit_compile)
-                             for j, old in pipe._graph_functions.items()}
 
 
 @dataclass
@@ -127,7 +82,7 @@ class KerasFit:
             raise StrategyError("compile needs a loss: pass loss= here or loss_fn= to DistributedPipeline")
         base = keras_loss(loss) if loss is not None else unscaled(pipe.loss_fn)
         base = base.loss if isinstance(base, MeteredLoss) else base
-        chosen = [_metric(m) for m in metrics or []]
+        chosen = [keras_metric(m) for m in metrics or []]
         use_loss(pipe, MeteredLoss(base, chosen) if chosen else base)
         policy = pipe.keras_model.dtype_policy if pipe.keras_model is not None else keras.mixed_precision.global_policy()
         if any(optimizer is m for m in pipe.made_optimizers):

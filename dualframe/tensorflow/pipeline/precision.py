@@ -15,6 +15,7 @@ import tensorflow as tf
 from keras import ops
 
 from dualframe.tensorflow.collectives import hvd
+from dualframe.tensorflow.pipeline.losses import use_loss
 
 if TYPE_CHECKING:
     from dualframe.tensorflow.pipeline.distributed import DistributedPipeline
@@ -113,8 +114,6 @@ def pipeline_loss_scale(pipe: "DistributedPipeline", optimizer: keras.optimizers
         optimizer = optimizer.inner_optimizer
     scaled = PipelineLossScaleOptimizer(stage(optimizer), initial_scale, growth, flag_name=pipe.role.link.prefix)
     scaled.build(pipe.trainable_variables)
-    from dualframe.tensorflow.pipeline.fit import use_loss
-
     if pipe.loss_fn is not None:
         use_loss(pipe, ScaledLoss(unscaled(pipe.loss_fn), scaled))
     return scaled
