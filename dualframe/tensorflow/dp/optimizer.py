@@ -105,7 +105,8 @@ def _config(settings: ReduceSettings, accumulation: GradientAccumulation) -> Dic
             "average_aggregated_gradients": accumulation.average}
 
 
-def _wants_loss_scaling(optimizer: object) -> bool:
+def wants_loss_scaling(optimizer: object) -> bool:
+    """A ``LossScaleOptimizer``, or a plain (not yet distributed) optimizer while the global policy is ``mixed_float16``."""
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         return True
     return (keras.mixed_precision.global_policy().name == "mixed_float16"
@@ -158,7 +159,7 @@ class DistributedOptimizer(InnerAttributes, keras.optimizers.Optimizer):
             given = {k: named.pop(k) for k in ("num_groups", "groups", "scale_local_gradients") if k in named}
             if given and given != {k: _DEFAULTS[k] for k in given}:
                 raise StrategyError(f"shard={shard!r} reduces by buckets of its own: leave out {', '.join(given)}")
-            if _wants_loss_scaling(optimizer):
+            if wants_loss_scaling(optimizer):
                 from dualframe.tensorflow.dp.shard.precision import sharded_loss_scale
 
                 return sharded_loss_scale(optimizer, **named)
@@ -168,7 +169,7 @@ class DistributedOptimizer(InnerAttributes, keras.optimizers.Optimizer):
         check_scatter(named.get("scatter"), None)  # scatter= without shard=: refused before anything
         if "keep_gathered" in named:
             refuse_zero3_only("keep_gathered", shard)
-        if _wants_loss_scaling(optimizer):
+        if wants_loss_scaling(optimizer):
             named.pop("shard", None), named.pop("scatter", None)
             return DistributedLossScaleOptimizer.wrap(optimizer, **named)
         if isinstance(optimizer, keras.optimizers.Optimizer) and not isinstance(optimizer, _WRAPPERS):

@@ -9,10 +9,10 @@ import tensorflow as tf
 
 from dualframe.dp.zero3 import ZERO3, check_stage_sharding
 from dualframe.errors import StrategyError
-from dualframe.tensorflow.dp.optimizer import DistributedOptimizer
+from dualframe.tensorflow.dp.optimizer import DistributedOptimizer, wants_loss_scaling
 from dualframe.tensorflow.dp.shard.optimizer import ShardedOptimizer
 from dualframe.tensorflow.dp.wrapped_optimizer import optimizer_subclass
-from dualframe.tensorflow.pipeline.precision import PipelineLossScaleOptimizer, pipeline_loss_scale, wants_loss_scaling
+from dualframe.tensorflow.pipeline.precision import PipelineLossScaleOptimizer, pipeline_loss_scale
 from dualframe.tensorflow.dp.shard.stage import StageShardedOptimizer
 from dualframe.tensorflow.functions import broadcast_variables
 

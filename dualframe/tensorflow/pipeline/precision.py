@@ -21,14 +21,6 @@ if TYPE_CHECKING:
     from dualframe.tensorflow.pipeline.distributed import DistributedPipeline
 
 
-def wants_loss_scaling(optimizer: object) -> bool:
-    """A ``LossScaleOptimizer``, or a plain optimizer while the global policy is ``mixed_float16`` (as ``hvd.DistributedOptimizer``)."""
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        return True
-    return (keras.mixed_precision.global_policy().name == "mixed_float16"
-            and isinstance(optimizer, keras.optimizers.Optimizer))
-
-
 @keras.saving.register_keras_serializable(package="dualframe")
 class PipelineLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     """A Keras ``LossScaleOptimizer`` whose skip decision is taken by every rank of a process pipeline together.
